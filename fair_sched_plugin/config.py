@@ -1,0 +1,360 @@
+"""The `fair_sched:` settings, validated once at the edge.
+
+Everything downstream receives frozen, typed objects. Errors name the key path and the bad value,
+for example ``fair_sched.tiers[1].waiting_below: must be greater than 0 (got -1)``.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Annotated, Any, Literal
+from urllib.parse import urlsplit, urlunsplit
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+from .errors import ConfigError
+
+__all__ = [
+    "BackendSettings",
+    "FairSchedSettings",
+    "IdentitySettings",
+    "MetricsUnavailableSettings",
+    "PrincipalMatch",
+    "PrincipalSettings",
+    "QueueSettings",
+    "TierSettings",
+    "default_metrics_url",
+    "load_settings",
+]
+
+_SHA256_KEY = re.compile(r"^sha256:[0-9a-f]{64}$")
+_NAME = re.compile(r"^[A-Za-z0-9_.:@/-]{1,128}$")
+
+
+class _Frozen(BaseModel):
+    model_config = ConfigDict(frozen=True, extra="forbid", strict=False)
+
+
+class TierSettings(_Frozen):
+    """One priority tier; tiers are listed most urgent first."""
+
+    name: str
+    waiting_below: Annotated[int, Field(gt=0)] = 3
+    tpot_below_ms: Annotated[float, Field(gt=0)] | None = None
+    kv_usage_below: Annotated[float, Field(gt=0, le=1)] | None = None
+    vllm_priority: int = 0
+
+    @field_validator("name")
+    @classmethod
+    def _name_ok(cls, value: str) -> str:
+        if not _NAME.match(value):
+            raise ValueError("must be 1-128 letters, digits or _.:@/-")
+        return value
+
+
+class PrincipalMatch(_Frozen):
+    """Identities issued by LiteLLM's own key management (virtual keys)."""
+
+    user_id: str | None = None
+    team_id: str | None = None
+    key_alias: str | None = None
+
+    @model_validator(mode="after")
+    def _not_empty(self) -> PrincipalMatch:
+        if self.user_id is None and self.team_id is None and self.key_alias is None:
+            raise ValueError("needs at least one of user_id, team_id, key_alias")
+        return self
+
+
+class PrincipalSettings(_Frozen):
+    """A named caller: which keys or LiteLLM identities it owns, its tier and weight."""
+
+    name: str
+    keys: tuple[str, ...] = ()
+    match: PrincipalMatch | None = None
+    tier: str | None = None
+    weight: Annotated[float, Field(gt=0, le=1_000_000)] = 1.0
+
+    @field_validator("name")
+    @classmethod
+    def _name_ok(cls, value: str) -> str:
+        if not _NAME.match(value):
+            raise ValueError("must be 1-128 letters, digits or _.:@/-")
+        return value
+
+    @field_validator("keys")
+    @classmethod
+    def _keys_ok(cls, keys: tuple[str, ...]) -> tuple[str, ...]:
+        for index, key in enumerate(keys):
+            if not key:
+                raise ValueError(f"keys[{index}] is empty")
+            if key.startswith("sha256:") and not _SHA256_KEY.match(key):
+                # The bad value is not echoed: it may be a real key.
+                raise ValueError(f"keys[{index}] starts with 'sha256:' but is not 64 lowercase hex digits")
+        return keys
+
+    @model_validator(mode="after")
+    def _identified(self) -> PrincipalSettings:
+        if not self.keys and self.match is None:
+            raise ValueError("needs `keys` or `match`")
+        return self
+
+
+class MetricsUnavailableSettings(_Frozen):
+    """What the gate does while an engine's metrics cannot be read."""
+
+    max_inflight: Annotated[int, Field(gt=0)] = 4
+
+
+class BackendSettings(_Frozen):
+    """One model group (a LiteLLM `model_name`): where its engine metrics are and what it supports."""
+
+    metrics_url: str | None = None
+    # Several deployments behind one model name: their signals are summed.
+    metrics_urls: tuple[str, ...] = ()
+    engine: Literal["vllm", "sglang", "tgi"] = "vllm"
+    priority_scheduling: bool = False
+    # Metric names that replace the engine profile's, e.g. {"waiting": "my:queue_len"}.
+    metric_names: dict[str, str] = Field(default_factory=dict)
+    # The engine's `model_name` label to filter on; defaults to none (all series are summed).
+    engine_model_name: str | None = None
+    # How long a released request may take to reach the engine before a scrape is trusted to
+    # include it; until then it keeps counting against the waiting threshold.
+    arrival_grace_ms: Annotated[float, Field(ge=0)] = 300.0
+    on_metrics_unavailable: MetricsUnavailableSettings | None = None
+
+    @field_validator("metric_names")
+    @classmethod
+    def _metric_names_ok(cls, names: dict[str, str]) -> dict[str, str]:
+        allowed = {"waiting", "running", "kv_usage", "tpot"}
+        for key in names:
+            if key not in allowed:
+                raise ValueError(f"unknown signal {key!r}; expected one of {sorted(allowed)}")
+        return names
+
+    @field_validator("metrics_url")
+    @classmethod
+    def _url_ok(cls, value: str | None) -> str | None:
+        if value is not None:
+            _check_http_url(value)
+        return value
+
+    @field_validator("metrics_urls")
+    @classmethod
+    def _urls_ok(cls, values: tuple[str, ...]) -> tuple[str, ...]:
+        for value in values:
+            _check_http_url(value)
+        return values
+
+    def all_metrics_urls(self) -> tuple[str, ...]:
+        """Every deployment's metrics URL, `metrics_url` first, without duplicates."""
+        urls = ((self.metrics_url,) if self.metrics_url else ()) + self.metrics_urls
+        return tuple(dict.fromkeys(urls))
+
+
+class QueueSettings(_Frozen):
+    max_per_user: Annotated[int, Field(gt=0)] = 1000
+    max_total: Annotated[int, Field(gt=0)] = 100_000
+    max_wait_s: Annotated[float, Field(gt=0)] = 600.0
+
+
+class IdentitySettings(_Frozen):
+    """Where the caller's identity comes from.
+
+    `auth` (default) trusts only authentication: principal keys or LiteLLM's key metadata.
+    `header` and `body_user` trust a value the client sends; use them only behind a gateway that
+    sets that value itself, because any client can otherwise claim any identity.
+    """
+
+    source: Literal["auth", "header", "body_user"] = "auth"
+    header: str = "x-fair-sched-user"
+
+
+class FairSchedSettings(_Frozen):
+    tiers: tuple[TierSettings, ...] = (
+        TierSettings(name="interactive", waiting_below=3, tpot_below_ms=150, vllm_priority=0),
+        TierSettings(name="batch", waiting_below=1, vllm_priority=10),
+    )
+    default_tier: str | None = None
+    fairness: Literal["round_robin", "weighted", "tokens"] = "round_robin"
+    principals: tuple[PrincipalSettings, ...] = ()
+    identity: IdentitySettings = IdentitySettings()
+    backends: dict[str, BackendSettings] = Field(default_factory=dict)
+    queue: QueueSettings = QueueSettings()
+    metrics_poll_ms: Annotated[float, Field(ge=10, le=60_000)] = 100.0
+    metrics_timeout_ms: Annotated[float, Field(gt=0, le=60_000)] | None = None
+    stale_after_ms: Annotated[float, Field(gt=0)] | None = None
+    on_metrics_unavailable: MetricsUnavailableSettings = MetricsUnavailableSettings()
+    # Gate for models that have no `backends` entry and no metrics URL: an in-flight cap.
+    unknown_model_max_inflight: Annotated[int, Field(gt=0)] = 64
+    state: str = "memory://"
+
+    @field_validator("tiers")
+    @classmethod
+    def _tiers_ok(cls, tiers: tuple[TierSettings, ...]) -> tuple[TierSettings, ...]:
+        if not tiers:
+            raise ValueError("needs at least one tier")
+        names = [tier.name for tier in tiers]
+        duplicates = sorted({name for name in names if names.count(name) > 1})
+        if duplicates:
+            raise ValueError(f"duplicate tier names {duplicates}")
+        return tiers
+
+    @field_validator("state")
+    @classmethod
+    def _state_ok(cls, value: str) -> str:
+        scheme = value.split("://", 1)[0] if "://" in value else ""
+        if scheme not in {"memory", "redis", "rediss"}:
+            raise ValueError("must be memory:// or redis://host:port/db (or rediss://)")
+        return value
+
+    @model_validator(mode="after")
+    def _cross_references(self) -> FairSchedSettings:
+        tier_names = {tier.name for tier in self.tiers}
+        if self.default_tier is not None and self.default_tier not in tier_names:
+            raise ValueError(
+                f"default_tier: unknown tier {self.default_tier!r}; tiers are {sorted(tier_names)}"
+            )
+        seen_names: set[str] = set()
+        seen_keys: dict[str, str] = {}
+        for index, principal in enumerate(self.principals):
+            where = f"principals[{index}]"
+            if principal.tier is not None and principal.tier not in tier_names:
+                raise ValueError(
+                    f"{where}.tier: unknown tier {principal.tier!r}; tiers are {sorted(tier_names)}"
+                )
+            if principal.name in seen_names:
+                raise ValueError(f"{where}.name: duplicate principal name {principal.name!r}")
+            seen_names.add(principal.name)
+            for key in principal.keys:
+                if key in seen_keys:
+                    raise ValueError(
+                        f"{where}.keys: a key is also listed for principal {seen_keys[key]!r}"
+                    )
+                seen_keys[key] = principal.name
+        return self
+
+    @property
+    def default_tier_name(self) -> str:
+        return self.default_tier or self.tiers[0].name
+
+    @property
+    def effective_stale_after_ms(self) -> float:
+        return self.stale_after_ms or 10 * self.metrics_poll_ms
+
+    @property
+    def effective_metrics_timeout_ms(self) -> float:
+        return self.metrics_timeout_ms or max(250.0, 5 * self.metrics_poll_ms)
+
+    def tier(self, name: str) -> TierSettings:
+        for tier in self.tiers:
+            if tier.name == name:
+                return tier
+        raise KeyError(name)
+
+    def backend(self, model: str) -> BackendSettings | None:
+        return self.backends.get(model)
+
+
+def _check_http_url(value: str) -> None:
+    parts = urlsplit(value)
+    if parts.scheme not in {"http", "https"} or not parts.netloc:
+        raise ValueError(f"must be an http(s) URL (got {value!r})")
+
+
+def default_metrics_url(api_base: str) -> str:
+    """`http://host:8000/v1` -> `http://host:8000/metrics` (LiteLLM's `api_base` to /metrics)."""
+    parts = urlsplit(api_base.rstrip("/"))
+    path = parts.path
+    if path.endswith("/v1"):
+        path = path[: -len("/v1")]
+    return urlunsplit((parts.scheme, parts.netloc, path.rstrip("/") + "/metrics", "", ""))
+
+
+def _format_location(location: tuple[int | str, ...]) -> str:
+    path = "fair_sched"
+    for part in location:
+        path += f"[{part}]" if isinstance(part, int) else f".{part}"
+    return path
+
+
+def _format_errors(error: ValidationError) -> str:
+    lines = []
+    for detail in error.errors(include_url=False):
+        location = tuple(
+            part for part in detail["loc"] if not (isinstance(part, str) and part.startswith("function-"))
+        )
+        message = detail["msg"].removeprefix("Value error, ")
+        kind = detail["type"]
+        if kind == "extra_forbidden":
+            message = "unknown key"
+        bad_value = detail.get("input")
+        show_value = kind != "extra_forbidden" and not isinstance(bad_value, (dict, list))
+        # Never echo anything under `keys`: it may be a real secret.
+        if "keys" in location:
+            show_value = False
+        if show_value and bad_value is not None and "(got " not in message:
+            message += f" (got {bad_value!r})"
+        where = _format_location(location)
+        # Cross-field checks raise "sub.path: message" from the model; fold the path in.
+        nested = re.match(r"^([A-Za-z_][\w.\[\]]*): (.*)$", message, re.DOTALL)
+        if nested and kind == "value_error":
+            where, message = f"{where}.{nested.group(1)}", nested.group(2)
+        lines.append(f"{where}: {message}")
+    return "invalid fair_sched settings:\n  " + "\n  ".join(lines)
+
+
+def parse_settings(section: Mapping[str, Any] | None) -> FairSchedSettings:
+    """Validate a `fair_sched:` mapping; raise `ConfigError` naming every bad key path."""
+    if section is None:
+        section = {}
+    if not isinstance(section, Mapping):
+        raise ConfigError(f"fair_sched: must be a mapping (got {type(section).__name__})")
+    try:
+        return FairSchedSettings.model_validate(dict(section))
+    except ValidationError as exc:
+        raise ConfigError(_format_errors(exc)) from None
+
+
+def load_settings(
+    source: str | os.PathLike[str] | Mapping[str, Any] | FairSchedSettings | None = None,
+) -> FairSchedSettings:
+    """Settings from a settings object, a mapping, or a YAML file.
+
+    A file may hold the section at top level under `fair_sched:` (a LiteLLM config) or be the
+    section itself. With no source, the file named by `FAIR_SCHED_CONFIG` is read; without that,
+    the defaults apply.
+    """
+    if isinstance(source, FairSchedSettings):
+        return source
+    if source is None:
+        env_path = os.environ.get("FAIR_SCHED_CONFIG")
+        if not env_path:
+            return parse_settings({})
+        source = env_path
+    if isinstance(source, Mapping):
+        section = source.get("fair_sched", source) if "fair_sched" in source else source
+        return parse_settings(section)
+    path = Path(source)
+    try:
+        text = path.read_text(encoding="utf-8")
+    except OSError as exc:
+        raise ConfigError(f"cannot read fair_sched config file {str(path)!r}: {exc.strerror}") from None
+    try:
+        document = yaml.safe_load(text)
+    except yaml.YAMLError as exc:
+        raise ConfigError(f"{path}: not valid YAML: {exc}") from None
+    if document is None:
+        document = {}
+    if not isinstance(document, Mapping):
+        raise ConfigError(f"{path}: expected a mapping at top level")
+    section = document["fair_sched"] if "fair_sched" in document else document
+    # A LiteLLM config without a fair_sched section: use defaults rather than mistaking the
+    # whole LiteLLM config for our section.
+    if "fair_sched" not in document and ("model_list" in document or "litellm_settings" in document):
+        section = {}
+    return parse_settings(section)

@@ -1,0 +1,28 @@
+"""What one scrape of an engine's `/metrics` said, in engine-neutral terms."""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+
+class BackendSnapshot(NamedTuple):
+    """One deployment's load as of one scrape.
+
+    `started_at` is the clock time at which the scrape request was *sent* (any request we released
+    before that instant may already be counted in `waiting`). `ok` is False when the scrape failed
+    or could not be parsed: a failed scrape means *unknown*, never *zero load*; then the numeric
+    fields are meaningless and `error` says why.
+    """
+
+    url: str
+    started_at: float
+    ok: bool
+    waiting: float = 0.0
+    running: float = 0.0
+    kv_usage: float | None = None  # 0..1
+    tpot_s: float | None = None  # recent time per output token (delta over the last interval)
+    error: str | None = None
+
+    @classmethod
+    def failed(cls, url: str, started_at: float, error: str) -> BackendSnapshot:
+        return cls(url=url, started_at=started_at, ok=False, error=error)

@@ -1,0 +1,69 @@
+"""The exceptions fair-sched raises, written out once.
+
+    FairSchedError                    base of everything below
+    ├── ConfigError                   invalid `fair_sched` settings (names the key path and value)
+    ├── Rejected                      a request the scheduler will not run; carries `retry_after_s`
+    │   ├── QueueFull                 per-user or total queue cap reached       -> HTTP 429
+    │   ├── QueueTimeout              waited longer than `queue.max_wait_s`     -> HTTP 429
+    │   └── SchedulerClosed           the scheduler is shutting down            -> HTTP 503
+    └── StateStoreError               the shared state store (Redis) failed; wraps the cause
+
+Integrations translate `Rejected` into HTTP responses; nothing third-party leaks through the API.
+"""
+
+from __future__ import annotations
+
+
+class FairSchedError(Exception):
+    """Base class of every exception raised by fair-sched."""
+
+
+class ConfigError(FairSchedError, ValueError):
+    """The configuration is invalid; the message names the key path and the bad value."""
+
+
+class Rejected(FairSchedError):
+    """The scheduler refuses to run a request.
+
+    `retry_after_s` is a hint for the `Retry-After` header; `status_code` the HTTP status an
+    integration should answer with; `reason` a short machine-readable label for metrics and logs.
+    """
+
+    status_code = 429
+    reason = "rejected"
+
+    def __init__(self, message: str, *, retry_after_s: float = 1.0) -> None:
+        super().__init__(message)
+        self.retry_after_s = max(0.0, retry_after_s)
+
+    @property
+    def retry_after_header(self) -> str:
+        """`Retry-After` in whole seconds, at least 1."""
+        return str(max(1, int(self.retry_after_s + 0.999)))
+
+
+class QueueFull(Rejected):
+    """A per-user or total queue cap was reached."""
+
+    reason = "queue_full"
+
+    def __init__(self, message: str, *, retry_after_s: float = 1.0, scope: str = "user") -> None:
+        super().__init__(message, retry_after_s=retry_after_s)
+        self.scope = scope  # "user" or "total"
+
+
+class QueueTimeout(Rejected):
+    """A request waited longer than `queue.max_wait_s` without being released."""
+
+    reason = "timeout"
+
+
+class SchedulerClosed(Rejected):
+    """The scheduler was closed while the request waited."""
+
+    status_code = 503
+    reason = "closed"
+
+
+class StateStoreError(FairSchedError):
+    """The shared state store failed; the original exception is the `__cause__`."""
