@@ -94,7 +94,9 @@ class PrincipalSettings(_Frozen):
                 raise ValueError(f"keys[{index}] is empty")
             if key.startswith("sha256:") and not _SHA256_KEY.match(key):
                 # The bad value is not echoed: it may be a real key.
-                raise ValueError(f"keys[{index}] starts with 'sha256:' but is not 64 lowercase hex digits")
+                raise ValueError(
+                    f"keys[{index}] starts with 'sha256:' but is not 64 lowercase hex digits"
+                )
         return keys
 
     @model_validator(mode="after")
@@ -111,13 +113,15 @@ class MetricsUnavailableSettings(_Frozen):
 
 
 class BackendSettings(_Frozen):
-    """One model group (a LiteLLM `model_name`): where its engine metrics are and what it supports."""
+    """One model group (a LiteLLM `model_name`): where its engine metrics are, what it supports."""
 
     metrics_url: str | None = None
     # Several deployments behind one model name: their signals are summed.
     metrics_urls: tuple[str, ...] = ()
     engine: Literal["vllm", "sglang", "tgi"] = "vllm"
     priority_scheduling: bool = False
+    # SGLang only: the engine was started with --schedule-low-priority-values-first.
+    priority_low_values_first: bool = False
     # Metric names that replace the engine profile's, e.g. {"waiting": "my:queue_len"}.
     metric_names: dict[str, str] = Field(default_factory=dict)
     # The engine's `model_name` label to filter on; defaults to none (all series are summed).
@@ -286,7 +290,9 @@ def _format_errors(error: ValidationError) -> str:
     lines = []
     for detail in error.errors(include_url=False):
         location = tuple(
-            part for part in detail["loc"] if not (isinstance(part, str) and part.startswith("function-"))
+            part
+            for part in detail["loc"]
+            if not (isinstance(part, str) and part.startswith("function-"))
         )
         message = detail["msg"].removeprefix("Value error, ")
         kind = detail["type"]
@@ -343,7 +349,9 @@ def load_settings(
     try:
         text = path.read_text(encoding="utf-8")
     except OSError as exc:
-        raise ConfigError(f"cannot read fair_sched config file {str(path)!r}: {exc.strerror}") from None
+        raise ConfigError(
+            f"cannot read fair_sched config file {str(path)!r}: {exc.strerror}"
+        ) from None
     try:
         document = yaml.safe_load(text)
     except yaml.YAMLError as exc:
@@ -352,9 +360,11 @@ def load_settings(
         document = {}
     if not isinstance(document, Mapping):
         raise ConfigError(f"{path}: expected a mapping at top level")
-    section = document["fair_sched"] if "fair_sched" in document else document
+    section = document.get("fair_sched", document)
     # A LiteLLM config without a fair_sched section: use defaults rather than mistaking the
     # whole LiteLLM config for our section.
-    if "fair_sched" not in document and ("model_list" in document or "litellm_settings" in document):
+    if "fair_sched" not in document and (
+        "model_list" in document or "litellm_settings" in document
+    ):
         section = {}
     return parse_settings(section)

@@ -1,0 +1,31 @@
+"""The pure core: fair queues, fairness policies, admission gates. No I/O, injectable clock."""
+
+from __future__ import annotations
+
+from .backpressure import BackendGroup, GateTransition, GroupStatus, MetricsGate
+from .clock import Clock, FakeClock, LoopClock
+from .gate import AdmissionGate, InflightLimitGate, ManualGate
+from .scheduler import FairnessPolicy, FairScheduler, SchedulerStatistics, UserBacklog
+from .snapshot import BackendSnapshot
+from .ticket import Lease, Ticket, TierLimits
+
+__all__ = [
+    "AdmissionGate",
+    "BackendGroup",
+    "BackendSnapshot",
+    "Clock",
+    "FairScheduler",
+    "FairnessPolicy",
+    "FakeClock",
+    "GateTransition",
+    "GroupStatus",
+    "InflightLimitGate",
+    "Lease",
+    "LoopClock",
+    "ManualGate",
+    "MetricsGate",
+    "SchedulerStatistics",
+    "Ticket",
+    "TierLimits",
+    "UserBacklog",
+]

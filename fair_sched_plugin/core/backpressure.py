@@ -1,0 +1,286 @@
+"""The metrics-driven admission gate: release only while the engine's queue is short.
+
+Metrics lag: between two scrapes the engine's waiting count is stale, and a request we release
+needs a moment to reach the engine. So a released request keeps counting against the threshold
+("pending") until the engine demonstrably has it: its first byte came back, it ended, or a scrape
+*sent* at least `arrival_grace_s` after its release has been read (that scrape must include it,
+as waiting or running). The estimate of the engine's queue is therefore
+
+    waiting_at_last_scrape + pending
+
+which over-counts briefly (a request already in the engine's queue is also pending until the
+grace passes) and never under-counts the way "reset credits on every scrape" does.
+
+Several deployments behind one model name are one group: their waiting counts are summed and the
+threshold scales with the number of deployments; TPOT and KV usage are the worst deployment's; a
+group is only as fresh as its stalest deployment. Without fresh metrics the group falls back to a
+fixed in-flight cap. This module is pure: the watcher feeds it snapshots, the clock is injected.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass, field
+from typing import Literal, NamedTuple
+
+from .clock import Clock, LoopClock
+from .gate import CapacityListener
+from .snapshot import BackendSnapshot
+from .ticket import Lease, TierLimits
+
+GateMode = Literal["starting", "metrics", "fallback"]
+
+
+@dataclass(frozen=True)
+class BackendGroup:
+    """One model group's deployments and the gate's settings for it."""
+
+    model: str
+    metrics_urls: tuple[str, ...]
+    arrival_grace_s: float = 0.3
+    fallback_max_inflight: int = 4  # per deployment
+
+
+class GateTransition(NamedTuple):
+    model: str
+    old: GateMode
+    new: GateMode
+    reason: str
+
+
+class GroupStatus(NamedTuple):
+    """What the gate knows about one model group (for metrics and the status page)."""
+
+    model: str
+    mode: GateMode
+    deployments: int
+    waiting: float | None
+    running: float | None
+    tpot_s: float | None
+    kv_usage: float | None
+    pending: int
+    in_flight: int
+    last_scrape_age_s: float | None
+    blocked_reason: str | None
+
+
+@dataclass
+class _GroupState:
+    spec: BackendGroup
+    latest_ok: dict[str, BackendSnapshot] = field(default_factory=dict)
+    last_error: dict[str, str] = field(default_factory=dict)
+    in_flight: int = 0
+    # Leases released and not yet shown to have reached the engine, in release order.
+    pending: deque[Lease] = field(default_factory=deque)
+    pending_count: int = 0
+    pending_ids: set[int] = field(default_factory=set)
+    mode: GateMode = "starting"
+    scrape_requested: bool = False
+    blocked_reason: str | None = None
+
+
+class MetricsGate:
+    """An `AdmissionGate` fed by engine metrics; see the module docstring for the rules."""
+
+    def __init__(
+        self,
+        groups: Iterable[BackendGroup],
+        *,
+        stale_after_s: float,
+        unknown_model_max_inflight: int = 64,
+        clock: Clock | None = None,
+        on_transition: Callable[[GateTransition], None] | None = None,
+        request_scrape: Callable[[str], None] | None = None,
+    ) -> None:
+        self._groups = {group.model: _GroupState(group) for group in groups}
+        self._stale_after_s = stale_after_s
+        self._unknown_cap = unknown_model_max_inflight
+        self._unknown_in_flight: dict[str, int] = {}
+        self._clock: Clock = clock or LoopClock()
+        self._on_transition = on_transition
+        self._request_scrape = request_scrape
+        self._listener: CapacityListener | None = None
+
+    # ------------------------------------------------------------------ inputs
+
+    def set_listener(self, listener: CapacityListener) -> None:
+        self._listener = listener
+
+    def update(self, model: str, snapshot: BackendSnapshot) -> None:
+        """A scrape of one of the group's deployments finished (successfully or not)."""
+        state = self._groups.get(model)
+        if state is None or snapshot.url not in state.spec.metrics_urls:
+            return
+        if snapshot.ok:
+            state.latest_ok[snapshot.url] = snapshot
+            state.last_error.pop(snapshot.url, None)
+            self._account_scraped(state)
+        else:
+            state.last_error[snapshot.url] = snapshot.error or "scrape failed"
+        state.scrape_requested = False
+        self._refresh_mode(state)
+        self._notify(model)
+
+    def on_released(self, lease: Lease) -> None:
+        state = self._groups.get(lease.ticket.model)
+        if state is None:
+            model = lease.ticket.model
+            self._unknown_in_flight[model] = self._unknown_in_flight.get(model, 0) + 1
+            return
+        state.in_flight += 1
+        state.pending.append(lease)
+        state.pending_ids.add(lease.lease_id)
+        state.pending_count += 1
+
+    def on_started(self, lease: Lease) -> None:
+        state = self._groups.get(lease.ticket.model)
+        if state is not None and self._settle(state, lease):
+            self._notify(lease.ticket.model)
+
+    def on_ended(self, lease: Lease) -> None:
+        model = lease.ticket.model
+        state = self._groups.get(model)
+        if state is None:
+            remaining = self._unknown_in_flight.get(model, 0) - 1
+            if remaining > 0:
+                self._unknown_in_flight[model] = remaining
+            else:
+                self._unknown_in_flight.pop(model, None)
+        else:
+            state.in_flight -= 1
+            self._settle(state, lease)
+        self._notify(model)
+
+    # ------------------------------------------------------------------ decision
+
+    def may_release(self, model: str, tier: TierLimits) -> bool:
+        state = self._groups.get(model)
+        if state is None:
+            return self._unknown_in_flight.get(model, 0) < self._unknown_cap
+        self._refresh_mode(state)
+        reason = self._blocked_reason(state, tier)
+        state.blocked_reason = reason
+        if reason is None:
+            return True
+        if reason == "waiting" and not state.scrape_requested and self._request_scrape:
+            # Credits are spent: ask for fresh numbers now rather than at the next tick.
+            state.scrape_requested = True
+            self._request_scrape(model)
+        return False
+
+    def _blocked_reason(self, state: _GroupState, tier: TierLimits) -> str | None:
+        deployments = len(state.spec.metrics_urls)
+        if state.mode != "metrics":
+            if state.in_flight < state.spec.fallback_max_inflight * deployments:
+                return None
+            return "fallback_inflight"
+        snapshots = state.latest_ok.values()
+        waiting = sum(snapshot.waiting for snapshot in snapshots)
+        if waiting + state.pending_count >= tier.waiting_below * deployments:
+            return "waiting"
+        if tier.tpot_below_s is not None:
+            tpot = _worst(snapshot.tpot_s for snapshot in snapshots)
+            if tpot is not None and tpot >= tier.tpot_below_s:
+                return "tpot"
+        if tier.kv_usage_below is not None:
+            kv_usage = _worst(snapshot.kv_usage for snapshot in snapshots)
+            if kv_usage is not None and kv_usage >= tier.kv_usage_below:
+                return "kv_usage"
+        return None
+
+    # ------------------------------------------------------------------ observation
+
+    def status(self) -> list[GroupStatus]:
+        now = self._clock.now()
+        result = []
+        for model, state in self._groups.items():
+            snapshots = list(state.latest_ok.values())
+            fresh = bool(snapshots)
+            result.append(
+                GroupStatus(
+                    model=model,
+                    mode=state.mode,
+                    deployments=len(state.spec.metrics_urls),
+                    waiting=sum(s.waiting for s in snapshots) if fresh else None,
+                    running=sum(s.running for s in snapshots) if fresh else None,
+                    tpot_s=_worst(s.tpot_s for s in snapshots),
+                    kv_usage=_worst(s.kv_usage for s in snapshots),
+                    pending=state.pending_count,
+                    in_flight=state.in_flight,
+                    last_scrape_age_s=(
+                        now - min(s.started_at for s in snapshots) if fresh else None
+                    ),
+                    blocked_reason=state.blocked_reason,
+                )
+            )
+        return result
+
+    def groups(self) -> Mapping[str, BackendGroup]:
+        return {model: state.spec for model, state in self._groups.items()}
+
+    # ------------------------------------------------------------------ internals
+
+    def _notify(self, model: str) -> None:
+        if self._listener is not None:
+            self._listener(model)
+
+    def _settle(self, state: _GroupState, lease: Lease) -> bool:
+        """The lease no longer counts as pending; True if it did until now."""
+        if lease.lease_id not in state.pending_ids:
+            return False
+        state.pending_ids.discard(lease.lease_id)
+        state.pending_count -= 1
+        # The deque entry is dropped lazily in _account_scraped; keep the deque from
+        # growing without bound when first bytes settle leases faster than scrapes arrive.
+        if len(state.pending) > 64 and len(state.pending) > 2 * state.pending_count:
+            state.pending = deque(x for x in state.pending if x.lease_id in state.pending_ids)
+        return True
+
+    def _account_scraped(self, state: _GroupState) -> None:
+        """Settle the leases that every deployment's latest scrape must already include."""
+        if len(state.latest_ok) < len(state.spec.metrics_urls):
+            return
+        seen_until = (
+            min(s.started_at for s in state.latest_ok.values()) - state.spec.arrival_grace_s
+        )
+        pending = state.pending
+        while pending and pending[0].released_at <= seen_until:
+            lease = pending.popleft()
+            if lease.lease_id in state.pending_ids:
+                state.pending_ids.discard(lease.lease_id)
+                state.pending_count -= 1
+
+    def _refresh_mode(self, state: _GroupState) -> None:
+        now = self._clock.now()
+        reason = None
+        never_scraped = False
+        for url in state.spec.metrics_urls:
+            snapshot = state.latest_ok.get(url)
+            error = state.last_error.get(url)
+            if snapshot is None:
+                never_scraped = error is None
+                reason = f"no successful scrape of {url} yet" + (f" ({error})" if error else "")
+                break
+            age = now - snapshot.started_at
+            if age > self._stale_after_s:
+                reason = f"metrics of {url} are {age:.1f} s old" + (f" ({error})" if error else "")
+                break
+        if reason is None:
+            mode: GateMode = "metrics"
+        elif state.mode == "starting" and never_scraped:
+            mode = "starting"  # no answer yet at all: not news, the in-flight cap applies
+        else:
+            mode = "fallback"
+        if mode != state.mode:
+            transition = GateTransition(
+                state.spec.model, state.mode, mode, reason or "metrics fresh"
+            )
+            state.mode = mode
+            if self._on_transition is not None:
+                self._on_transition(transition)
+
+
+def _worst(values: Iterable[float | None]) -> float | None:
+    present = [value for value in values if value is not None]
+    return max(present) if present else None

@@ -1,0 +1,110 @@
+"""Admission gates: whether the engine behind a model can take one more request now.
+
+The scheduler decides *who* goes next; a gate decides *whether* anyone may go. A gate calls the
+listener registered with `set_listener` whenever capacity may have opened (a lease ended, a new
+scrape arrived), so the scheduler never polls.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from collections.abc import Callable
+from typing import Protocol
+
+from .ticket import Lease, TierLimits
+
+# Called with a model name, or None for "every model".
+CapacityListener = Callable[[str | None], None]
+
+
+class AdmissionGate(Protocol):
+    def set_listener(self, listener: CapacityListener) -> None:
+        """Register the callback to run when capacity may have opened."""
+
+    def may_release(self, model: str, tier: TierLimits) -> bool:
+        """May one more request of this tier go to this model's engine now?"""
+
+    def on_released(self, lease: Lease) -> None:
+        """A lease was granted (the request is on its way to the engine)."""
+
+    def on_started(self, lease: Lease) -> None:
+        """The engine demonstrably took the request (first byte back)."""
+
+    def on_ended(self, lease: Lease) -> None:
+        """The lease ended, whatever the outcome."""
+
+
+class _ListenerMixin:
+    def __init__(self) -> None:
+        self._listener: CapacityListener | None = None
+
+    def set_listener(self, listener: CapacityListener) -> None:
+        self._listener = listener
+
+    def _notify(self, model: str | None) -> None:
+        if self._listener is not None:
+            self._listener(model)
+
+
+class InflightLimitGate(_ListenerMixin):
+    """At most `limit` leases in flight per model (a fixed concurrency cap, no metrics)."""
+
+    def __init__(self, limit: int, per_model: dict[str, int] | None = None) -> None:
+        super().__init__()
+        if limit <= 0:
+            raise ValueError(f"limit must be > 0 (got {limit})")
+        self._default_limit = limit
+        self._per_model = dict(per_model or {})
+        self._in_flight: defaultdict[str, int] = defaultdict(int)
+
+    def in_flight(self, model: str) -> int:
+        return self._in_flight[model]
+
+    def may_release(self, model: str, tier: TierLimits) -> bool:
+        return self._in_flight[model] < self._per_model.get(model, self._default_limit)
+
+    def on_released(self, lease: Lease) -> None:
+        self._in_flight[lease.ticket.model] += 1
+
+    def on_started(self, lease: Lease) -> None:
+        pass
+
+    def on_ended(self, lease: Lease) -> None:
+        self._in_flight[lease.ticket.model] -= 1
+        self._notify(lease.ticket.model)
+
+
+class ManualGate(_ListenerMixin):
+    """A gate tests open and close by hand; `allow(n)` lets exactly n more through."""
+
+    def __init__(self, *, is_open: bool = False) -> None:
+        super().__init__()
+        self._open = is_open
+        self._budget = 0
+        self.released: list[Lease] = []
+        self.ended: list[Lease] = []
+
+    def open(self) -> None:
+        self._open = True
+        self._notify(None)
+
+    def close(self) -> None:
+        self._open = False
+
+    def allow(self, count: int = 1) -> None:
+        self._budget += count
+        self._notify(None)
+
+    def may_release(self, model: str, tier: TierLimits) -> bool:
+        return self._open or self._budget > 0
+
+    def on_released(self, lease: Lease) -> None:
+        if not self._open:
+            self._budget -= 1
+        self.released.append(lease)
+
+    def on_started(self, lease: Lease) -> None:
+        pass
+
+    def on_ended(self, lease: Lease) -> None:
+        self.ended.append(lease)

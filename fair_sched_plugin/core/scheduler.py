@@ -1,0 +1,602 @@
+"""The fair scheduler: per-(model, tier, user) FIFOs, a fairness policy across users, strict tiers.
+
+Order inside a tier is start-time fair queuing: each backlogged user sits in a heap keyed
+``(virtual_time, arrival_counter)``. Releasing a user's head request charges the user
+(1 for round robin, 1/weight for weighted, tokens/weight for token-fair) and moves it back into the
+heap at its new virtual time. A user who becomes backlogged is lifted to the tier's current virtual
+time, so idleness cannot be banked. Every decision is O(log n) in backlogged users.
+
+Waiting is cancellation-safe: a waiter cancelled while queued leaves its queue at once; a waiter
+granted a lease and cancelled before it could use it hands the lease back (the turn passes on).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import heapq
+import itertools
+from collections import OrderedDict, deque
+from collections.abc import Callable, Iterable, Mapping
+from typing import Literal, NamedTuple
+
+from ..errors import QueueFull, QueueTimeout, SchedulerClosed
+from .clock import Clock, LoopClock, TimerHandle
+from .gate import AdmissionGate
+from .ticket import Lease, Ticket, TierLimits
+
+FairnessPolicy = Literal["round_robin", "weighted", "tokens"]
+
+_QUEUED, _GRANTED, _CANCELLED, _EXPIRED, _CLOSED = range(5)
+
+
+class UserBacklog(NamedTuple):
+    model: str
+    tier: str
+    user: str
+    depth: int
+    oldest_enqueued_at: float
+    virtual_time: float
+
+
+class SchedulerStatistics(NamedTuple):
+    queued: int
+    in_flight: int
+    released_total: int
+    completed_total: int
+    cancelled_total: int  # left the queue because the caller went away
+    abandoned_total: int  # granted, then cancelled before it was used
+    rejected_full_total: int
+    timed_out_total: int
+    queued_by_model_tier: Mapping[tuple[str, str], int]
+    in_flight_by_model: Mapping[str, int]
+
+
+class _Waiter:
+    __slots__ = ("enqueued_at", "future", "seq", "state", "ticket", "user_queue")
+
+    def __init__(
+        self,
+        ticket: Ticket,
+        seq: int,
+        enqueued_at: float,
+        future: asyncio.Future[Lease],
+        user_queue: _UserQueue,
+    ) -> None:
+        self.ticket = ticket
+        self.seq = seq
+        self.enqueued_at = enqueued_at
+        self.future = future
+        self.user_queue = user_queue
+        self.state = _QUEUED
+
+
+class _UserQueue:
+    __slots__ = (
+        "heap_generation",
+        "in_flight",
+        "in_heap",
+        "tier_queue",
+        "user",
+        "virtual_time",
+        "waiters",
+    )
+
+    def __init__(self, user: str, tier_queue: _TierQueue, virtual_time: float) -> None:
+        self.user = user
+        self.tier_queue = tier_queue
+        self.waiters: OrderedDict[int, _Waiter] = OrderedDict()
+        self.virtual_time = virtual_time
+        self.in_flight = 0
+        # Heap entries carry the generation they were pushed with; bumping it invalidates them
+        # (lazy deletion keeps re-keying and removal O(log n)).
+        self.heap_generation = 0
+        self.in_heap = False
+
+
+class _TierQueue:
+    __slots__ = ("heap", "limits", "model", "queued", "stale_entries", "users", "virtual_time")
+
+    def __init__(self, model: str, limits: TierLimits) -> None:
+        self.model = model
+        self.limits = limits
+        self.users: dict[str, _UserQueue] = {}
+        self.heap: list[tuple[float, int, int, _UserQueue]] = []
+        self.stale_entries = 0
+        self.virtual_time = 0.0
+        self.queued = 0
+
+
+class _ModelQueues:
+    __slots__ = ("in_flight", "model", "queued", "tiers")
+
+    def __init__(self, model: str, tiers: Iterable[TierLimits]) -> None:
+        self.model = model
+        self.tiers = [_TierQueue(model, limits) for limits in tiers]
+        self.queued = 0
+        self.in_flight = 0
+
+
+class FairScheduler:
+    """Fair, tiered admission of requests to engines, behind an `AdmissionGate`.
+
+    `tiers` are listed most urgent first. A lower tier is served only when no higher tier of the
+    same model has a releasable request. Nothing here touches an event loop until the first
+    `acquire()`.
+    """
+
+    def __init__(
+        self,
+        tiers: Iterable[TierLimits],
+        gate: AdmissionGate,
+        *,
+        fairness: FairnessPolicy = "round_robin",
+        max_per_user: int = 1000,
+        max_total: int = 100_000,
+        max_wait_s: float = 600.0,
+        clock: Clock | None = None,
+    ) -> None:
+        self._tiers = tuple(tiers)
+        if not self._tiers:
+            raise ValueError("at least one tier is required")
+        self._tier_index = {tier.name: index for index, tier in enumerate(self._tiers)}
+        if len(self._tier_index) != len(self._tiers):
+            raise ValueError("tier names must be unique")
+        if fairness not in ("round_robin", "weighted", "tokens"):
+            raise ValueError(f"unknown fairness policy {fairness!r}")
+        self._fairness: FairnessPolicy = fairness
+        self._gate = gate
+        self._max_per_user = max_per_user
+        self._max_total = max_total
+        self._max_wait_s = max_wait_s
+        self._clock: Clock = clock or LoopClock()
+        self._models: dict[str, _ModelQueues] = {}
+        self._arrivals = itertools.count()
+        self._lease_ids = itertools.count(1)
+        self._queued_total = 0
+        self._in_flight_total = 0
+        # Every waiter gets the same max wait, so deadlines are in arrival order: one deque and
+        # one timer for its head instead of a timer per waiter.
+        self._deadlines: deque[_Waiter] = deque()
+        self._deadline_timer: TimerHandle | None = None
+        self._deadline_timer_at: float | None = None
+        self._dispatching: set[str] = set()
+        self._redispatch: set[str] = set()
+        self._closed = False
+        self._counters = {
+            "released": 0,
+            "completed": 0,
+            "cancelled": 0,
+            "abandoned": 0,
+            "rejected_full": 0,
+            "timed_out": 0,
+        }
+        self._end_listeners: list[Callable[[Lease, bool], None]] = []
+        gate.set_listener(self._on_capacity)
+
+    # ------------------------------------------------------------------ public API
+
+    @property
+    def tiers(self) -> tuple[TierLimits, ...]:
+        return self._tiers
+
+    @property
+    def gate(self) -> AdmissionGate:
+        return self._gate
+
+    async def acquire(self, ticket: Ticket) -> Lease:
+        """Wait for this ticket's turn and return its lease (``async with lease:`` releases it).
+
+        Raises `QueueFull` at once when a cap is reached, `QueueTimeout` after `max_wait_s`,
+        `SchedulerClosed` if the scheduler closes while waiting.
+        """
+        return await self._wait_for_lease(ticket)
+
+    def try_acquire(self, ticket: Ticket) -> Lease | None:
+        """A lease now if the ticket would be released without waiting, else None.
+
+        It never jumps a queue: anything queued for the same model in this or a higher tier
+        comes first.
+        """
+        self._check_open()
+        tier_index = self._tier_position(ticket.tier)
+        queues = self._models.get(ticket.model)
+        if queues is not None and any(tier.queued for tier in queues.tiers[: tier_index + 1]):
+            return None
+        if not self._gate.may_release(ticket.model, self._tiers[tier_index]):
+            return None
+        queues = self._model_queues(ticket.model)
+        user_queue = self._user_queue(queues.tiers[tier_index], ticket.user)
+        self._lift(user_queue)
+        now = self._clock.now()
+        return self._make_lease(queues, user_queue, ticket, enqueued_at=now)
+
+    def add_end_listener(self, listener: Callable[[Lease, bool], None]) -> None:
+        """Call `listener(lease, abandoned)` whenever a lease ends."""
+        self._end_listeners.append(listener)
+
+    def statistics(self) -> SchedulerStatistics:
+        by_tier = {
+            (model, tier.limits.name): tier.queued
+            for model, queues in self._models.items()
+            for tier in queues.tiers
+            if tier.queued
+        }
+        by_model = {model: q.in_flight for model, q in self._models.items() if q.in_flight}
+        c = self._counters
+        return SchedulerStatistics(
+            queued=self._queued_total,
+            in_flight=self._in_flight_total,
+            released_total=c["released"],
+            completed_total=c["completed"],
+            cancelled_total=c["cancelled"],
+            abandoned_total=c["abandoned"],
+            rejected_full_total=c["rejected_full"],
+            timed_out_total=c["timed_out"],
+            queued_by_model_tier=by_tier,
+            in_flight_by_model=by_model,
+        )
+
+    def backlog(self, model: str | None = None) -> list[UserBacklog]:
+        """Every backlogged user with depth and oldest arrival (for status pages; O(users))."""
+        result = []
+        for queues in self._models.values():
+            if model is not None and queues.model != model:
+                continue
+            for tier in queues.tiers:
+                for user_queue in tier.users.values():
+                    if not user_queue.waiters:
+                        continue
+                    oldest = next(iter(user_queue.waiters.values()))
+                    result.append(
+                        UserBacklog(
+                            model=queues.model,
+                            tier=tier.limits.name,
+                            user=user_queue.user,
+                            depth=len(user_queue.waiters),
+                            oldest_enqueued_at=oldest.enqueued_at,
+                            virtual_time=user_queue.virtual_time,
+                        )
+                    )
+        return result
+
+    def close(self) -> None:
+        """Refuse new tickets and fail every queued waiter with `SchedulerClosed`.
+
+        Leases already granted stay valid until released.
+        """
+        if self._closed:
+            return
+        self._closed = True
+        if self._deadline_timer is not None:
+            self._deadline_timer.cancel()
+            self._deadline_timer = None
+        for queues in self._models.values():
+            for tier in queues.tiers:
+                for user_queue in list(tier.users.values()):
+                    for waiter in list(user_queue.waiters.values()):
+                        self._remove_waiter(waiter, _CLOSED)
+                        if not waiter.future.done():
+                            waiter.future.set_exception(
+                                SchedulerClosed("the scheduler is shutting down", retry_after_s=1)
+                            )
+        self._deadlines.clear()
+
+    def kick(self, model: str | None = None) -> None:
+        """Re-run release decisions (what a gate's listener does)."""
+        self._on_capacity(model)
+
+    # ------------------------------------------------------------------ waiting
+
+    async def _wait_for_lease(self, ticket: Ticket) -> Lease:
+        self._check_open()
+        waiter = self._enqueue(ticket)
+        self._dispatch(ticket.model)
+        try:
+            return await waiter.future
+        except BaseException:
+            future = waiter.future
+            if future.done() and not future.cancelled() and future.exception() is None:
+                # Woken with a lease, then cancelled before it could be used: hand it back so
+                # the next request gets the turn (the engine never saw this one).
+                future.result().abandon()
+            elif waiter.state == _QUEUED:
+                self._remove_waiter(waiter, _CANCELLED)
+                self._counters["cancelled"] += 1
+            raise
+
+    def _enqueue(self, ticket: Ticket) -> _Waiter:
+        tier_index = self._tier_position(ticket.tier)
+        queues = self._model_queues(ticket.model)
+        tier = queues.tiers[tier_index]
+        user_queue = tier.users.get(ticket.user)
+        depth = len(user_queue.waiters) if user_queue is not None else 0
+        if depth >= self._max_per_user:
+            self._counters["rejected_full"] += 1
+            raise QueueFull(
+                f"too many queued requests for this caller on model {ticket.model!r} "
+                f"(limit {self._max_per_user})",
+                retry_after_s=self._retry_hint(queues),
+                scope="user",
+            )
+        if self._queued_total >= self._max_total:
+            self._counters["rejected_full"] += 1
+            raise QueueFull(
+                f"the scheduler queue is full (limit {self._max_total})",
+                retry_after_s=self._retry_hint(queues),
+                scope="total",
+            )
+        if user_queue is None:
+            user_queue = self._user_queue(tier, ticket.user)
+        now = self._clock.now()
+        future: asyncio.Future[Lease] = asyncio.get_running_loop().create_future()
+        waiter = _Waiter(ticket, next(self._arrivals), now, future, user_queue)
+        if not user_queue.waiters:
+            self._lift(user_queue)
+            self._push(tier, user_queue)
+        user_queue.waiters[waiter.seq] = waiter
+        tier.queued += 1
+        queues.queued += 1
+        self._queued_total += 1
+        self._deadlines.append(waiter)
+        self._arm_deadline_timer()
+        return waiter
+
+    def _remove_waiter(self, waiter: _Waiter, new_state: int) -> None:
+        """Take a queued waiter out of every structure (idempotent through `state`)."""
+        if waiter.state != _QUEUED:
+            return
+        waiter.state = new_state
+        user_queue = waiter.user_queue
+        tier = user_queue.tier_queue
+        del user_queue.waiters[waiter.seq]
+        tier.queued -= 1
+        queues = self._models[tier.model]
+        queues.queued -= 1
+        self._queued_total -= 1
+        if not user_queue.waiters:
+            self._unpush(tier, user_queue)
+            self._forget_if_idle(tier, user_queue)
+        self._compact_deadlines()
+
+    # ------------------------------------------------------------------ releasing
+
+    def _on_capacity(self, model: str | None) -> None:
+        if model is None:
+            for name in list(self._models):
+                self._dispatch(name)
+        else:
+            self._dispatch(model)
+
+    def _dispatch(self, model: str) -> None:
+        queues = self._models.get(model)
+        if queues is None or not queues.queued:
+            return
+        if model in self._dispatching:
+            # Called back from inside a release (a gate notified us): run once more afterwards.
+            self._redispatch.add(model)
+            return
+        self._dispatching.add(model)
+        try:
+            while True:
+                self._redispatch.discard(model)
+                self._release_while_possible(queues)
+                if model not in self._redispatch:
+                    break
+        finally:
+            self._dispatching.discard(model)
+
+    def _release_while_possible(self, queues: _ModelQueues) -> None:
+        while queues.queued:
+            for tier in queues.tiers:
+                if tier.queued and self._gate.may_release(queues.model, tier.limits):
+                    self._release_next(queues, tier)
+                    break
+            else:
+                return
+
+    def _release_next(self, queues: _ModelQueues, tier: _TierQueue) -> None:
+        user_queue = self._pop_user(tier)
+        _, waiter = user_queue.waiters.popitem(last=False)
+        tier.queued -= 1
+        queues.queued -= 1
+        self._queued_total -= 1
+        if waiter.future.done():
+            # Its task was cancelled and has not run its cleanup yet: nothing to grant. The
+            # user's position is unchanged; put it back if it still has requests.
+            waiter.state = _CANCELLED
+            self._counters["cancelled"] += 1
+            if user_queue.waiters:
+                self._push(tier, user_queue)
+            else:
+                self._forget_if_idle(tier, user_queue)
+            return
+        waiter.state = _GRANTED
+        # The start tag of the request now in service is the tier's virtual time.
+        tier.virtual_time = max(tier.virtual_time, user_queue.virtual_time)
+        lease = self._make_lease(queues, user_queue, waiter.ticket, enqueued_at=waiter.enqueued_at)
+        if user_queue.waiters:
+            self._push(tier, user_queue)
+        waiter.future.set_result(lease)
+
+    def _make_lease(
+        self, queues: _ModelQueues, user_queue: _UserQueue, ticket: Ticket, *, enqueued_at: float
+    ) -> Lease:
+        charge = self._charge(ticket, ticket.cost)
+        user_queue.virtual_time += charge
+        user_queue.in_flight += 1
+        queues.in_flight += 1
+        self._in_flight_total += 1
+        self._counters["released"] += 1
+        lease = Lease(
+            self,
+            ticket,
+            next(self._lease_ids),
+            enqueued_at=enqueued_at,
+            released_at=self._clock.now(),
+            charged=charge,
+        )
+        self._gate.on_released(lease)
+        return lease
+
+    def _lease_started(self, lease: Lease) -> None:
+        self._gate.on_started(lease)
+
+    def _lease_ended(self, lease: Lease, tokens_used: int | None, *, abandoned: bool) -> None:
+        ticket = lease.ticket
+        queues = self._models[ticket.model]
+        tier = queues.tiers[self._tier_index[ticket.tier]]
+        user_queue = tier.users.get(ticket.user)
+        queues.in_flight -= 1
+        self._in_flight_total -= 1
+        self._counters["abandoned" if abandoned else "completed"] += 1
+        if user_queue is not None:
+            user_queue.in_flight -= 1
+            if abandoned:
+                correction = -lease._charged
+            elif tokens_used is not None and self._fairness == "tokens":
+                correction = self._charge(ticket, tokens_used) - lease._charged
+            else:
+                correction = 0.0
+            if correction:
+                self._correct(tier, user_queue, correction)
+            if not user_queue.waiters:
+                self._forget_if_idle(tier, user_queue)
+        for listener in self._end_listeners:
+            listener(lease, abandoned)
+        self._gate.on_ended(lease)
+        self._dispatch(ticket.model)
+
+    # ------------------------------------------------------------------ fairness bookkeeping
+
+    def _charge(self, ticket: Ticket, tokens: int) -> float:
+        if self._fairness == "round_robin":
+            return 1.0
+        if self._fairness == "weighted":
+            return 1.0 / ticket.weight
+        return max(tokens, 1) / ticket.weight
+
+    def _lift(self, user_queue: _UserQueue) -> None:
+        # A user coming back from idle starts at the tier's virtual time: no banked credit.
+        tier = user_queue.tier_queue
+        user_queue.virtual_time = max(user_queue.virtual_time, tier.virtual_time)
+
+    def _correct(self, tier: _TierQueue, user_queue: _UserQueue, correction: float) -> None:
+        user_queue.virtual_time = max(tier.virtual_time, user_queue.virtual_time + correction)
+        if user_queue.in_heap:
+            self._unpush(tier, user_queue)
+            self._push(tier, user_queue)
+
+    def _push(self, tier: _TierQueue, user_queue: _UserQueue) -> None:
+        user_queue.heap_generation += 1
+        user_queue.in_heap = True
+        heapq.heappush(
+            tier.heap,
+            (user_queue.virtual_time, next(self._arrivals), user_queue.heap_generation, user_queue),
+        )
+
+    def _unpush(self, tier: _TierQueue, user_queue: _UserQueue) -> None:
+        if not user_queue.in_heap:
+            return
+        user_queue.in_heap = False
+        user_queue.heap_generation += 1
+        tier.stale_entries += 1
+        if tier.stale_entries > 64 and tier.stale_entries > len(tier.heap) // 2:
+            tier.heap = [
+                entry
+                for entry in tier.heap
+                if entry[2] == entry[3].heap_generation and entry[3].in_heap
+            ]
+            heapq.heapify(tier.heap)
+            tier.stale_entries = 0
+
+    def _pop_user(self, tier: _TierQueue) -> _UserQueue:
+        while True:
+            _, _, generation, user_queue = heapq.heappop(tier.heap)
+            if user_queue.in_heap and generation == user_queue.heap_generation:
+                user_queue.in_heap = False
+                return user_queue
+            tier.stale_entries -= 1
+
+    def _forget_if_idle(self, tier: _TierQueue, user_queue: _UserQueue) -> None:
+        # A user with nothing queued or in flight whose virtual time the tier has caught up with
+        # carries no information (it would be lifted anyway): drop it so memory follows load.
+        if (
+            not user_queue.waiters
+            and user_queue.in_flight == 0
+            and user_queue.virtual_time <= tier.virtual_time
+            and tier.users.get(user_queue.user) is user_queue
+        ):
+            del tier.users[user_queue.user]
+
+    # ------------------------------------------------------------------ deadlines
+
+    def _arm_deadline_timer(self) -> None:
+        while self._deadlines and self._deadlines[0].state != _QUEUED:
+            self._deadlines.popleft()
+        if not self._deadlines:
+            return
+        due = self._deadlines[0].enqueued_at + self._max_wait_s
+        if self._deadline_timer is not None and self._deadline_timer_at is not None:
+            if self._deadline_timer_at <= due:
+                return
+            self._deadline_timer.cancel()
+        self._deadline_timer_at = due
+        self._deadline_timer = self._clock.call_at(due, self._expire_overdue)
+
+    def _expire_overdue(self) -> None:
+        self._deadline_timer = None
+        self._deadline_timer_at = None
+        now = self._clock.now()
+        while self._deadlines:
+            waiter = self._deadlines[0]
+            if waiter.state != _QUEUED:
+                self._deadlines.popleft()
+                continue
+            if waiter.enqueued_at + self._max_wait_s > now:
+                break
+            self._deadlines.popleft()
+            self._remove_waiter(waiter, _EXPIRED)
+            self._counters["timed_out"] += 1
+            if not waiter.future.done():
+                waiter.future.set_exception(
+                    QueueTimeout(
+                        f"waited {self._max_wait_s:g} s without being scheduled on model "
+                        f"{waiter.ticket.model!r}; the engine is saturated",
+                        retry_after_s=self._retry_hint(self._models[waiter.ticket.model]),
+                    )
+                )
+        self._arm_deadline_timer()
+
+    def _compact_deadlines(self) -> None:
+        # Cancelled waiters stay in the deadline deque until their deadline; rebuild it when
+        # they outnumber the live ones so memory cannot grow with submit-and-cancel abuse.
+        if len(self._deadlines) > 64 and len(self._deadlines) > 2 * self._queued_total:
+            self._deadlines = deque(w for w in self._deadlines if w.state == _QUEUED)
+
+    # ------------------------------------------------------------------ helpers
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise SchedulerClosed("the scheduler is shutting down", retry_after_s=1)
+
+    def _tier_position(self, tier: str) -> int:
+        try:
+            return self._tier_index[tier]
+        except KeyError:
+            raise ValueError(f"unknown tier {tier!r}; tiers are {list(self._tier_index)}") from None
+
+    def _model_queues(self, model: str) -> _ModelQueues:
+        queues = self._models.get(model)
+        if queues is None:
+            queues = self._models[model] = _ModelQueues(model, self._tiers)
+        return queues
+
+    def _user_queue(self, tier: _TierQueue, user: str) -> _UserQueue:
+        user_queue = tier.users.get(user)
+        if user_queue is None:
+            user_queue = tier.users[user] = _UserQueue(user, tier, tier.virtual_time)
+        return user_queue
+
+    def _retry_hint(self, queues: _ModelQueues) -> float:
+        # A rough hint: a second per queued request per in-flight slot, between 1 s and 60 s.
+        return min(60.0, max(1.0, queues.queued / max(queues.in_flight, 1)))

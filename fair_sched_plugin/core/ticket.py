@@ -1,0 +1,130 @@
+"""Tickets (what a request asks for) and leases (what the scheduler grants)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from types import TracebackType
+from typing import TYPE_CHECKING, NamedTuple
+
+if TYPE_CHECKING:
+    from .scheduler import FairScheduler
+
+
+class TierLimits(NamedTuple):
+    """A tier as the core sees it: its name and the engine thresholds under which it may release."""
+
+    name: str
+    waiting_below: int = 3
+    tpot_below_s: float | None = None
+    kv_usage_below: float | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class Ticket:
+    """One request waiting for its turn.
+
+    `cost` is the estimated number of tokens (prompt + max output); the token-fair policy charges
+    it at release and corrects it with the actual count when the lease ends.
+    """
+
+    model: str
+    user: str
+    tier: str
+    weight: float = 1.0
+    cost: int = 1
+
+    def __post_init__(self) -> None:
+        if self.weight <= 0:
+            raise ValueError(f"weight must be > 0 (got {self.weight!r})")
+        if self.cost < 0:
+            raise ValueError(f"cost must be >= 0 (got {self.cost!r})")
+
+
+class Lease:
+    """The right to send one request to the engine, from release until `release()`.
+
+    Ending a lease is idempotent: the first `release()` counts, later ones do nothing, so every
+    end-of-request signal (success, failure, stream end, disconnect) may call it.
+    """
+
+    __slots__ = (
+        "_charged",
+        "_ended",
+        "_scheduler",
+        "_started",
+        "enqueued_at",
+        "lease_id",
+        "released_at",
+        "ticket",
+    )
+
+    def __init__(
+        self,
+        scheduler: FairScheduler,
+        ticket: Ticket,
+        lease_id: int,
+        enqueued_at: float,
+        released_at: float,
+        charged: float,
+    ) -> None:
+        self._scheduler = scheduler
+        self.ticket = ticket
+        self.lease_id = lease_id
+        self.enqueued_at = enqueued_at
+        self.released_at = released_at
+        self._charged = charged
+        self._started = False
+        self._ended = False
+
+    @property
+    def active(self) -> bool:
+        return not self._ended
+
+    @property
+    def started(self) -> bool:
+        return self._started
+
+    @property
+    def waited_s(self) -> float:
+        return self.released_at - self.enqueued_at
+
+    def mark_started(self) -> None:
+        """The engine demonstrably took the request (its first byte came back)."""
+        if self._started or self._ended:
+            return
+        self._started = True
+        self._scheduler._lease_started(self)
+
+    def release(self, tokens_used: int | None = None) -> bool:
+        """End the lease; `tokens_used` (prompt + output) corrects the token-fair estimate.
+
+        Returns True for the call that ended it, False for every later call.
+        """
+        if self._ended:
+            return False
+        self._ended = True
+        self._scheduler._lease_ended(self, tokens_used, abandoned=False)
+        return True
+
+    def abandon(self) -> None:
+        """Give back a lease that was never used (the engine never saw the request): the turn passes
+        on and the user is not charged for it."""
+        if self._ended:
+            return
+        self._ended = True
+        self._scheduler._lease_ended(self, None, abandoned=True)
+
+    async def __aenter__(self) -> Lease:
+        return self
+
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        traceback: TracebackType | None,
+    ) -> None:
+        self.release()
+
+    def __repr__(self) -> str:
+        state = "ended" if self._ended else ("started" if self._started else "granted")
+        return f"<Lease {self.lease_id} {self.ticket.model}/{self.ticket.user} {state}>"

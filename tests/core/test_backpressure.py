@@ -1,0 +1,234 @@
+"""MetricsGate: credits against metrics lag, TPOT/KV ceilings, fallback and recovery."""
+
+from __future__ import annotations
+
+import asyncio
+
+from fair_sched_plugin.core import (
+    BackendGroup,
+    BackendSnapshot,
+    FairScheduler,
+    FakeClock,
+    GateTransition,
+    Lease,
+    MetricsGate,
+    TierLimits,
+)
+
+from .conftest import drain, settle, ticket
+
+URL = "http://engine/metrics"
+INTERACTIVE = TierLimits("interactive", waiting_below=3, tpot_below_s=0.15)
+BATCH = TierLimits("batch", waiting_below=1)
+
+
+def make_gate(
+    clock: FakeClock, urls: tuple[str, ...] = (URL,), grace: float = 0.3, **options: object
+) -> tuple[MetricsGate, list[GateTransition], list[str]]:
+    transitions: list[GateTransition] = []
+    scrape_requests: list[str] = []
+    gate = MetricsGate(
+        [BackendGroup("m", urls, arrival_grace_s=grace, fallback_max_inflight=2)],
+        stale_after_s=1.0,
+        clock=clock,
+        on_transition=transitions.append,
+        request_scrape=scrape_requests.append,
+        **options,  # type: ignore[arg-type]
+    )
+    return gate, transitions, scrape_requests
+
+
+def scrape(
+    clock: FakeClock, waiting: float = 0, running: float = 0, url: str = URL, **extra: object
+) -> BackendSnapshot:
+    return BackendSnapshot(
+        url=url, started_at=clock.now(), ok=True, waiting=waiting, running=running, **extra
+    )  # type: ignore[arg-type]
+
+
+async def test_released_requests_count_until_a_late_enough_scrape_sees_them() -> None:
+    clock = FakeClock()
+    gate, _, scrape_requests = make_gate(clock)
+    scheduler = FairScheduler([INTERACTIVE, BATCH], gate, clock=clock)
+    gate.update("m", scrape(clock, waiting=0))
+    tasks = [asyncio.create_task(scheduler.acquire(ticket(f"u{i}"))) for i in range(20)]
+    await settle()
+    assert sum(task.done() for task in tasks) == 3  # 0 waiting + 3 pending reaches the threshold
+    assert scrape_requests == ["m"]
+    # A scrape sent right after the release may not include the requests yet: still 3 pending.
+    clock.advance(0.1)
+    gate.update("m", scrape(clock, waiting=0))
+    await settle()
+    assert sum(task.done() for task in tasks) == 3
+    # Once a scrape sent after the grace period says the queue is empty, they are accounted for.
+    clock.advance(0.3)
+    gate.update("m", scrape(clock, waiting=0, running=3))
+    await settle()
+    assert sum(task.done() for task in tasks) == 6
+    await drain(scheduler)
+
+
+async def test_scrape_showing_a_full_queue_blocks_release() -> None:
+    clock = FakeClock()
+    gate, _, _ = make_gate(clock)
+    scheduler = FairScheduler([INTERACTIVE, BATCH], gate, clock=clock)
+    gate.update("m", scrape(clock, waiting=3))
+    tasks = [asyncio.create_task(scheduler.acquire(ticket("a"))) for _ in range(5)]
+    await settle()
+    assert not any(task.done() for task in tasks)
+    clock.advance(0.1)
+    gate.update("m", scrape(clock, waiting=1))
+    await settle()
+    assert sum(task.done() for task in tasks) == 2
+    await drain(scheduler)
+
+
+async def test_first_byte_settles_a_pending_request_at_once() -> None:
+    clock = FakeClock()
+    gate, _, _ = make_gate(clock)
+    scheduler = FairScheduler([INTERACTIVE, BATCH], gate, clock=clock)
+    gate.update("m", scrape(clock))
+    tasks = [asyncio.create_task(scheduler.acquire(ticket("a"))) for _ in range(5)]
+    await settle()
+    granted = [task.result() for task in tasks if task.done()]
+    assert len(granted) == 3
+    granted[0].mark_started()
+    await settle()
+    assert sum(task.done() for task in tasks) == 4
+    await drain(scheduler)
+
+
+async def test_batch_tier_needs_an_empty_queue() -> None:
+    clock = FakeClock()
+    gate, _, _ = make_gate(clock)
+    scheduler = FairScheduler([INTERACTIVE, BATCH], gate, clock=clock)
+    gate.update("m", scrape(clock, waiting=1))
+    (bot,) = [asyncio.create_task(scheduler.acquire(ticket("bot", tier="batch")))]
+    (human,) = [asyncio.create_task(scheduler.acquire(ticket("human")))]
+    await settle()
+    assert human.done() and not bot.done()
+    await drain(scheduler)
+
+
+async def test_tpot_ceiling_pauses_release_and_release_resumes() -> None:
+    clock = FakeClock()
+    gate, _, _ = make_gate(clock)
+    scheduler = FairScheduler([INTERACTIVE, BATCH], gate, clock=clock)
+    gate.update("m", scrape(clock, tpot_s=0.2))
+    (task,) = [asyncio.create_task(scheduler.acquire(ticket("a")))]
+    await settle()
+    assert not task.done()
+    assert gate.status()[0].blocked_reason == "tpot"
+    clock.advance(0.1)
+    gate.update("m", scrape(clock, tpot_s=0.05))
+    await settle()
+    assert task.done()
+    await drain(scheduler)
+
+
+async def test_kv_usage_ceiling() -> None:
+    clock = FakeClock()
+    gate, _, _ = make_gate(clock)
+    tier = TierLimits("interactive", waiting_below=3, kv_usage_below=0.9)
+    gate.update("m", scrape(clock, kv_usage=0.95))
+    assert not gate.may_release("m", tier)
+    gate.update("m", scrape(clock, kv_usage=0.5))
+    assert gate.may_release("m", tier)
+
+
+async def test_stale_metrics_fall_back_to_an_inflight_cap_and_recover() -> None:
+    clock = FakeClock()
+    gate, transitions, _ = make_gate(clock)
+    scheduler = FairScheduler([INTERACTIVE, BATCH], gate, clock=clock)
+    gate.update("m", scrape(clock))
+    assert [t.new for t in transitions] == ["metrics"]
+    clock.advance(2.0)
+    gate.update("m", BackendSnapshot.failed(URL, clock.now(), "HTTP 500"))
+    assert [t.new for t in transitions] == ["metrics", "fallback"]
+    assert "HTTP 500" in transitions[-1].reason
+    tasks = [asyncio.create_task(scheduler.acquire(ticket("a"))) for _ in range(5)]
+    await settle()
+    leases: list[Lease] = [task.result() for task in tasks if task.done()]
+    assert len(leases) == 2  # fallback_max_inflight
+    leases[0].release()
+    await settle()
+    assert sum(task.done() for task in tasks) == 3
+    gate.update("m", scrape(clock, waiting=0))
+    await settle()
+    assert [t.new for t in transitions] == ["metrics", "fallback", "metrics"]
+    await drain(scheduler)
+
+
+async def test_a_failed_scrape_never_reads_as_zero_load() -> None:
+    clock = FakeClock()
+    gate, _, _ = make_gate(clock)
+    gate.update("m", scrape(clock, waiting=5))
+    clock.advance(0.1)
+    gate.update("m", BackendSnapshot.failed(URL, clock.now(), "garbage"))
+    assert not gate.may_release("m", INTERACTIVE)
+
+
+async def test_no_metrics_yet_uses_the_fallback_cap_silently() -> None:
+    clock = FakeClock()
+    gate, transitions, _ = make_gate(clock)
+    assert gate.may_release("m", INTERACTIVE)
+    assert transitions == []
+    assert gate.status()[0].mode == "starting"
+
+
+async def test_deployments_are_summed_and_the_threshold_scales() -> None:
+    clock = FakeClock()
+    urls = ("http://a/metrics", "http://b/metrics")
+    gate, _, _ = make_gate(clock, urls=urls)
+    gate.update("m", scrape(clock, waiting=4, url=urls[0]))
+    # One replica alone does not stand for the group: the other has not answered yet.
+    assert gate.status()[0].mode == "starting"
+    gate.update("m", scrape(clock, waiting=1, url=urls[1]))
+    assert gate.status()[0].waiting == 5
+    assert gate.may_release("m", INTERACTIVE)  # 5 < 3 * 2
+    gate.update("m", scrape(clock, waiting=2, url=urls[1]))
+    assert not gate.may_release("m", INTERACTIVE)  # 6 >= 6
+
+
+async def test_one_stale_deployment_puts_the_group_in_fallback() -> None:
+    clock = FakeClock()
+    urls = ("http://a/metrics", "http://b/metrics")
+    gate, transitions, _ = make_gate(clock, urls=urls)
+    gate.update("m", scrape(clock, url=urls[0]))
+    gate.update("m", scrape(clock, url=urls[1]))
+    clock.advance(1.5)
+    gate.update("m", scrape(clock, url=urls[0]))
+    assert transitions[-1].new == "fallback"
+    assert urls[1] in transitions[-1].reason
+
+
+async def test_unknown_models_get_an_inflight_cap() -> None:
+    clock = FakeClock()
+    gate, _, _ = make_gate(clock, unknown_model_max_inflight=1)
+    scheduler = FairScheduler([INTERACTIVE, BATCH], gate, clock=clock)
+    first = await scheduler.acquire(ticket("a", model="other"))
+    assert scheduler.try_acquire(ticket("b", model="other")) is None
+    first.release()
+    second = scheduler.try_acquire(ticket("b", model="other"))
+    assert second is not None
+    second.release()
+
+
+async def test_burst_never_exceeds_threshold_between_scrapes() -> None:
+    """1,000 parked requests and lagging scrapes: never more than the threshold let in."""
+    clock = FakeClock()
+    gate, _, _ = make_gate(clock, grace=0.2)
+    scheduler = FairScheduler([INTERACTIVE, BATCH], gate, clock=clock, max_per_user=1000)
+    gate.update("m", scrape(clock))
+    tasks = [asyncio.create_task(scheduler.acquire(ticket(f"u{i % 10}"))) for i in range(1000)]
+    await settle()
+    granted_before = 0
+    for _ in range(50):
+        granted = sum(task.done() for task in tasks)
+        # Nothing was taken by the engine: everything granted is still in its queue.
+        assert granted <= 3
+        granted_before = granted
+        clock.advance(0.1)
+        gate.update("m", scrape(clock, waiting=granted_before))
+        await settle()
+    await drain(scheduler)

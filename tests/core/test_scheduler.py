@@ -1,0 +1,412 @@
+"""FairScheduler: order, tiers, limits and cancellation races (fake clock, no sleeps)."""
+
+from __future__ import annotations
+
+import asyncio
+from collections import Counter
+
+import pytest
+
+from fair_sched_plugin.core import (
+    FairScheduler,
+    FakeClock,
+    InflightLimitGate,
+    Lease,
+    ManualGate,
+    TierLimits,
+)
+from fair_sched_plugin.errors import QueueFull, QueueTimeout, SchedulerClosed
+
+from .conftest import TIERS, drain, make_scheduler, settle, ticket
+
+
+def submit(
+    scheduler: FairScheduler, user: str, count: int = 1, **options: object
+) -> list[asyncio.Task[Lease]]:
+    return [
+        asyncio.create_task(scheduler.acquire(ticket(user, **options)))  # type: ignore[arg-type]
+        for _ in range(count)
+    ]
+
+
+def released_users(gate: ManualGate) -> list[str]:
+    return [lease.ticket.user for lease in gate.released]
+
+
+async def test_late_user_goes_right_after_the_current_turn(
+    gate: ManualGate, clock: FakeClock
+) -> None:
+    scheduler = make_scheduler(gate, clock)
+    submit(scheduler, "a", 100)
+    await settle()
+    gate.allow(1)
+    submit(scheduler, "b", 1)
+    await settle()
+    gate.allow(2)
+    assert released_users(gate) == ["a", "b", "a"]
+    await drain(scheduler)
+
+
+async def test_three_users_are_served_round_robin(gate: ManualGate, clock: FakeClock) -> None:
+    scheduler = make_scheduler(gate, clock)
+    for user in ("a", "b", "c"):
+        submit(scheduler, user, 3)
+    await settle()
+    gate.allow(9)
+    assert released_users(gate) == ["a", "b", "c"] * 3
+
+
+async def test_weights_two_to_one_give_two_to_one_releases(
+    gate: ManualGate, clock: FakeClock
+) -> None:
+    scheduler = make_scheduler(gate, clock, fairness="weighted")
+    submit(scheduler, "heavy", 60, weight=2.0)
+    submit(scheduler, "light", 60, weight=1.0)
+    await settle()
+    gate.allow(60)
+    counts = Counter(released_users(gate))
+    assert counts["heavy"] == 40
+    assert counts["light"] == 20
+    await drain(scheduler)
+
+
+async def test_round_robin_ignores_weights(gate: ManualGate, clock: FakeClock) -> None:
+    scheduler = make_scheduler(gate, clock)
+    submit(scheduler, "heavy", 10, weight=5.0)
+    submit(scheduler, "light", 10, weight=1.0)
+    await settle()
+    gate.allow(10)
+    assert Counter(released_users(gate)) == {"heavy": 5, "light": 5}
+
+
+async def test_token_fairness_equalises_served_tokens(clock: FakeClock) -> None:
+    """A long-request user and a short-request user end up within one maximum request."""
+    gate = InflightLimitGate(1)
+    scheduler = FairScheduler(TIERS, gate, clock=clock, fairness="tokens")
+    long_tasks = submit(scheduler, "long", 40, cost=1000)
+    short_tasks = submit(scheduler, "short", 400, cost=100)
+    served: Counter[str] = Counter()
+    pending = {task for task in long_tasks + short_tasks}
+    for _ in range(200):
+        await settle()
+        done = [task for task in pending if task.done()]
+        assert len(done) == 1
+        lease = done[0].result()
+        pending.discard(done[0])
+        tokens = lease.ticket.cost
+        served[lease.ticket.user] += tokens
+        lease.release(tokens_used=tokens)
+    assert abs(served["long"] - served["short"]) <= 1000
+    await drain(scheduler)
+
+
+async def test_token_fairness_corrects_the_estimate_with_actual_tokens(clock: FakeClock) -> None:
+    """Estimates say equal; the actual counts reported at release decide the next turns."""
+    gate = InflightLimitGate(1)
+    scheduler = FairScheduler(TIERS, gate, clock=clock, fairness="tokens")
+    tasks = submit(scheduler, "verbose", 20, cost=100) + submit(scheduler, "terse", 20, cost=100)
+    order = []
+    remaining = set(tasks)
+    for _ in range(20):
+        await settle()
+        (task,) = [task for task in remaining if task.done()]
+        remaining.discard(task)
+        lease = task.result()
+        order.append(lease.ticket.user)
+        lease.release(tokens_used=400 if lease.ticket.user == "verbose" else 100)
+    counts = Counter(order)
+    assert counts["terse"] >= 3 * counts["verbose"] - 4
+    await drain(scheduler)
+
+
+async def test_idle_user_cannot_bank_credit(gate: ManualGate, clock: FakeClock) -> None:
+    scheduler = make_scheduler(gate, clock)
+    submit(scheduler, "a", 20)
+    submit(scheduler, "b", 20)
+    await settle()
+    gate.allow(20)
+    submit(scheduler, "c", 10)
+    await settle()
+    gate.allow(6)
+    recent = released_users(gate)[-6:]
+    assert recent.count("c") == 2
+    await drain(scheduler)
+
+
+async def test_lower_tier_waits_while_a_higher_tier_can_release(
+    gate: ManualGate, clock: FakeClock
+) -> None:
+    scheduler = make_scheduler(gate, clock)
+    submit(scheduler, "bot", 5, tier="batch")
+    await settle()
+    submit(scheduler, "human", 2, tier="interactive")
+    await settle()
+    gate.allow(3)
+    assert released_users(gate) == ["human", "human", "bot"]
+    await drain(scheduler)
+
+
+class _TierGate(ManualGate):
+    """Open for the named tiers only."""
+
+    def __init__(self, open_tiers: set[str]) -> None:
+        super().__init__(is_open=True)
+        self.open_tiers = open_tiers
+
+    def may_release(self, model: str, tier: TierLimits) -> bool:
+        return tier.name in self.open_tiers
+
+
+async def test_lower_tier_goes_when_the_higher_tier_is_held_by_its_own_threshold(
+    clock: FakeClock,
+) -> None:
+    gate = _TierGate({"batch"})
+    scheduler = make_scheduler(gate, clock)  # type: ignore[arg-type]
+    human = submit(scheduler, "human", 1, tier="interactive")
+    bot = submit(scheduler, "bot", 1, tier="batch")
+    await settle()
+    assert bot[0].done() and not human[0].done()
+    await drain(scheduler)
+
+
+async def test_models_are_independent(gate: ManualGate, clock: FakeClock) -> None:
+    scheduler = make_scheduler(gate, clock)
+    submit(scheduler, "a", 3, model="m1")
+    submit(scheduler, "a", 1, model="m2")
+    await settle()
+    assert scheduler.statistics().queued_by_model_tier == {
+        ("m1", "interactive"): 3,
+        ("m2", "interactive"): 1,
+    }
+    await drain(scheduler)
+
+
+async def test_per_user_cap_rejects_with_retry_hint(gate: ManualGate, clock: FakeClock) -> None:
+    scheduler = make_scheduler(gate, clock, max_per_user=2)
+    submit(scheduler, "a", 2)
+    await settle()
+    with pytest.raises(QueueFull) as caught:
+        await scheduler.acquire(ticket("a"))
+    assert caught.value.scope == "user"
+    assert caught.value.retry_after_s >= 1
+    assert caught.value.status_code == 429
+    other = submit(scheduler, "b", 1)
+    await settle()
+    assert scheduler.statistics().queued == 3
+    assert scheduler.statistics().rejected_full_total == 1
+    await drain(scheduler)
+    assert other[0].done()
+
+
+async def test_total_cap_rejects(gate: ManualGate, clock: FakeClock) -> None:
+    scheduler = make_scheduler(gate, clock, max_total=3)
+    for user in "abc":
+        submit(scheduler, user)
+    await settle()
+    with pytest.raises(QueueFull) as caught:
+        await scheduler.acquire(ticket("d"))
+    assert caught.value.scope == "total"
+    await drain(scheduler)
+
+
+async def test_max_wait_raises_queue_timeout_and_frees_the_slot(
+    gate: ManualGate, clock: FakeClock
+) -> None:
+    scheduler = make_scheduler(gate, clock, max_wait_s=10)
+    early = submit(scheduler, "a", 1)
+    await settle()
+    clock.advance(5)
+    late = submit(scheduler, "b", 1)
+    await settle()
+    clock.advance(5.5)
+    await settle()
+    with pytest.raises(QueueTimeout):
+        early[0].result()
+    assert not late[0].done()
+    assert scheduler.statistics().queued == 1
+    assert scheduler.statistics().timed_out_total == 1
+    clock.advance(5)
+    await settle()
+    with pytest.raises(QueueTimeout):
+        late[0].result()
+    gate.allow(1)
+    assert gate.released == []
+
+
+async def test_release_is_idempotent(gate: ManualGate, clock: FakeClock) -> None:
+    gate.open()
+    scheduler = make_scheduler(gate, clock)
+    lease = await scheduler.acquire(ticket("a"))
+    assert lease.release() is True
+    assert lease.release() is False
+    assert lease.release(tokens_used=10) is False
+    stats = scheduler.statistics()
+    assert (stats.in_flight, stats.completed_total, len(gate.ended)) == (0, 1, 1)
+
+
+async def test_async_with_releases_on_exit_and_on_error(gate: ManualGate, clock: FakeClock) -> None:
+    gate.open()
+    scheduler = make_scheduler(gate, clock)
+    async with await scheduler.acquire(ticket("a")) as lease:
+        assert lease.active
+    assert not lease.active
+    with pytest.raises(RuntimeError):
+        async with await scheduler.acquire(ticket("a")):
+            raise RuntimeError("backend failed")
+    assert scheduler.statistics().in_flight == 0
+
+
+async def test_try_acquire_never_jumps_the_queue(gate: ManualGate, clock: FakeClock) -> None:
+    scheduler = make_scheduler(gate, clock)
+    assert scheduler.try_acquire(ticket("a")) is None  # gate closed
+    queued = submit(scheduler, "a", 1)
+    await settle()
+    gate.open()
+    await settle()
+    assert queued[0].done()
+    lease = scheduler.try_acquire(ticket("b"))
+    assert lease is not None
+    gate.close()
+    submit(scheduler, "c", 1, tier="interactive")
+    await settle()
+    assert scheduler.try_acquire(ticket("d", tier="batch")) is None
+    lease.release()
+    await drain(scheduler)
+
+
+async def test_cancelled_waiter_leaves_the_queue_at_once(
+    gate: ManualGate, clock: FakeClock
+) -> None:
+    """Race: cancelled while queued -> removed from its user's FIFO immediately."""
+    scheduler = make_scheduler(gate, clock)
+    (first,) = submit(scheduler, "a", 1)
+    (second,) = submit(scheduler, "a", 1)
+    await settle()
+    first.cancel()
+    await settle()
+    stats = scheduler.statistics()
+    assert (stats.queued, stats.cancelled_total) == (1, 1)
+    gate.allow(1)
+    await settle()
+    assert second.done() and second.result().active
+
+
+async def test_cancel_then_release_in_the_same_tick_skips_the_cancelled_waiter(
+    gate: ManualGate, clock: FakeClock
+) -> None:
+    """Race: the task is cancelled (its future is cancelled) but its cleanup has not run yet when
+    the gate opens; the release must skip it, not grant a lease nobody will use."""
+    scheduler = make_scheduler(gate, clock)
+    (doomed,) = submit(scheduler, "a", 1)
+    (other,) = submit(scheduler, "b", 1)
+    await settle()
+    doomed.cancel()
+    gate.allow(1)  # synchronously, before the cancelled task runs its except block
+    await settle()
+    assert doomed.cancelled()
+    assert other.done() and other.result().ticket.user == "b"
+    stats = scheduler.statistics()
+    assert (stats.queued, stats.in_flight, stats.cancelled_total) == (0, 1, 1)
+
+
+async def test_woken_then_cancelled_waiter_passes_its_turn_on(clock: FakeClock) -> None:
+    """Race: the lease was granted (future resolved) and the task is cancelled before it resumes;
+    the lease must go back and the next waiter get the capacity."""
+    gate = InflightLimitGate(1)
+    scheduler = FairScheduler(TIERS, gate, clock=clock)
+    holder = await scheduler.acquire(ticket("x"))
+    (woken,) = submit(scheduler, "a", 1)
+    (next_in_line,) = submit(scheduler, "b", 1)
+    await settle()
+    holder.release()  # grants "a" synchronously
+    woken.cancel()  # before "a" ever runs
+    await settle()
+    assert woken.cancelled()
+    assert next_in_line.done() and next_in_line.result().ticket.user == "b"
+    stats = scheduler.statistics()
+    assert (stats.in_flight, stats.abandoned_total) == (1, 1)
+    assert gate.in_flight("m") == 1
+
+
+async def test_abandoned_turn_is_not_charged(clock: FakeClock) -> None:
+    """Race: a woken-then-cancelled request must not cost its user a round-robin turn."""
+    gate = InflightLimitGate(1)
+    scheduler = FairScheduler(TIERS, gate, clock=clock)
+    holder = await scheduler.acquire(ticket("x"))
+    a_tasks = submit(scheduler, "a", 3)
+    b_tasks = submit(scheduler, "b", 3)
+    await settle()
+    holder.release()
+    a_tasks[0].cancel()
+    await settle()
+    # "b" got the freed slot; "a" is still first in line for the next one.
+    assert b_tasks[0].done()
+    b_tasks[0].result().release()
+    await settle()
+    assert a_tasks[1].done()
+    await drain(scheduler)
+
+
+async def test_timeout_and_cancel_do_not_double_count(gate: ManualGate, clock: FakeClock) -> None:
+    """Race: a waiter that timed out is then cancelled by its caller: it ends once, as a timeout."""
+    scheduler = make_scheduler(gate, clock, max_wait_s=1)
+    (task,) = submit(scheduler, "a", 1)
+    await settle()
+    clock.advance(2)
+    task.cancel()
+    await settle()
+    stats = scheduler.statistics()
+    assert stats.timed_out_total + stats.cancelled_total == 1
+    assert stats.queued == 0
+
+
+async def test_close_fails_waiters_and_refuses_new_tickets(
+    gate: ManualGate, clock: FakeClock
+) -> None:
+    gate.allow(1)
+    scheduler = make_scheduler(gate, clock)
+    held = await scheduler.acquire(ticket("a"))
+    waiting = submit(scheduler, "b", 2)
+    await settle()
+    await drain(scheduler)
+    for task in waiting:
+        with pytest.raises(SchedulerClosed):
+            task.result()
+    with pytest.raises(SchedulerClosed):
+        await scheduler.acquire(ticket("c"))
+    assert held.release() is True
+    assert scheduler.statistics().in_flight == 0
+
+
+async def test_unknown_tier_is_a_value_error(gate: ManualGate, clock: FakeClock) -> None:
+    scheduler = make_scheduler(gate, clock)
+    with pytest.raises(ValueError, match="unknown tier"):
+        await scheduler.acquire(ticket("a", tier="gold"))
+
+
+async def test_backlog_reports_depth_and_oldest(gate: ManualGate, clock: FakeClock) -> None:
+    scheduler = make_scheduler(gate, clock)
+    submit(scheduler, "a", 3)
+    await settle()
+    clock.advance(1)
+    submit(scheduler, "b", 1)
+    await settle()
+    backlog = {entry.user: entry for entry in scheduler.backlog()}
+    assert backlog["a"].depth == 3 and backlog["b"].depth == 1
+    assert backlog["a"].oldest_enqueued_at < backlog["b"].oldest_enqueued_at
+    await drain(scheduler)
+
+
+async def test_memory_follows_load_under_submit_and_cancel_abuse(
+    gate: ManualGate, clock: FakeClock
+) -> None:
+    scheduler = make_scheduler(gate, clock)
+    for _ in range(20):
+        tasks = submit(scheduler, "abuser", 50)
+        await settle()
+        for task in tasks:
+            task.cancel()
+        await settle()
+    assert scheduler.statistics().queued == 0
+    assert len(scheduler._deadlines) <= 128
+    assert all(not tier.users for q in scheduler._models.values() for tier in q.tiers)
