@@ -115,6 +115,9 @@ class MetricsUnavailableSettings(_Frozen):
 class BackendSettings(_Frozen):
     """One model group (a LiteLLM `model_name`): where its engine metrics are, what it supports."""
 
+    # Where the OpenAI-compatible API is (`http://host:8000/v1`): used by `fair-sched proxy`,
+    # and the default for `metrics_url` (`http://host:8000/metrics`).
+    api_base: str | None = None
     metrics_url: str | None = None
     # Several deployments behind one model name: their signals are summed.
     metrics_urls: tuple[str, ...] = ()
@@ -140,7 +143,7 @@ class BackendSettings(_Frozen):
                 raise ValueError(f"unknown signal {key!r}; expected one of {sorted(allowed)}")
         return names
 
-    @field_validator("metrics_url")
+    @field_validator("metrics_url", "api_base")
     @classmethod
     def _url_ok(cls, value: str | None) -> str | None:
         if value is not None:
@@ -157,6 +160,8 @@ class BackendSettings(_Frozen):
     def all_metrics_urls(self) -> tuple[str, ...]:
         """Every deployment's metrics URL, `metrics_url` first, without duplicates."""
         urls = ((self.metrics_url,) if self.metrics_url else ()) + self.metrics_urls
+        if not urls and self.api_base:
+            urls = (default_metrics_url(self.api_base),)
         return tuple(dict.fromkeys(urls))
 
 

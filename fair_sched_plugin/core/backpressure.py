@@ -150,7 +150,6 @@ class MetricsGate:
         else:
             state.in_flight -= 1
             self._settle(state, lease)
-        self._notify(model)
 
     # ------------------------------------------------------------------ decision
 

@@ -31,7 +31,7 @@ class AdmissionGate(Protocol):
         """The engine demonstrably took the request (first byte back)."""
 
     def on_ended(self, lease: Lease) -> None:
-        """The lease ended, whatever the outcome."""
+        """The lease ended, whatever the outcome (the scheduler then re-runs its decisions)."""
 
 
 class _ListenerMixin:
@@ -70,8 +70,8 @@ class InflightLimitGate(_ListenerMixin):
         pass
 
     def on_ended(self, lease: Lease) -> None:
+        # No notification: the scheduler re-runs its decisions after every lease end itself.
         self._in_flight[lease.ticket.model] -= 1
-        self._notify(lease.ticket.model)
 
 
 class ManualGate(_ListenerMixin):

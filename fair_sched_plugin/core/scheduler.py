@@ -531,6 +531,8 @@ class FairScheduler:
     # ------------------------------------------------------------------ deadlines
 
     def _arm_deadline_timer(self) -> None:
+        if self._deadline_timer is not None and self._deadlines and self._deadlines[0].state == _QUEUED:
+            return  # armed for the head already (deadlines are in arrival order)
         while self._deadlines and self._deadlines[0].state != _QUEUED:
             self._deadlines.popleft()
         if not self._deadlines:

@@ -1,0 +1,103 @@
+"""Which Prometheus series carry our four signals, per engine.
+
+Each signal has a tuple of candidate sample names, preferred first: engines rename metrics between
+releases (vLLM's `gpu_cache_usage_perc` became `kv_cache_usage_perc`), and the first candidate
+present in a scrape wins. Names are matched against `sample.name` exactly as the engine prints it
+(counters keep their `_total`); `tpot` names a histogram, whose `_sum` and `_count` are read.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+from types import MappingProxyType
+from typing import Literal
+
+from ..config import BackendSettings
+
+__all__ = [
+    "SGLANG_PROFILE",
+    "TGI_PROFILE",
+    "VLLM_PROFILE",
+    "EngineName",
+    "MetricProfile",
+    "engine_profile",
+    "profile_for",
+]
+
+EngineName = Literal["vllm", "sglang", "tgi"]
+
+
+@dataclass(frozen=True)
+class MetricProfile:
+    """Candidate sample names for each signal; an empty tuple means the engine has no such signal.
+
+    `waiting` and `running` are required in every scrape; `kv_usage` (0..1) and `tpot` (a
+    time-per-output-token histogram in seconds) are optional.
+    """
+
+    engine: str
+    waiting: tuple[str, ...]
+    running: tuple[str, ...]
+    kv_usage: tuple[str, ...] = ()
+    tpot: tuple[str, ...] = ()
+
+    def __post_init__(self) -> None:
+        if not self.waiting or not self.running:
+            raise ValueError(f"{self.engine} profile needs `waiting` and `running` metric names")
+
+
+VLLM_PROFILE = MetricProfile(
+    engine="vllm",
+    waiting=("vllm:num_requests_waiting",),
+    running=("vllm:num_requests_running",),
+    kv_usage=("vllm:kv_cache_usage_perc", "vllm:gpu_cache_usage_perc"),
+    tpot=("vllm:inter_token_latency_seconds", "vllm:time_per_output_token_seconds"),
+)
+
+SGLANG_PROFILE = MetricProfile(
+    engine="sglang",
+    waiting=("sglang:num_queue_reqs",),
+    running=("sglang:num_running_reqs",),
+    kv_usage=("sglang:token_usage",),
+    tpot=("sglang:inter_token_latency_seconds", "sglang:time_per_output_token_seconds"),
+)
+
+TGI_PROFILE = MetricProfile(
+    engine="tgi",
+    waiting=("tgi_queue_size",),
+    running=("tgi_batch_current_size",),
+    kv_usage=(),  # TGI exports no KV-cache usage.
+    tpot=("tgi_request_mean_time_per_token_duration",),
+)
+
+_PROFILES = MappingProxyType({p.engine: p for p in (VLLM_PROFILE, SGLANG_PROFILE, TGI_PROFILE)})
+
+
+def engine_profile(engine: str) -> MetricProfile:
+    """The built-in profile of `engine` ("vllm", "sglang" or "tgi")."""
+    try:
+        return _PROFILES[engine]
+    except KeyError:
+        known = sorted(_PROFILES)
+        raise ValueError(f"unknown engine {engine!r}; expected one of {known}") from None
+
+
+def profile_for(backend: BackendSettings) -> MetricProfile:
+    """The backend's engine profile with its `metric_names` overrides applied.
+
+    An override replaces every candidate for that signal: a user who names a metric means that
+    one, so falling back to the engine's default name would hide a typo.
+    """
+    base = engine_profile(backend.engine)
+    names = backend.metric_names
+
+    def chosen(signal: str, default: tuple[str, ...]) -> tuple[str, ...]:
+        return (names[signal],) if signal in names else default
+
+    return replace(
+        base,
+        waiting=chosen("waiting", base.waiting),
+        running=chosen("running", base.running),
+        kv_usage=chosen("kv_usage", base.kv_usage),
+        tpot=chosen("tpot", base.tpot),
+    )

@@ -1,0 +1,265 @@
+"""Scrape one deployment's `/metrics` in the background and hand each result to a callback.
+
+Every cycle produces exactly one `BackendSnapshot`: ok with the parsed signals, or failed with a
+short reason. Failures are translated here, at the boundary; no httpx exception leaves this module.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Callable
+from types import TracebackType
+
+import httpx
+
+from ..core.snapshot import BackendSnapshot
+from .parser import MetricsParseError, ParsedMetrics, parse_metrics, recent_tpot
+from .profiles import MetricProfile
+
+__all__ = ["DEFAULT_MAX_BODY_BYTES", "MetricsWatcher"]
+
+logger = logging.getLogger(__name__)
+
+# A vLLM /metrics page is ~50 kB; anything this large is not an engine's metrics page.
+DEFAULT_MAX_BODY_BYTES = 5 * 1024 * 1024
+
+_SCRAPING = "scraping"
+_DELIVERING = "delivering a snapshot"
+
+
+class _ScrapeFailed(Exception):
+    """Internal: one scrape failed for an expected reason (network, status, size, encoding)."""
+
+
+class MetricsWatcher:
+    """One background task that scrapes `url` every `interval_s` and reports to `on_snapshot`.
+
+    `clock` is the time base of `BackendSnapshot.started_at` and must be the gate's clock; it
+    defaults to the running loop's time. Scheduling itself always uses the loop's time.
+    `request_early_scrape()` starts the next scrape now, but never sooner than `min_gap_s`
+    (default `interval_s / 4`) after the previous one started. Call it from the loop's thread.
+    """
+
+    def __init__(
+        self,
+        url: str,
+        profile: MetricProfile,
+        *,
+        model_name: str | None,
+        interval_s: float,
+        timeout_s: float,
+        on_snapshot: Callable[[BackendSnapshot], None],
+        client: httpx.AsyncClient | None = None,
+        clock: Callable[[], float] | None = None,
+        min_gap_s: float | None = None,
+        max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
+    ) -> None:
+        if interval_s <= 0 or timeout_s <= 0:
+            raise ValueError("interval_s and timeout_s must be greater than 0")
+        if min_gap_s is not None and min_gap_s < 0:
+            raise ValueError("min_gap_s must not be negative")
+        self.url = url
+        self._profile = profile
+        self._model_name = model_name
+        self._interval_s = interval_s
+        self._timeout_s = timeout_s
+        self._min_gap_s = interval_s / 4 if min_gap_s is None else min(min_gap_s, interval_s)
+        self._max_body_bytes = max_body_bytes
+        self._on_snapshot = on_snapshot
+        self._client = client
+        self._owns_client = client is None
+        self._clock = clock
+        self._task: asyncio.Task[None] | None = None
+        self._wake: asyncio.Event | None = None
+        self._closed = False
+        self._previous: ParsedMetrics | None = None
+        self._last_snapshot: BackendSnapshot | None = None
+        self._scrapes_total = 0
+        self._failures_total = 0
+        # A bug (not a network failure) is logged with its traceback once per streak, per place.
+        self._bug_streaks: set[str] = set()
+
+    # -- lifecycle -------------------------------------------------------------------------------
+
+    def start(self) -> None:
+        """Start scraping; needs a running event loop. A closed watcher cannot be restarted."""
+        if self._closed:
+            raise RuntimeError("MetricsWatcher is closed; create a new one")
+        if self._task is not None:
+            raise RuntimeError("MetricsWatcher is already started")
+        loop = asyncio.get_running_loop()
+        if self._client is None:
+            self._client = httpx.AsyncClient()
+        self._wake = asyncio.Event()
+        self._task = loop.create_task(self._run(), name=f"fair-sched metrics {self.url}")
+
+    async def aclose(self) -> None:
+        """Stop the task and close the client if this watcher created it. Idempotent."""
+        if self._closed:
+            return
+        self._closed = True
+        task, self._task = self._task, None
+        try:
+            if task is not None:
+                await self._stop(task)
+        finally:
+            if self._owns_client and self._client is not None:
+                await self._client.aclose()
+
+    async def _stop(self, task: asyncio.Task[None]) -> None:
+        # The wake-up is a second way out of the loop, should a cancellation be lost (a known
+        # asyncio.wait_for race before Python 3.12).
+        self.request_early_scrape()
+        task.cancel()
+        # asyncio.wait() neither raises the task's CancelledError nor swallows our own.
+        await asyncio.wait([task])
+        if not task.cancelled() and task.exception() is not None:
+            logger.error("metrics watcher for %s died", self.url, exc_info=task.exception())
+
+    async def __aenter__(self) -> MetricsWatcher:
+        self.start()
+        return self
+
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        traceback: TracebackType | None,
+    ) -> None:
+        await self.aclose()
+
+    # -- public state ----------------------------------------------------------------------------
+
+    def request_early_scrape(self) -> None:
+        """Scrape as soon as the minimum gap allows, e.g. right after releasing requests."""
+        if self._wake is not None:
+            self._wake.set()
+
+    @property
+    def last_snapshot(self) -> BackendSnapshot | None:
+        return self._last_snapshot
+
+    @property
+    def scrapes_total(self) -> int:
+        """Scrapes attempted and reported, failed ones included."""
+        return self._scrapes_total
+
+    @property
+    def failures_total(self) -> int:
+        return self._failures_total
+
+    @property
+    def is_running(self) -> bool:
+        return self._task is not None and not self._task.done()
+
+    # -- the loop --------------------------------------------------------------------------------
+
+    async def _run(self) -> None:
+        loop = asyncio.get_running_loop()
+        wake = self._wake
+        assert wake is not None  # set by start() before the task exists
+        while not self._closed:
+            scrape_began = loop.time()
+            # A request made while this scrape is in flight may postdate what it reads, so only
+            # requests made before it are cleared.
+            wake.clear()
+            snapshot = await self._scrape_once()
+            self._publish(snapshot)
+            await self._wait_for_next_scrape(loop, wake, scrape_began)
+
+    async def _wait_for_next_scrape(
+        self, loop: asyncio.AbstractEventLoop, wake: asyncio.Event, scrape_began: float
+    ) -> None:
+        until_due = scrape_began + self._interval_s - loop.time()
+        if until_due <= 0:
+            return
+        try:
+            await asyncio.wait_for(wake.wait(), timeout=until_due)
+        except asyncio.TimeoutError:
+            return
+        until_gap_over = scrape_began + self._min_gap_s - loop.time()
+        if until_gap_over > 0:
+            await asyncio.sleep(until_gap_over)
+
+    async def _scrape_once(self) -> BackendSnapshot:
+        started_at = self._now()  # before the GET: anything released earlier may be counted
+        try:
+            text = await self._fetch()
+            parsed = parse_metrics(text, self._profile, self._model_name)
+        except (_ScrapeFailed, MetricsParseError) as exc:
+            return self._failed(started_at, str(exc))
+        except Exception as exc:
+            # Not a network or format problem: a bug. Report the scrape as failed so the gate
+            # falls back safely, and keep the loop alive.
+            self._log_bug_once(_SCRAPING, exc)
+            return self._failed(started_at, f"internal error: {type(exc).__name__}")
+        tpot_s = recent_tpot(self._previous, parsed)
+        self._previous = parsed
+        self._bug_streaks.discard(_SCRAPING)
+        return BackendSnapshot(
+            url=self.url,
+            started_at=started_at,
+            ok=True,
+            waiting=parsed.waiting,
+            running=parsed.running,
+            kv_usage=parsed.kv_usage,
+            tpot_s=tpot_s,
+        )
+
+    async def _fetch(self) -> str:
+        client = self._client
+        assert client is not None  # set by start()
+        try:
+            # httpx's timeout bounds each phase; wait_for bounds the whole exchange, so a server
+            # that trickles bytes cannot stall the loop either.
+            return await asyncio.wait_for(self._fetch_text(client), timeout=self._timeout_s)
+        except (asyncio.TimeoutError, httpx.TimeoutException):
+            raise _ScrapeFailed(f"timed out after {self._timeout_s:g}s") from None
+        except httpx.HTTPError as exc:
+            raise _ScrapeFailed(f"{type(exc).__name__}: {exc}") from None
+
+    async def _fetch_text(self, client: httpx.AsyncClient) -> str:
+        async with client.stream("GET", self.url, timeout=self._timeout_s) as response:
+            if response.status_code != 200:
+                raise _ScrapeFailed(f"HTTP {response.status_code}")
+            declared = response.headers.get("content-length", "")
+            if declared.isdigit() and int(declared) > self._max_body_bytes:
+                raise _ScrapeFailed(f"body larger than {self._max_body_bytes} bytes")
+            body = bytearray()
+            async for chunk in response.aiter_bytes():
+                body += chunk
+                if len(body) > self._max_body_bytes:
+                    raise _ScrapeFailed(f"body larger than {self._max_body_bytes} bytes")
+        try:
+            return body.decode("utf-8")
+        except UnicodeDecodeError:
+            raise _ScrapeFailed("body is not UTF-8 text") from None
+
+    def _failed(self, started_at: float, reason: str) -> BackendSnapshot:
+        # DEBUG only: at 10 scrapes a second a dead engine would flood WARNING; the gate logs the
+        # transition to and from "metrics unavailable" once.
+        logger.debug("metrics scrape of %s failed: %s", self.url, reason)
+        return BackendSnapshot.failed(self.url, started_at, reason)
+
+    def _publish(self, snapshot: BackendSnapshot) -> None:
+        self._scrapes_total += 1
+        if not snapshot.ok:
+            self._failures_total += 1
+        self._last_snapshot = snapshot
+        try:
+            self._on_snapshot(snapshot)
+        except Exception as exc:
+            self._log_bug_once(_DELIVERING, exc)
+        else:
+            self._bug_streaks.discard(_DELIVERING)
+
+    def _log_bug_once(self, doing: str, exc: Exception) -> None:
+        if doing in self._bug_streaks:
+            logger.debug("metrics watcher for %s: error %s: %r", self.url, doing, exc)
+            return
+        self._bug_streaks.add(doing)
+        logger.error("metrics watcher for %s: unexpected error %s", self.url, doing, exc_info=exc)
+
+    def _now(self) -> float:
+        return self._clock() if self._clock is not None else asyncio.get_running_loop().time()
