@@ -1,0 +1,353 @@
+"""The one code path both integrations share: identity, admission, body rewrite and release.
+
+The LiteLLM callback and the ASGI middleware are thin adapters over `SchedulingService`:
+they turn their request into `Credentials` and a JSON body, call `admit()`, forward the request,
+and end the lease exactly once with `finish()`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Callable, Iterable, Mapping, MutableMapping
+from dataclasses import dataclass
+from typing import Any
+
+import httpx
+
+from .config import BackendSettings, FairSchedSettings, default_metrics_url, load_settings
+from .core import (
+    BackendGroup,
+    BackendSnapshot,
+    FairScheduler,
+    GateTransition,
+    Lease,
+    MetricsGate,
+    Ticket,
+    TierLimits,
+)
+from .errors import FairSchedError
+from .identity import Credentials, Principal, PrincipalDirectory
+from .metrics.profiles import profile_for
+from .metrics.watcher import MetricsWatcher
+
+logger = logging.getLogger("fair_sched")
+
+# What a request costs when it does not say how many tokens it may generate.
+DEFAULT_MAX_TOKENS = 256
+
+
+class ClientDisconnected(FairSchedError):
+    """The client went away while its request waited; it never reached the engine."""
+
+
+@dataclass(frozen=True)
+class Admission:
+    """A granted request: its lease, who it is, and the engine priority to send (if any)."""
+
+    lease: Lease
+    principal: Principal
+    engine_priority: int | None
+
+
+def estimate_prompt_tokens(body: Mapping[str, Any]) -> int:
+    """A cheap prompt-size estimate (~4 characters a token), good enough for fair ordering."""
+    characters = 0
+    messages = body.get("messages")
+    if isinstance(messages, list):
+        for message in messages:
+            if isinstance(message, Mapping):
+                content = message.get("content")
+                if isinstance(content, str):
+                    characters += len(content)
+                elif isinstance(content, list):
+                    for part in content:
+                        if isinstance(part, Mapping) and isinstance(part.get("text"), str):
+                            characters += len(part["text"])
+    prompt = body.get("prompt")
+    if isinstance(prompt, str):
+        characters += len(prompt)
+    elif isinstance(prompt, list):
+        characters += sum(len(item) for item in prompt if isinstance(item, str))
+    return max(1, characters // 4)
+
+
+def requested_max_tokens(body: Mapping[str, Any]) -> int:
+    for field in ("max_completion_tokens", "max_tokens"):
+        value = body.get(field)
+        if isinstance(value, int) and not isinstance(value, bool) and value > 0:
+            return value
+    return DEFAULT_MAX_TOKENS
+
+
+class SchedulingService:
+    """Settings, scheduler, metrics gate and watchers, with an explicit lifecycle.
+
+    Construct anywhere (nothing touches an event loop); `start()` from a running loop starts the
+    metrics watchers; `aclose()` stops them and fails whatever still waits.
+    `deployments` maps a model name to the `api_base` of each deployment behind it (LiteLLM's
+    `model_list`), used where `backends` gives no metrics URL.
+    """
+
+    def __init__(
+        self,
+        settings: FairSchedSettings | Mapping[str, Any] | str | None = None,
+        *,
+        deployments: Mapping[str, Iterable[str]] | None = None,
+        http_client: httpx.AsyncClient | None = None,
+    ) -> None:
+        self.settings = load_settings(settings)
+        self.directory = PrincipalDirectory(self.settings)
+        self.backends = _resolve_backends(self.settings, deployments or {})
+        groups = [
+            BackendGroup(
+                model=model,
+                metrics_urls=backend.all_metrics_urls(),
+                arrival_grace_s=backend.arrival_grace_ms / 1000,
+                fallback_max_inflight=(
+                    backend.on_metrics_unavailable or self.settings.on_metrics_unavailable
+                ).max_inflight,
+            )
+            for model, backend in self.backends.items()
+            if backend.all_metrics_urls()
+        ]
+        self._tiers = {tier.name: tier for tier in self.settings.tiers}
+        self.gate = MetricsGate(
+            groups,
+            stale_after_s=self.settings.effective_stale_after_ms / 1000,
+            unknown_model_max_inflight=self.settings.unknown_model_max_inflight,
+            on_transition=self._log_transition,
+            request_scrape=self._request_scrape,
+        )
+        queue = self.settings.queue
+        self.scheduler = FairScheduler(
+            [
+                TierLimits(
+                    tier.name,
+                    waiting_below=tier.waiting_below,
+                    tpot_below_s=tier.tpot_below_ms / 1000 if tier.tpot_below_ms else None,
+                    kv_usage_below=tier.kv_usage_below,
+                )
+                for tier in self.settings.tiers
+            ],
+            self.gate,
+            fairness=self.settings.fairness,
+            max_per_user=queue.max_per_user,
+            max_total=queue.max_total,
+            max_wait_s=queue.max_wait_s,
+        )
+        self._http_client = http_client
+        self._watchers: dict[str, list[MetricsWatcher]] = {}
+        self._started = False
+        self._closed = False
+        self.transitions: list[GateTransition] = []
+        self._transition_listeners: list[Callable[[GateTransition], None]] = []
+
+    # ------------------------------------------------------------------ lifecycle
+
+    @property
+    def started(self) -> bool:
+        return self._started
+
+    def start(self) -> None:
+        """Start one metrics watcher per deployment URL. Needs a running loop; idempotent."""
+        if self._closed:
+            raise RuntimeError("SchedulingService is closed")
+        if self._started:
+            return
+        self._started = True
+        settings = self.settings
+        for model, backend in self.backends.items():
+            profile = profile_for(backend)
+            for url in backend.all_metrics_urls():
+                watcher = MetricsWatcher(
+                    url,
+                    profile,
+                    model_name=backend.engine_model_name,
+                    interval_s=settings.metrics_poll_ms / 1000,
+                    timeout_s=settings.effective_metrics_timeout_ms / 1000,
+                    on_snapshot=self._snapshot_listener(model),
+                    client=self._http_client,
+                )
+                watcher.start()
+                self._watchers.setdefault(model, []).append(watcher)
+
+    async def aclose(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        self.scheduler.close()
+        watchers = [watcher for group in self._watchers.values() for watcher in group]
+        await asyncio.gather(*(watcher.aclose() for watcher in watchers), return_exceptions=True)
+
+    async def __aenter__(self) -> SchedulingService:
+        self.start()
+        return self
+
+    async def __aexit__(self, *exc_info: object) -> None:
+        await self.aclose()
+
+    def add_transition_listener(self, listener: Callable[[GateTransition], None]) -> None:
+        self._transition_listeners.append(listener)
+
+    # ------------------------------------------------------------------ the request path
+
+    def identify(self, credentials: Credentials) -> Principal:
+        return self.directory.resolve(credentials)
+
+    def ticket_for(self, principal: Principal, model: str, body: Mapping[str, Any]) -> Ticket:
+        cost = estimate_prompt_tokens(body) + requested_max_tokens(body)
+        return Ticket(
+            model=model,
+            user=principal.name,
+            tier=principal.tier,
+            weight=principal.weight,
+            cost=cost,
+        )
+
+    async def admit(
+        self,
+        principal: Principal,
+        model: str,
+        body: Mapping[str, Any],
+        *,
+        disconnected: asyncio.Event | None = None,
+    ) -> Admission:
+        """Wait for this request's turn. Raises `Rejected` (429/503) or `ClientDisconnected`.
+
+        A request whose client disconnects while parked leaves the queue and never gets a lease.
+        """
+        if not self._started:
+            self.start()
+        ticket = self.ticket_for(principal, model, body)
+        lease = self.scheduler.try_acquire(ticket)
+        if lease is None:
+            lease = await self._wait(ticket, disconnected)
+        return Admission(lease, principal, self.engine_priority(model, principal.tier))
+
+    async def _wait(self, ticket: Ticket, disconnected: asyncio.Event | None) -> Lease:
+        if disconnected is None:
+            return await self.scheduler.acquire(ticket)
+        if disconnected.is_set():
+            raise ClientDisconnected("client disconnected before its request was scheduled")
+        acquiring = asyncio.ensure_future(self.scheduler.acquire(ticket))
+        watching = asyncio.ensure_future(disconnected.wait())
+        try:
+            await asyncio.wait({acquiring, watching}, return_when=asyncio.FIRST_COMPLETED)
+        except BaseException:
+            # Our own task is being cancelled: make sure no lease outlives it.
+            _cancel_acquire(acquiring)
+            raise
+        finally:
+            watching.cancel()
+        if disconnected.is_set():
+            # Disconnect wins a tie: the engine must never see a request nobody waits for.
+            _cancel_acquire(acquiring)
+            raise ClientDisconnected("client disconnected while its request waited")
+        return acquiring.result()
+
+    def engine_priority(self, model: str, tier_name: str) -> int | None:
+        """The `priority` to send for this tier, or None where the backend does not support it."""
+        backend = self.backends.get(model)
+        if backend is None or not backend.priority_scheduling or backend.engine == "tgi":
+            return None
+        priority = self._tiers[tier_name].vllm_priority
+        # vLLM serves lower values first; SGLang higher first unless started otherwise.
+        if backend.engine == "sglang" and not backend.priority_low_values_first:
+            return -priority
+        return priority
+
+    @staticmethod
+    def rewrite_priority(
+        body: MutableMapping[str, Any], priority: int | None, *, via_extra_body: bool
+    ) -> None:
+        """Remove whatever priority the client sent; set ours where the backend supports it.
+
+        LiteLLM forwards `extra_body.priority` as the engine's top-level `priority` (and consumes a
+        top-level `priority` itself), so the LiteLLM adapter passes `via_extra_body=True`.
+        """
+        body.pop("priority", None)
+        extra_body = body.get("extra_body")
+        if isinstance(extra_body, MutableMapping):
+            extra_body.pop("priority", None)
+            if not extra_body:
+                body.pop("extra_body", None)
+        elif extra_body is not None:
+            body.pop("extra_body", None)
+        if priority is None:
+            return
+        if via_extra_body:
+            extra = body.setdefault("extra_body", {})
+            extra["priority"] = priority
+        else:
+            body["priority"] = priority
+
+    @staticmethod
+    def finish(lease: Lease, tokens_used: int | None = None) -> bool:
+        """End the lease (idempotent); True for the call that ended it."""
+        return lease.release(tokens_used=tokens_used)
+
+    # ------------------------------------------------------------------ observation
+
+    def watchers(self) -> Mapping[str, list[MetricsWatcher]]:
+        return self._watchers
+
+    # ------------------------------------------------------------------ internals
+
+    def _snapshot_listener(self, model: str) -> Callable[[BackendSnapshot], None]:
+        def on_snapshot(snapshot: BackendSnapshot) -> None:
+            self.gate.update(model, snapshot)
+
+        return on_snapshot
+
+    def _request_scrape(self, model: str) -> None:
+        for watcher in self._watchers.get(model, ()):
+            watcher.request_early_scrape()
+
+    def _log_transition(self, transition: GateTransition) -> None:
+        self.transitions.append(transition)
+        del self.transitions[:-100]
+        if transition.new == "fallback":
+            cap = self.gate.groups()[transition.model].fallback_max_inflight
+            logger.warning(
+                "fair_sched gate model=%s mode=fallback reason=%r: engine metrics unavailable, "
+                "limiting to %d in flight per deployment",
+                transition.model,
+                transition.reason,
+                cap,
+            )
+        elif transition.old == "fallback":
+            logger.warning(
+                "fair_sched gate model=%s mode=metrics: engine metrics recovered", transition.model
+            )
+        else:
+            logger.info("fair_sched gate model=%s mode=%s", transition.model, transition.new)
+        for listener in self._transition_listeners:
+            listener(transition)
+
+
+def _cancel_acquire(acquiring: asyncio.Future[Lease]) -> None:
+    """Stop waiting for a lease; if one was already granted, give it back unused."""
+    if not acquiring.done():
+        # The scheduler's own cancellation path removes the waiter, or hands back a lease that
+        # was granted but not yet seen by the waiting task.
+        acquiring.cancel()
+        return
+    if not acquiring.cancelled() and acquiring.exception() is None:
+        acquiring.result().abandon()
+
+
+def _resolve_backends(
+    settings: FairSchedSettings, deployments: Mapping[str, Iterable[str]]
+) -> dict[str, BackendSettings]:
+    """`backends` from the settings, with metrics URLs filled in from deployments' api_base."""
+    resolved = dict(settings.backends)
+    for model, api_bases in deployments.items():
+        urls = tuple(dict.fromkeys(default_metrics_url(base) for base in api_bases if base))
+        backend = resolved.get(model)
+        if backend is None:
+            if urls:
+                resolved[model] = BackendSettings(metrics_urls=urls)
+        elif not backend.all_metrics_urls() and urls:
+            resolved[model] = backend.model_copy(update={"metrics_urls": urls})
+    return resolved

@@ -1,0 +1,23 @@
+# Sourced by scripts/test and scripts/demo: a project virtualenv with every extra installed.
+# Re-installs only when pyproject.toml changed since the last install.
+set -euo pipefail
+ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+VENV="${FAIR_SCHED_VENV:-$ROOT/.venv}"
+PYTHON_BIN="${PYTHON:-python3}"
+if [ ! -x "$VENV/bin/python" ]; then
+    "$PYTHON_BIN" -m venv "$VENV"
+fi
+STAMP="$VENV/.fair-sched-installed"
+WANT="$(sha256sum "$ROOT/pyproject.toml" | cut -d' ' -f1)"
+if [ ! -f "$STAMP" ] || [ "$(cat "$STAMP")" != "$WANT" ]; then
+    echo "installing fair-sched-plugin and its extras into $VENV ..." >&2
+    "$VENV/bin/python" -m pip install -q --disable-pip-version-check --upgrade pip >/dev/null 2>&1 || true
+    "$VENV/bin/python" -m pip install -q --disable-pip-version-check -e "$ROOT[dev,litellm,redis,bench]" 2>&1 \
+        | grep -v "is ignored: it is neither a file nor a directory" >&2 || true
+    "$VENV/bin/python" -c "import fair_sched_plugin, litellm, redis, matplotlib" \
+        || { echo "installation failed" >&2; exit 1; }
+    echo "$WANT" > "$STAMP"
+fi
+export PATH="$VENV/bin:$PATH"
+# LiteLLM must not fetch its price list from the internet.
+export LITELLM_LOCAL_MODEL_COST_MAP=True

@@ -1,0 +1,171 @@
+"""Settings are validated once, with messages that name the key path and the bad value."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from fair_sched_plugin.config import default_metrics_url, load_settings, parse_settings
+from fair_sched_plugin.errors import ConfigError
+
+BAD_CONFIGS: list[tuple[str, Any, str]] = [
+    ("not a mapping", ["tiers"], "fair_sched: must be a mapping"),
+    ("unknown top-level key", {"fairnes": "round_robin"}, "fair_sched.fairnes: unknown key"),
+    ("unknown policy", {"fairness": "lottery"}, "fair_sched.fairness: Input should be"),
+    (
+        "negative threshold",
+        {"tiers": [{"name": "a", "waiting_below": -1}]},
+        "fair_sched.tiers[0].waiting_below",
+    ),
+    ("zero threshold", {"tiers": [{"name": "a", "waiting_below": 0}]}, "(got 0)"),
+    (
+        "tpot not a number",
+        {"tiers": [{"name": "a", "tpot_below_ms": "fast"}]},
+        "fair_sched.tiers[0].tpot_below_ms",
+    ),
+    (
+        "kv usage above 1",
+        {"tiers": [{"name": "a", "kv_usage_below": 1.5}]},
+        "fair_sched.tiers[0].kv_usage_below",
+    ),
+    ("no tiers", {"tiers": []}, "fair_sched.tiers: needs at least one tier"),
+    ("duplicate tiers", {"tiers": [{"name": "a"}, {"name": "a"}]}, "duplicate tier names ['a']"),
+    ("bad tier name", {"tiers": [{"name": "has space"}]}, "fair_sched.tiers[0].name"),
+    (
+        "unknown default tier",
+        {"default_tier": "gold"},
+        "fair_sched.default_tier: unknown tier 'gold'",
+    ),
+    (
+        "principal with unknown tier",
+        {"principals": [{"name": "a", "keys": ["k"], "tier": "gold"}]},
+        "fair_sched.principals[0].tier: unknown tier 'gold'",
+    ),
+    (
+        "principal without keys or match",
+        {"principals": [{"name": "a"}]},
+        "fair_sched.principals[0]: needs `keys` or `match`",
+    ),
+    (
+        "malformed sha256 key",
+        {"principals": [{"name": "a", "keys": ["sha256:abc"]}]},
+        "fair_sched.principals[0].keys",
+    ),
+    (
+        "a key owned twice",
+        {"principals": [{"name": "a", "keys": ["k1"]}, {"name": "b", "keys": ["k1"]}]},
+        "fair_sched.principals[1].keys: a key is also listed for principal 'a'",
+    ),
+    (
+        "weight zero",
+        {"principals": [{"name": "a", "keys": ["k"], "weight": 0}]},
+        "fair_sched.principals[0].weight",
+    ),
+    ("empty match", {"principals": [{"name": "a", "match": {}}]}, "fair_sched.principals[0].match"),
+    (
+        "bad metrics url",
+        {"backends": {"m": {"metrics_url": "ftp://x"}}},
+        "fair_sched.backends.m.metrics_url: must be an http(s) URL (got 'ftp://x')",
+    ),
+    ("unknown engine", {"backends": {"m": {"engine": "triton"}}}, "fair_sched.backends.m.engine"),
+    (
+        "unknown metric signal",
+        {"backends": {"m": {"metric_names": {"queue": "x"}}}},
+        "fair_sched.backends.m.metric_names",
+    ),
+    ("queue cap zero", {"queue": {"max_per_user": 0}}, "fair_sched.queue.max_per_user"),
+    ("queue typo", {"queue": {"max_per_usr": 3}}, "fair_sched.queue.max_per_usr: unknown key"),
+    ("poll too fast", {"metrics_poll_ms": 1}, "fair_sched.metrics_poll_ms"),
+    ("bad state url", {"state": "postgres://x"}, "fair_sched.state: must be memory://"),
+    ("bad identity source", {"identity": {"source": "cookie"}}, "fair_sched.identity.source"),
+]
+
+
+@pytest.mark.parametrize(
+    ("case", "section", "expected"), BAD_CONFIGS, ids=[c[0] for c in BAD_CONFIGS]
+)
+def test_bad_config_names_the_key_path(case: str, section: Any, expected: str) -> None:
+    with pytest.raises(ConfigError) as caught:
+        parse_settings(section)
+    assert expected in str(caught.value)
+
+
+def test_keys_are_never_echoed_in_errors() -> None:
+    with pytest.raises(ConfigError) as caught:
+        parse_settings({"principals": [{"name": "a", "keys": ["sha256:not-hex-secret-value"]}]})
+    assert "secret" not in str(caught.value)
+
+
+def test_defaults_match_the_design() -> None:
+    settings = parse_settings({})
+    assert [tier.name for tier in settings.tiers] == ["interactive", "batch"]
+    assert settings.tiers[0].waiting_below == 3 and settings.tiers[1].waiting_below == 1
+    assert settings.fairness == "round_robin"
+    assert settings.metrics_poll_ms == 100
+    assert settings.effective_stale_after_ms == 1000
+    assert settings.identity.source == "auth"
+
+
+def test_design_example_parses(tmp_path: Path) -> None:
+    path = tmp_path / "config.yaml"
+    path.write_text(
+        """
+model_list: []
+fair_sched:
+  tiers:
+    - {name: interactive, waiting_below: 3, tpot_below_ms: 150, vllm_priority: 0}
+    - {name: batch, waiting_below: 1, vllm_priority: 10}
+  default_tier: interactive
+  fairness: round_robin
+  principals:
+    - {name: alice, keys: ["sk-alice-1"], tier: interactive, weight: 1}
+    - {name: ci-bot, keys: ["sha256:9f2c5e0a6f3d0f0b7c1f2e3d4c5b6a79881726354453627180f9e8d7c6b5a4f3"], tier: batch}
+    - {name: chat-ui, match: {team_id: chat}, tier: interactive, weight: 2}
+  backends:
+    llama-70b: {metrics_url: "http://vllm-a:8000/metrics", engine: vllm, priority_scheduling: true}
+  queue: {max_per_user: 1000, max_total: 100000, max_wait_s: 600}
+  metrics_poll_ms: 100
+"""
+    )
+    settings = load_settings(path)
+    assert settings.principals[2].match is not None
+    assert settings.backends["llama-70b"].priority_scheduling
+
+
+def test_litellm_config_without_section_gets_defaults(tmp_path: Path) -> None:
+    path = tmp_path / "config.yaml"
+    path.write_text("model_list: []\nlitellm_settings: {}\n")
+    assert load_settings(path) == parse_settings({})
+
+
+def test_environment_variable_names_the_file(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    path = tmp_path / "fair.yaml"
+    path.write_text("fairness: tokens\n")
+    monkeypatch.setenv("FAIR_SCHED_CONFIG", str(path))
+    assert load_settings().fairness == "tokens"
+
+
+def test_unreadable_and_invalid_files(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match="cannot read"):
+        load_settings(tmp_path / "missing.yaml")
+    broken = tmp_path / "broken.yaml"
+    broken.write_text("fair_sched: [unclosed\n")
+    with pytest.raises(ConfigError, match="not valid YAML"):
+        load_settings(broken)
+
+
+@pytest.mark.parametrize(
+    ("api_base", "expected"),
+    [
+        ("http://vllm:8000/v1", "http://vllm:8000/metrics"),
+        ("http://vllm:8000/v1/", "http://vllm:8000/metrics"),
+        ("https://host/prefix/v1", "https://host/prefix/metrics"),
+        ("http://127.0.0.1:9000", "http://127.0.0.1:9000/metrics"),
+    ],
+)
+def test_metrics_url_defaults_from_api_base(api_base: str, expected: str) -> None:
+    assert default_metrics_url(api_base) == expected

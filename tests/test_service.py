@@ -1,0 +1,166 @@
+"""SchedulingService: the path both integrations share."""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+import pytest
+
+from fair_sched_plugin.errors import QueueFull
+from fair_sched_plugin.identity import Credentials
+from fair_sched_plugin.service import (
+    ClientDisconnected,
+    SchedulingService,
+    estimate_prompt_tokens,
+    requested_max_tokens,
+)
+
+
+async def settle() -> None:
+    for _ in range(5):
+        await asyncio.sleep(0)
+
+
+BODY = {"model": "m", "messages": [{"role": "user", "content": "x" * 400}], "max_tokens": 50}
+
+
+def service(**settings: Any) -> SchedulingService:
+    return SchedulingService({"unknown_model_max_inflight": 1, **settings})
+
+
+async def test_disconnect_while_parked_leaves_the_queue_and_never_gets_a_lease() -> None:
+    svc = service()
+    principal = svc.identify(Credentials(api_key="sk-a"))
+    holder = await svc.admit(principal, "m", BODY)
+    gone = asyncio.Event()
+    parked = asyncio.create_task(svc.admit(principal, "m", BODY, disconnected=gone))
+    await settle()
+    assert svc.scheduler.statistics().queued == 1
+    gone.set()
+    with pytest.raises(ClientDisconnected):
+        await parked
+    await settle()
+    holder.lease.release()
+    stats = svc.scheduler.statistics()
+    assert (stats.queued, stats.in_flight, stats.released_total) == (0, 0, 1)
+    await svc.aclose()
+
+
+async def test_disconnect_and_release_in_the_same_tick_gives_the_lease_back() -> None:
+    """Race: the lease is granted and the client disconnects before the waiter resumes; the
+    disconnect wins and the engine never sees the request."""
+    svc = service()
+    principal = svc.identify(Credentials(api_key="sk-a"))
+    holder = await svc.admit(principal, "m", BODY)
+    gone = asyncio.Event()
+    parked = asyncio.create_task(svc.admit(principal, "m", BODY, disconnected=gone))
+    await settle()
+    holder.lease.release()  # grants the parked request synchronously
+    gone.set()
+    with pytest.raises(ClientDisconnected):
+        await parked
+    for _ in range(3):
+        await settle()
+    stats = svc.scheduler.statistics()
+    assert (stats.in_flight, stats.abandoned_total) == (0, 1)
+    await svc.aclose()
+
+
+async def test_cancelling_the_request_task_leaks_no_lease() -> None:
+    """Race: the request's own task is cancelled while parked (server shutdown, timeout)."""
+    svc = service()
+    principal = svc.identify(Credentials(api_key="sk-a"))
+    holder = await svc.admit(principal, "m", BODY)
+    parked = asyncio.create_task(svc.admit(principal, "m", BODY, disconnected=asyncio.Event()))
+    await settle()
+    parked.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await parked
+    await settle()
+    holder.lease.release()
+    stats = svc.scheduler.statistics()
+    assert (stats.queued, stats.in_flight) == (0, 0)
+    await svc.aclose()
+
+
+async def test_queue_full_is_raised_to_the_integration() -> None:
+    svc = service(queue={"max_per_user": 1})
+    principal = svc.identify(Credentials(api_key="sk-a"))
+    holder = await svc.admit(principal, "m", BODY)
+    parked = asyncio.create_task(svc.admit(principal, "m", BODY))
+    await settle()
+    with pytest.raises(QueueFull):
+        await svc.admit(principal, "m", BODY)
+    holder.lease.release()
+    (await parked).lease.release()
+    await svc.aclose()
+
+
+def test_engine_priority_follows_the_backend() -> None:
+    svc = SchedulingService(
+        {
+            "backends": {
+                "v": {"metrics_url": "http://127.0.0.1:1/metrics", "priority_scheduling": True},
+                "plain": {"metrics_url": "http://127.0.0.1:1/metrics"},
+                "s": {
+                    "metrics_url": "http://127.0.0.1:1/metrics",
+                    "engine": "sglang",
+                    "priority_scheduling": True,
+                },
+                "t": {
+                    "metrics_url": "http://127.0.0.1:1/metrics",
+                    "engine": "tgi",
+                    "priority_scheduling": True,
+                },
+            }
+        }
+    )
+    assert svc.engine_priority("v", "batch") == 10
+    assert svc.engine_priority("plain", "batch") is None
+    assert svc.engine_priority("s", "batch") == -10
+    assert svc.engine_priority("t", "batch") is None
+    assert svc.engine_priority("unknown", "batch") is None
+
+
+@pytest.mark.parametrize("via_extra_body", [True, False])
+def test_client_priority_is_always_removed(via_extra_body: bool) -> None:
+    body: dict[str, Any] = {
+        "model": "m",
+        "priority": -100,
+        "extra_body": {"priority": -100, "top_k": 3},
+    }
+    SchedulingService.rewrite_priority(body, None, via_extra_body=via_extra_body)
+    assert "priority" not in body and body["extra_body"] == {"top_k": 3}
+    SchedulingService.rewrite_priority(body, 10, via_extra_body=via_extra_body)
+    if via_extra_body:
+        assert body["extra_body"] == {"top_k": 3, "priority": 10} and "priority" not in body
+    else:
+        assert body["priority"] == 10 and body["extra_body"] == {"top_k": 3}
+
+
+def test_non_mapping_extra_body_is_dropped() -> None:
+    body: dict[str, Any] = {"model": "m", "extra_body": "priority=-1"}
+    SchedulingService.rewrite_priority(body, None, via_extra_body=True)
+    assert "extra_body" not in body
+
+
+def test_metrics_urls_default_from_deployments() -> None:
+    svc = SchedulingService(
+        {"backends": {"m": {"priority_scheduling": True}}},
+        deployments={"m": ["http://a:8000/v1", "http://b:8000/v1"], "n": ["http://c:8000/v1"]},
+    )
+    assert svc.backends["m"].all_metrics_urls() == (
+        "http://a:8000/metrics",
+        "http://b:8000/metrics",
+    )
+    assert svc.backends["m"].priority_scheduling
+    assert svc.backends["n"].all_metrics_urls() == ("http://c:8000/metrics",)
+
+
+def test_cost_estimates() -> None:
+    assert estimate_prompt_tokens(BODY) == 100
+    assert requested_max_tokens(BODY) == 50
+    assert requested_max_tokens({"max_completion_tokens": 7, "max_tokens": 50}) == 7
+    assert requested_max_tokens({}) == 256
+    assert estimate_prompt_tokens({"prompt": ["abcd" * 10, 5]}) == 10
