@@ -16,16 +16,29 @@ import statistics
 import time
 import tracemalloc
 
-from fair_sched_plugin.core import FairScheduler, FakeClock, InflightLimitGate, Lease, Ticket, TierLimits
+from fair_sched_plugin.core import (
+    FairnessPolicy,
+    FairScheduler,
+    FakeClock,
+    InflightLimitGate,
+    Lease,
+    Ticket,
+    TierLimits,
+)
 
 TIERS = (TierLimits("interactive", waiting_below=3), TierLimits("batch", waiting_below=1))
 
 
-async def _run_pairs(users: int, pairs: int, fairness: str) -> tuple[float, list[float]]:
+async def _run_pairs(users: int, pairs: int, fairness: FairnessPolicy) -> tuple[float, list[float]]:
     clock = FakeClock()
     gate = InflightLimitGate(8)
     scheduler = FairScheduler(
-        TIERS, gate, clock=clock, fairness=fairness, max_per_user=10, max_total=10 * users + 100  # type: ignore[arg-type]
+        TIERS,
+        gate,
+        clock=clock,
+        fairness=fairness,
+        max_per_user=10,
+        max_total=10 * users + 100,
     )
     granted: list[Lease] = []
     loop = asyncio.get_running_loop()
@@ -34,7 +47,9 @@ async def _run_pairs(users: int, pairs: int, fairness: str) -> tuple[float, list
         # A waiter without a task: the future is resolved by the release decision itself.
         waiter_ticket = Ticket(model="m", user=f"u{user}", tier="interactive", cost=100)
         future = scheduler._enqueue(waiter_ticket).future
-        future.add_done_callback(lambda f: granted.append(f.result()) if not (f.cancelled() or f.exception()) else None)
+        future.add_done_callback(
+            lambda f: granted.append(f.result()) if not (f.cancelled() or f.exception()) else None
+        )
 
     for user in range(users):
         park(user)
@@ -68,10 +83,14 @@ async def _bytes_per_ticket(count: int) -> float:
     gc.collect()
     tracemalloc.start()
     clock = FakeClock()
-    scheduler = FairScheduler(TIERS, InflightLimitGate(1), clock=clock, max_per_user=count, max_total=count)
+    scheduler = FairScheduler(
+        TIERS, InflightLimitGate(1), clock=clock, max_per_user=count, max_total=count
+    )
     before = tracemalloc.get_traced_memory()[0]
     futures = [
-        scheduler._enqueue(Ticket(model="m", user=f"u{i % 1000}", tier="interactive", cost=100)).future
+        scheduler._enqueue(
+            Ticket(model="m", user=f"u{i % 1000}", tier="interactive", cost=100)
+        ).future
         for i in range(count)
     ]
     after = tracemalloc.get_traced_memory()[0]
@@ -86,7 +105,9 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--users", type=int, nargs="+", default=[10, 1000, 10000])
     parser.add_argument("--pairs", type=int, default=200_000)
-    parser.add_argument("--fairness", default="round_robin", choices=["round_robin", "weighted", "tokens"])
+    parser.add_argument(
+        "--fairness", default="round_robin", choices=["round_robin", "weighted", "tokens"]
+    )
     args = parser.parse_args()
     print(f"fairness={args.fairness} pairs={args.pairs}")
     print(f"{'backlogged users':>17} {'pairs/s':>10} {'p50 us':>8} {'p99 us':>8}")
@@ -95,7 +116,9 @@ def main() -> None:
         quantiles = statistics.quantiles(latencies, n=100)
         print(f"{users:>17} {rate:>10,.0f} {quantiles[49]:>8.1f} {quantiles[98]:>8.1f}")
     per_ticket = asyncio.run(_bytes_per_ticket(50_000))
-    print(f"bytes per parked ticket (50,000 parked, waiter + future + queue entries): {per_ticket:,.0f}")
+    print(
+        f"bytes per parked ticket (50,000 parked; waiter, future, queue entries): {per_ticket:,.0f}"
+    )
 
 
 if __name__ == "__main__":

@@ -531,7 +531,8 @@ class FairScheduler:
     # ------------------------------------------------------------------ deadlines
 
     def _arm_deadline_timer(self) -> None:
-        if self._deadline_timer is not None and self._deadlines and self._deadlines[0].state == _QUEUED:
+        head = self._deadlines[0] if self._deadlines else None
+        if self._deadline_timer is not None and head is not None and head.state == _QUEUED:
             return  # armed for the head already (deadlines are in arrival order)
         while self._deadlines and self._deadlines[0].state != _QUEUED:
             self._deadlines.popleft()
