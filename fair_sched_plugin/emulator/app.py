@@ -309,14 +309,15 @@ class CompletionResponse:
 
     async def _stream(self, seq: Sequence, send: Send) -> None:
         await send({"type": "http.response.start", "status": 200, "headers": _SSE_HEADERS})
+        # Like vLLM, the opening chunk goes out with the first token, i.e. once the request is
+        # scheduled, never while it waits in the queue.
         opening = self._renderer.stream_start()
-        if opening:
-            await send({"type": "http.response.body", "body": opening, "more_body": True})
         while count := await seq.next_tokens():
             if self._client_gone.is_set():
                 return
             # next_tokens hands out everything generated so far: if finished, the last is here.
-            body = self._renderer.token_events(count, seq.state is SequenceState.FINISHED)
+            body = opening + self._renderer.token_events(count, seq.state is SequenceState.FINISHED)
+            opening = b""
             await send({"type": "http.response.body", "body": body, "more_body": True})
         if self._client_gone.is_set():
             return  # nobody to finish the stream for

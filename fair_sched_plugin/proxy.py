@@ -1,0 +1,292 @@
+"""A standalone fair proxy: an OpenAI-compatible pass-through for teams without LiteLLM.
+
+    fair-sched proxy --config fair_sched.yaml --port 4000
+
+Each model named in `fair_sched.backends` with an `api_base` is served: `POST /v1/chat/completions`,
+`/v1/completions` and `/v1/responses` are forwarded to `{api_base}/chat/completions` (and so on)
+with the body as the scheduler left it; `GET /v1/models` lists the models, `GET /health` answers.
+Scheduling is done by `FairSchedulerMiddleware` around the routes, not by the routes themselves.
+Responses stream through unbuffered with the upstream status and content type; when the client
+goes away the upstream response is closed, so the engine frees the sequence. The client's
+`Authorization` is never forwarded: it identifies the caller to us, not to the engine.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import logging
+import sys
+from collections.abc import AsyncGenerator, AsyncIterator, Mapping
+from typing import Any
+
+import httpx
+from starlette.applications import Starlette
+from starlette.middleware import Middleware
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.routing import Route
+from starlette.types import Receive, Scope, Send
+
+from .asgi import FairSchedulerMiddleware
+from .config import FairSchedSettings, load_settings
+from .errors import ConfigError
+from .service import SchedulingService
+
+__all__ = ["DEFAULT_TIMEOUT", "add_proxy_parser", "build_proxy_app"]
+
+logger = logging.getLogger("fair_sched.proxy")
+
+# A short connect timeout; a read timeout that only ends a stream silent for minutes (a long
+# generation is fine as long as tokens keep coming).
+DEFAULT_TIMEOUT = httpx.Timeout(connect=10.0, read=300.0, write=60.0, pool=300.0)
+
+# Routes served under both `/v1/...` and `/...`; the part after `/v1` is appended to `api_base`.
+_FORWARDED = ("/chat/completions", "/completions", "/responses")
+
+# Request headers passed to the engine. Everything else stays here, `authorization` above all.
+_FORWARD_REQUEST_HEADERS = ("content-type", "accept", "x-request-id")
+
+# Response headers that describe one hop, not the content.
+_HOP_BY_HOP = frozenset(
+    {
+        "connection",
+        "keep-alive",
+        "proxy-authenticate",
+        "proxy-authorization",
+        "te",
+        "trailer",
+        "transfer-encoding",
+        "upgrade",
+        "content-length",
+        "date",
+        "server",
+    }
+)
+
+
+def _error(
+    status: int, message: str, *, kind: str, code: str, param: str | None = None
+) -> Response:
+    body = {"error": {"message": message, "type": kind, "param": param, "code": code}}
+    return JSONResponse(body, status_code=status)
+
+
+class _UpstreamStream(StreamingResponse):
+    """The engine's response relayed chunk by chunk; the upstream is closed however it ends.
+
+    Starlette stops iterating when the client disconnects (or a send fails), which leaves the
+    generator suspended: `__call__`'s `finally` closes it and the upstream response explicitly.
+    """
+
+    def __init__(self, upstream: httpx.Response) -> None:
+        self._upstream = upstream
+        self._relay = self._relay_chunks(upstream)
+        headers = {
+            name: value
+            for name, value in upstream.headers.items()
+            if name.lower() not in _HOP_BY_HOP
+        }
+        super().__init__(self._relay, status_code=upstream.status_code, headers=headers)
+
+    @staticmethod
+    async def _relay_chunks(upstream: httpx.Response) -> AsyncGenerator[bytes, None]:
+        try:
+            async for chunk in upstream.aiter_raw():
+                yield chunk
+        except httpx.TransportError as exc:
+            # The client sees a cut connection (no final chunk), which is the truth.
+            logger.warning("fair_sched proxy: upstream stream broke: %s", exc)
+            raise
+        finally:
+            await upstream.aclose()
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            await self._relay.aclose()
+            await self._upstream.aclose()
+
+
+class _ProxyRoutes:
+    """The pass-through routes and the one HTTP client they share (open between startup and
+    shutdown)."""
+
+    def __init__(
+        self,
+        settings: FairSchedSettings,
+        *,
+        timeout: httpx.Timeout,
+        transport: httpx.AsyncBaseTransport | None,
+    ) -> None:
+        self.api_bases = {
+            model: backend.api_base.rstrip("/")
+            for model, backend in settings.backends.items()
+            if backend.api_base
+        }
+        self._timeout = timeout
+        self._transport = transport
+        self._client: httpx.AsyncClient | None = None
+
+    @contextlib.asynccontextmanager
+    async def lifespan(self, app: Starlette) -> AsyncIterator[None]:
+        # The scheduler bounds what is in flight; a pool limit here would only add a second,
+        # unfair queue behind it.
+        limits = httpx.Limits(max_connections=None, max_keepalive_connections=100)
+        async with httpx.AsyncClient(
+            timeout=self._timeout, limits=limits, transport=self._transport, trust_env=False
+        ) as client:
+            self._client = client
+            try:
+                yield
+            finally:
+                self._client = None
+
+    def routes(self) -> list[Route]:
+        routes = [
+            Route(prefix + path, self.forward, methods=["POST"])
+            for path in _FORWARDED
+            for prefix in ("/v1", "")
+        ]
+        routes.append(Route("/v1/models", self.list_models, methods=["GET"]))
+        routes.append(Route("/health", self.health, methods=["GET"]))
+        return routes
+
+    async def forward(self, request: Request) -> Response:
+        body = await request.body()
+        model = _model_of(body)
+        if model is None:
+            return _error(
+                400,
+                "the request body must be a JSON object with a string `model`",
+                kind="invalid_request_error",
+                code="invalid_request",
+                param="model",
+            )
+        api_base = self.api_bases.get(model)
+        if api_base is None:
+            return _error(
+                404,
+                f"The model `{model}` does not exist.",
+                kind="invalid_request_error",
+                code="model_not_found",
+                param="model",
+            )
+        client = self._client
+        if client is None:
+            return _error(503, "the proxy is not running", kind="server_error", code="not_ready")
+        path = request.url.path
+        suffix = path[len("/v1") :] if path.startswith("/v1/") else path
+        headers = {
+            name: request.headers[name]
+            for name in _FORWARD_REQUEST_HEADERS
+            if name in request.headers
+        }
+        # Raw bytes are relayed as they come, so ask for them uncompressed.
+        headers["accept-encoding"] = "identity"
+        upstream_request = client.build_request(
+            "POST", api_base + suffix, content=body, headers=headers
+        )
+        try:
+            upstream = await client.send(upstream_request, stream=True)
+        except httpx.TransportError as exc:
+            logger.warning(
+                "fair_sched proxy: cannot reach %s for model %r: %s", api_base, model, exc
+            )
+            return _error(
+                502,
+                f"the backend for model `{model}` cannot be reached",
+                kind="server_error",
+                code="upstream_unavailable",
+            )
+        return _UpstreamStream(upstream)
+
+    async def list_models(self, request: Request) -> Response:
+        data = [
+            {"id": model, "object": "model", "created": 0, "owned_by": "fair-sched"}
+            for model in self.api_bases
+        ]
+        return JSONResponse({"object": "list", "data": data})
+
+    async def health(self, request: Request) -> Response:
+        return JSONResponse({"status": "ok"})
+
+
+def _model_of(body: bytes) -> str | None:
+    try:
+        payload = json.loads(body) if body else None
+    except ValueError:
+        return None
+    if isinstance(payload, Mapping) and isinstance(payload.get("model"), str):
+        return str(payload["model"])
+    return None
+
+
+def build_proxy_app(
+    config: str | Mapping[str, Any] | FairSchedSettings | None = None,
+    *,
+    service: SchedulingService | None = None,
+    timeout: httpx.Timeout = DEFAULT_TIMEOUT,
+    transport: httpx.AsyncBaseTransport | None = None,
+) -> Starlette:
+    """The fair proxy as a Starlette app (serve it with any ASGI server).
+
+    `config` is a YAML path, a mapping or `FairSchedSettings` (or pass a ready `service`). The
+    scheduling service is `app.state.fair_sched`; the app's lifespan starts and stops it.
+    `transport` replaces the network for tests (httpx's transports).
+    """
+    service = service or SchedulingService(config)
+    proxy = _ProxyRoutes(service.settings, timeout=timeout, transport=transport)
+    app = Starlette(
+        routes=proxy.routes(),
+        middleware=[Middleware(FairSchedulerMiddleware, service=service)],
+        lifespan=proxy.lifespan,
+    )
+    app.state.fair_sched = service
+    return app
+
+
+# ----------------------------------------------------------------------------- command line
+
+
+def run_proxy_from_args(args: argparse.Namespace) -> int:
+    import uvicorn
+
+    try:
+        settings = load_settings(args.config)
+    except ConfigError as exc:
+        print(f"fair-sched proxy: {exc}", file=sys.stderr)
+        return 2
+    if not any(backend.api_base for backend in settings.backends.values()):
+        print(
+            "fair-sched proxy: no model to serve: give `api_base` to at least one entry of "
+            "fair_sched.backends",
+            file=sys.stderr,
+        )
+        return 2
+    uvicorn.run(
+        build_proxy_app(settings),
+        host=args.host,
+        port=args.port,
+        log_level=args.log_level,
+        lifespan="on",
+    )
+    return 0
+
+
+def add_proxy_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    """Register ``fair-sched proxy``; the handler is in ``args.handler``."""
+    parser = subparsers.add_parser(
+        "proxy", help="serve an OpenAI-compatible fair proxy in front of the configured backends"
+    )
+    parser.add_argument(
+        "--config", required=True, help="YAML file with a fair_sched section (or the section)"
+    )
+    parser.add_argument("--host", default="127.0.0.1")
+    parser.add_argument("--port", type=int, default=4000)
+    parser.add_argument(
+        "--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"]
+    )
+    parser.set_defaults(handler=run_proxy_from_args)

@@ -1,0 +1,317 @@
+"""The standalone fair proxy, end to end: clients -> proxy (uvicorn) -> emulator, on 127.0.0.1."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import pathlib
+import socket
+from typing import Any
+
+import httpx
+import pytest
+
+from fair_sched_plugin.proxy import add_proxy_parser, build_proxy_app
+from fair_sched_plugin.service import SchedulingService
+
+from .conftest import (
+    MODEL,
+    assert_idle,
+    cancel_all,
+    chat_body,
+    completion_body,
+    emulator,
+    fair_config,
+    gate_sees_metrics,
+    json_error,
+    open_client,
+    park_behind_full_engine,
+    serve,
+    sse_events,
+    wait_until,
+)
+
+FLOOD_SIZE = 60
+
+
+def service_of(app: Any) -> SchedulingService:
+    service: SchedulingService = app.state.fair_sched
+    return service
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port: int = sock.getsockname()[1]
+        return port
+
+
+# ----------------------------------------------------------------------------- plain routes
+
+
+async def test_models_health_and_non_streamed_completion() -> None:
+    async with emulator() as emu:
+        app = build_proxy_app(fair_config(emu))
+        async with serve(app) as url, open_client(url, key="sk-a") as client:
+            models = (await client.get("/v1/models")).json()
+            assert [model["id"] for model in models["data"]] == [MODEL]
+            assert (await client.get("/health")).status_code == 200
+
+            response = await client.post("/v1/chat/completions", json=chat_body(max_tokens=5))
+            assert response.status_code == 200
+            assert response.headers["content-type"].startswith("application/json")
+            assert response.json()["usage"]["completion_tokens"] == 5
+
+            text = await client.post("/v1/completions", json=completion_body(max_tokens=3))
+            assert text.status_code == 200
+            assert text.json()["object"] == "text_completion"
+            assert service_of(app).scheduler.statistics().released_total == 2
+            await assert_idle(service_of(app))
+
+
+async def test_upstream_status_and_content_type_are_preserved() -> None:
+    """The emulator has no /v1/responses: its 404 comes back as is; so does its 400."""
+    async with emulator() as emu:
+        app = build_proxy_app(fair_config(emu))
+        async with serve(app) as url, open_client(url, key="sk-a") as client:
+            missing = await client.post("/v1/responses", json={"model": MODEL, "input": "hi"})
+            assert missing.status_code == 404
+            assert missing.headers["content-type"].startswith("text/plain")
+
+            bad = await client.post("/v1/chat/completions", json=chat_body(max_tokens=0))
+            assert bad.status_code == 400
+            assert json_error(bad)["type"] == "BadRequestError"
+            await assert_idle(service_of(app))
+
+
+async def test_unknown_model_is_404_in_openai_shape() -> None:
+    async with emulator() as emu:
+        app = build_proxy_app(fair_config(emu))
+        async with serve(app) as url, open_client(url, key="sk-a") as client:
+            response = await client.post("/v1/chat/completions", json={**chat_body(), "model": "x"})
+            assert response.status_code == 404
+            error = json_error(response)
+            assert error["code"] == "model_not_found" and error["param"] == "model"
+            assert len(emu.engine.received) == 0
+            await assert_idle(service_of(app))
+
+
+async def test_unreachable_backend_is_502() -> None:
+    api_base = f"http://127.0.0.1:{free_port()}/v1"  # nothing listens there
+    app = build_proxy_app(
+        {
+            "backends": {MODEL: {"api_base": api_base}},
+            "metrics_poll_ms": 50,
+            "on_metrics_unavailable": {"max_inflight": 2},
+        }
+    )
+    async with serve(app) as url, open_client(url, key="sk-a") as client:
+        response = await client.post("/v1/chat/completions", json=chat_body())
+        assert response.status_code == 502
+        assert json_error(response)["code"] == "upstream_unavailable"
+        await assert_idle(service_of(app))
+
+
+async def test_client_authorization_is_not_forwarded() -> None:
+    seen: list[httpx.Headers] = []
+
+    def backend(request: httpx.Request) -> httpx.Response:
+        seen.append(request.headers)
+        # An unread stream, like a real transport's (a `json=` response is already consumed).
+        return httpx.Response(
+            200,
+            headers={"content-type": "application/json"},
+            stream=httpx.ByteStream(b'{"ok":true}'),
+        )
+
+    async with emulator() as emu:  # only for the metrics the gate reads
+        app = build_proxy_app(fair_config(emu), transport=httpx.MockTransport(backend))
+        async with serve(app) as url, open_client(url, key="sk-a") as client:
+            response = await client.post(
+                "/v1/chat/completions", json=chat_body(), headers={"x-api-key": "sk-a"}
+            )
+            assert response.status_code == 200 and response.json() == {"ok": True}
+            assert len(seen) == 1
+            assert "authorization" not in seen[0] and "x-api-key" not in seen[0]
+            assert seen[0]["content-type"] == "application/json"
+            await assert_idle(service_of(app))
+
+
+# ----------------------------------------------------------------------------- streaming
+
+
+async def test_stream_passes_through_unbuffered_and_ends_with_done() -> None:
+    """The first SSE chunk reaches the client while the engine is still generating."""
+    async with emulator(base_step_ms=10.0) as emu:
+        app = build_proxy_app(fair_config(emu))
+        async with serve(app) as url, open_client(url, key="sk-a") as client:
+            finished_when_first_chunk_arrived = None
+            chunks: list[bytes] = []
+            body = chat_body(max_tokens=30, stream=True)
+            async with client.stream("POST", "/v1/chat/completions", json=body) as response:
+                assert response.status_code == 200
+                assert response.headers["content-type"].startswith("text/event-stream")
+                async for chunk in response.aiter_raw():
+                    if finished_when_first_chunk_arrived is None:
+                        stats = emu.engine.statistics()
+                        finished_when_first_chunk_arrived = stats.requests_finished
+                    chunks.append(chunk)
+            assert finished_when_first_chunk_arrived == 0
+            assert len(chunks) > 2  # many reads, not one buffered body
+            events = sse_events(b"".join(chunks).decode())
+            assert events[-1] == "[DONE]"
+            assert sum('"content":" token"' in event for event in events) == 30
+            await assert_idle(service_of(app))
+
+
+# ----------------------------------------------------------------------------- disconnects
+
+
+async def test_disconnect_while_parked_never_reaches_the_engine() -> None:
+    async with emulator(max_num_seqs=1) as emu:
+        app = build_proxy_app(fair_config(emu, waiting_below=1))
+        service = service_of(app)
+        async with serve(app) as url, open_client(url, key="sk-a") as client:
+            await gate_sees_metrics(service)
+            hogs = await park_behind_full_engine(emu, service, client)
+
+            parked = asyncio.ensure_future(
+                client.post("/v1/chat/completions", json=chat_body(user="parked"))
+            )
+            await wait_until(lambda: service.scheduler.statistics().queued == 1)
+            parked.cancel()
+            await asyncio.gather(parked, return_exceptions=True)
+            await wait_until(lambda: service.scheduler.statistics().queued == 0)
+            assert service.scheduler.statistics().cancelled_total == 1
+
+            await cancel_all(hogs)
+            await assert_idle(service)
+            await wait_until(lambda: emu.engine.statistics()[:2] == (0, 0))
+            assert [r.user for r in emu.engine.received] == ["hog-1", "hog-2"]
+
+
+async def test_disconnect_mid_stream_releases_lease_and_engine_sequence() -> None:
+    async with emulator(max_num_seqs=2) as emu:
+        app = build_proxy_app(fair_config(emu))
+        service = service_of(app)
+        async with serve(app) as url, open_client(url, key="sk-a") as client:
+            body = chat_body(max_tokens=5000, stream=True)
+            async with client.stream("POST", "/v1/chat/completions", json=body) as response:
+                tokens = 0
+                async for chunk in response.aiter_raw():
+                    tokens += chunk.count(b'"content":" token"')
+                    if tokens >= 3:
+                        break
+            assert emu.engine.statistics().requests_received == 1
+            await assert_idle(service)
+            # The proxy closed its upstream connection: the engine aborted the sequence.
+            await wait_until(lambda: emu.engine.statistics().running == 0)
+            stats = emu.engine.statistics()
+            assert stats.requests_aborted == 1 and stats.requests_finished == 0
+            assert service.scheduler.statistics().completed_total == 1
+
+
+# ----------------------------------------------------------------------------- the flood
+
+
+async def _flood(
+    base_url: str, path: str, body: dict[str, Any], parked: Any
+) -> tuple[list[str], dict[str, int]]:
+    """User A sends FLOOD_SIZE streams at once; once `parked()` holds, B and C send one each.
+
+    Returns the completion order (user per finished stream) and, for B and C, how many of A's
+    streams finished before theirs.
+    """
+    order: list[str] = []
+
+    async def stream(client: httpx.AsyncClient, user: str) -> None:
+        async with client.stream("POST", path, json=body) as response:
+            assert response.status_code == 200, await response.aread()
+            text = (await response.aread()).decode()
+        assert sse_events(text)[-1] == "[DONE]"
+        order.append(user)
+
+    async with contextlib.AsyncExitStack() as stack:
+        clients = {
+            user: await stack.enter_async_context(open_client(base_url, key=f"sk-{user.lower()}"))
+            for user in "ABC"
+        }
+        flood = [asyncio.ensure_future(stream(clients["A"], "A")) for _ in range(FLOOD_SIZE)]
+        try:
+            await wait_until(parked, timeout_s=15)
+            light = [asyncio.ensure_future(stream(clients[user], user)) for user in "BC"]
+            await asyncio.wait_for(asyncio.gather(*flood, *light), timeout=40)
+        finally:
+            await cancel_all([*flood])
+    ranks = {user: order[: order.index(user)].count("A") for user in "BC"}
+    return order, ranks
+
+
+@pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions"])
+async def test_flood_light_users_overtake_heavy_user(path: str) -> None:
+    """B and C finish before most of A's flood with the proxy, after nearly all of it without.
+
+    The engine's waiting queue stays within `waiting_below` (+1: a released request counts as
+    pending until its first byte or a scrape sent `arrival_grace_ms` after its release, so only
+    a request slower than that to reach the engine, on a loaded machine, can be missed once).
+    """
+
+    def body(max_tokens: int) -> dict[str, Any]:
+        make = completion_body if path == "/v1/completions" else chat_body
+        return make(max_tokens=max_tokens, stream=True)
+
+    # Without the scheduler: the engine's FIFO puts B and C behind all of A's requests.
+    async with emulator(max_num_seqs=4) as emu:
+        _, direct_ranks = await _flood(
+            emu.base_url,
+            path,
+            body(16),
+            lambda: emu.engine.statistics().requests_received == FLOOD_SIZE,
+        )
+        direct_max_waiting = emu.engine.statistics().max_waiting_seen
+
+    async with emulator(max_num_seqs=4) as emu:
+        app = build_proxy_app(fair_config(emu))
+        service = service_of(app)
+        async with serve(app) as url:
+            await gate_sees_metrics(service)
+
+            def parked() -> bool:
+                stats = service.scheduler.statistics()
+                return stats.queued + stats.released_total == FLOOD_SIZE and stats.queued > 0
+
+            _, fair_ranks = await _flood(url, path, body(16), parked)
+            fair_max_waiting = emu.engine.statistics().max_waiting_seen
+            await assert_idle(service)
+
+    print(
+        f"\nflood {path}: A finished before B/C: direct {direct_ranks}, fair {fair_ranks}; "
+        f"engine max waiting: direct {direct_max_waiting}, fair {fair_max_waiting}"
+    )
+    for user in "BC":
+        assert direct_ranks[user] >= 0.7 * FLOOD_SIZE
+        assert fair_ranks[user] <= 0.3 * FLOOD_SIZE
+    waiting_below = 2
+    assert fair_max_waiting <= waiting_below + 1
+    assert fair_max_waiting < direct_max_waiting
+
+
+# ----------------------------------------------------------------------------- command line
+
+
+def test_proxy_subcommand_parses_and_rejects_a_config_without_backends(
+    tmp_path: pathlib.Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    parser = argparse.ArgumentParser(prog="fair-sched")
+    add_proxy_parser(parser.add_subparsers(dest="command", required=True))
+    config = tmp_path / "fair.yaml"
+    config.write_text("fair_sched:\n  metrics_poll_ms: 50\n")
+    args = parser.parse_args(["proxy", "--config", str(config), "--port", "0"])
+    assert (args.host, args.port) == ("127.0.0.1", 0)
+    assert args.handler(args) == 2
+    assert "api_base" in capsys.readouterr().err
+
+    config.write_text("fair_sched:\n  metrics_poll_ms: 1\n")
+    assert args.handler(args) == 2
+    assert "fair_sched.metrics_poll_ms" in capsys.readouterr().err
