@@ -89,6 +89,18 @@ class PrincipalDirectory:
             return None
         return self._principal(entry[1])
 
+    def principal_for_digest(self, hexdigest: str) -> Principal | None:
+        """The principal owning a key whose SHA-256 hex digest is given (LiteLLM's key hash)."""
+        entry = self._by_digest.get(hexdigest.lower())
+        if entry is None or not hmac.compare_digest(entry[0], hexdigest.lower()):
+            return None
+        return self._principal(entry[1])
+
+    def principal_named(self, name: str) -> Principal | None:
+        """A configured principal by name (for identities our own authentication vouched for)."""
+        configured = self._by_name.get(name)
+        return self._principal(configured) if configured is not None else None
+
     def resolve(self, credentials: Credentials) -> Principal:
         source = self._settings.identity.source
         if source != "auth" and credentials.claimed_user:
@@ -99,6 +111,10 @@ class PrincipalDirectory:
             return Principal(f"user:{claimed}", self._default_tier, 1.0, known=False)
         if credentials.api_key:
             principal = self.principal_for_key(credentials.api_key)
+            if principal is not None:
+                return principal
+        if credentials.key_hash:
+            principal = self.principal_for_digest(credentials.key_hash)
             if principal is not None:
                 return principal
         matched = self._match(credentials)

@@ -1,0 +1,83 @@
+"""LiteLLM proxy integration (needs the `litellm` extra).
+
+In the proxy's config file::
+
+    litellm_settings:
+      callbacks: ["fair_sched_plugin.litellm.scheduler"]
+    general_settings:
+      custom_auth: fair_sched_plugin.litellm.authenticate   # only where keys come from principals
+    fair_sched: {...}
+
+Imported by a running proxy, this module reads and validates the `fair_sched:` section at once
+(an invalid one stops the proxy at start-up), wraps the proxy app so a client leaving while queued
+is noticed, and starts the metrics watchers on the proxy's event loop.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+from typing import Any
+
+from fastapi import HTTPException, Request
+from litellm.proxy._types import LitellmUserRoles, UserAPIKeyAuth
+
+from ._callback import LEASE_KEY, PRINCIPAL_KEY, FairSchedCallback
+from ._disconnect import DisconnectWatch, current_disconnect_event
+from ._proxy import build_proxy_service, install_disconnect_watch, running_proxy
+
+__all__ = [
+    "LEASE_KEY",
+    "DisconnectWatch",
+    "FairSchedCallback",
+    "authenticate",
+    "current_disconnect_event",
+    "scheduler",
+]
+
+
+def _attach() -> FairSchedCallback:
+    callback = FairSchedCallback(build_proxy_service)
+    proxy_server = running_proxy()
+    if proxy_server is not None:
+        # Inside the proxy: validate now (start-up fails on a bad section) and start watching.
+        service = callback.service
+        install_disconnect_watch(proxy_server)
+        try:
+            asyncio.get_running_loop()
+        except RuntimeError:
+            pass  # started lazily on the first request
+        else:
+            service.start()
+        from ..observability import install_litellm_routes
+
+        install_litellm_routes(proxy_server, callback)
+    return callback
+
+
+scheduler = _attach()
+
+
+async def authenticate(request: Request, api_key: str) -> UserAPIKeyAuth:
+    """`general_settings.custom_auth`: accept the master key and the keys of `principals`.
+
+    LiteLLM runs custom auth before its own master-key check, so the master key is accepted here.
+    Unknown keys get 401; the key itself is never logged or echoed.
+    """
+    proxy_server = running_proxy()
+    master_key = getattr(proxy_server, "master_key", None) if proxy_server else None
+    if master_key and hmac.compare_digest(api_key.encode(), str(master_key).encode()):
+        return UserAPIKeyAuth(
+            api_key=api_key, user_role=LitellmUserRoles.PROXY_ADMIN, user_id="admin"
+        )
+    principal = scheduler.service.directory.principal_for_key(api_key)
+    if principal is None:
+        raise HTTPException(status_code=401, detail="fair_sched: unknown API key")
+    metadata: dict[str, Any] = {PRINCIPAL_KEY: principal.name}
+    return UserAPIKeyAuth(
+        api_key=api_key,
+        user_id=principal.name,
+        key_alias=principal.name,
+        metadata=metadata,
+        user_role=LitellmUserRoles.INTERNAL_USER,
+    )

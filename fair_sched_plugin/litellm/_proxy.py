@@ -1,0 +1,118 @@
+"""Attaching to a running LiteLLM proxy: its config file, its deployments, its ASGI app.
+
+LiteLLM imports our callback module while it loads its config, inside the app's lifespan (so an
+event loop is running). That is where the `fair_sched:` section is read and validated: an invalid
+section raises `ConfigError` (a `ValueError`), which stops the proxy at start-up with our message.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import os
+import sys
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from ..config import FairSchedSettings, load_settings
+from ..errors import ConfigError
+from ..service import SchedulingService
+from ._disconnect import DisconnectWatch
+
+logger = logging.getLogger("fair_sched")
+
+PROXY_MODULE = "litellm.proxy.proxy_server"
+
+
+def running_proxy() -> Any | None:
+    """LiteLLM's proxy_server module when we are imported inside a running proxy, else None."""
+    return sys.modules.get(PROXY_MODULE)
+
+
+def proxy_config_path(proxy_server: Any | None) -> Path | None:
+    """The config file the proxy was started with (`--config`), if any."""
+    candidates = [
+        getattr(proxy_server, "user_config_file_path", None) if proxy_server else None,
+        os.environ.get("CONFIG_FILE_PATH"),
+    ]
+    worker_config = os.environ.get("WORKER_CONFIG")
+    if worker_config:
+        with contextlib.suppress(ValueError, AttributeError):
+            candidates.append(json.loads(worker_config).get("config"))
+    for candidate in candidates:
+        if candidate and Path(candidate).is_file():
+            return Path(candidate).resolve()
+    return None
+
+
+def _read_yaml(path: Path) -> Mapping[str, Any]:
+    try:
+        document = yaml.safe_load(path.read_text(encoding="utf-8")) or {}
+    except (OSError, yaml.YAMLError) as exc:
+        raise ConfigError(f"cannot read LiteLLM config {str(path)!r}: {exc}") from None
+    return document if isinstance(document, Mapping) else {}
+
+
+def _resolve_env(value: Any) -> Any:
+    # LiteLLM's own convention for secrets and addresses in the config file.
+    if isinstance(value, str) and value.startswith("os.environ/"):
+        return os.environ.get(value.removeprefix("os.environ/"))
+    return value
+
+
+def deployments_from_model_list(model_list: Any) -> dict[str, list[str]]:
+    """model_name -> the api_base of each deployment (for default metrics URLs)."""
+    deployments: dict[str, list[str]] = {}
+    if not isinstance(model_list, list):
+        return deployments
+    for entry in model_list:
+        if not isinstance(entry, Mapping):
+            continue
+        name = entry.get("model_name")
+        params = entry.get("litellm_params")
+        api_base = _resolve_env(params.get("api_base")) if isinstance(params, Mapping) else None
+        if isinstance(name, str) and isinstance(api_base, str) and api_base:
+            deployments.setdefault(name, []).append(api_base)
+    return deployments
+
+
+def load_proxy_settings(proxy_server: Any | None) -> tuple[FairSchedSettings, dict[str, list[str]]]:
+    """Settings from FAIR_SCHED_CONFIG or the proxy's config file, and its deployments."""
+    config_path = proxy_config_path(proxy_server)
+    document = _read_yaml(config_path) if config_path else {}
+    deployments = deployments_from_model_list(document.get("model_list"))
+    if os.environ.get("FAIR_SCHED_CONFIG"):
+        return load_settings(os.environ["FAIR_SCHED_CONFIG"]), deployments
+    if config_path is None:
+        logger.warning("fair_sched: no LiteLLM config file found; using default settings")
+        return load_settings({}), deployments
+    section = document.get("fair_sched")
+    try:
+        return load_settings({"fair_sched": section or {}}), deployments
+    except ConfigError as exc:
+        raise ConfigError(f"{exc}\n  (in {config_path})") from None
+
+
+def install_disconnect_watch(proxy_server: Any) -> bool:
+    """Wrap the proxy's built middleware stack (add_middleware is refused once it has started)."""
+    app = getattr(proxy_server, "app", None)
+    stack = getattr(app, "middleware_stack", None)
+    if app is None or stack is None:
+        logger.warning(
+            "fair_sched: cannot watch for client disconnects (the proxy app is not built yet); "
+            "a client leaving while queued will still be sent to the engine"
+        )
+        return False
+    if not isinstance(stack, DisconnectWatch):
+        app.middleware_stack = DisconnectWatch(stack)
+    return True
+
+
+def build_proxy_service() -> SchedulingService:
+    proxy_server = running_proxy()
+    settings, deployments = load_proxy_settings(proxy_server)
+    return SchedulingService(settings, deployments=deployments)
