@@ -162,11 +162,22 @@ class MetricsGate:
         state.blocked_reason = reason
         if reason is None:
             return True
-        if reason == "waiting" and not state.scrape_requested and self._request_scrape:
-            # Credits are spent: ask for fresh numbers now rather than at the next tick.
+        if reason == "waiting" and not state.scrape_requested and self._scrape_would_settle(state):
+            # Credits are spent on requests a fresh scrape can account for: ask for it now
+            # rather than at the next tick. Blocked by the engine's own queue, an earlier scrape
+            # would change nothing, so none is asked for (no polling while parked).
             state.scrape_requested = True
-            self._request_scrape(model)
+            if self._request_scrape is not None:
+                self._request_scrape(model)
         return False
+
+    def _scrape_would_settle(self, state: _GroupState) -> bool:
+        pending = state.pending
+        while pending and pending[0].lease_id not in state.pending_ids:
+            pending.popleft()  # settled by first byte or end already
+        if not pending:
+            return False
+        return pending[0].released_at + state.spec.arrival_grace_s <= self._clock.now()
 
     def _blocked_reason(self, state: _GroupState, tier: TierLimits) -> str | None:
         deployments = len(state.spec.metrics_urls)

@@ -1,0 +1,225 @@
+"""The metrics watcher and gate against the live emulator: bursts, ceilings, faults, idle cost."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from typing import Any
+
+import httpx
+
+from fair_sched_plugin.core import BackendSnapshot
+from fair_sched_plugin.emulator.server import RunningEmulator, run_emulator
+from fair_sched_plugin.identity import Credentials
+from fair_sched_plugin.metrics.profiles import engine_profile
+from fair_sched_plugin.metrics.watcher import MetricsWatcher
+from fair_sched_plugin.service import SchedulingService
+
+from .conftest import (
+    MODEL,
+    cancel_all,
+    completion_body,
+    emulator,
+    emulator_config,
+    fair_config,
+    wait_until,
+)
+
+
+async def _forward(
+    service: SchedulingService, client: httpx.AsyncClient, user: str, body: dict[str, Any]
+) -> None:
+    """What an integration does: admit, forward (streaming), mark the first byte, release."""
+    principal = service.identify(Credentials(api_key=user))
+    admission = await service.admit(principal, MODEL, body)
+    try:
+        async with client.stream("POST", "/v1/completions", json=body) as response:
+            async for _ in response.aiter_raw():
+                admission.lease.mark_started()
+    finally:
+        admission.lease.release()
+
+
+async def test_watcher_reads_the_live_engine_rising_and_falling() -> None:
+    async with emulator(max_num_seqs=2, base_step_ms=5.0) as emu:
+        seen: list[BackendSnapshot] = []
+        watcher = MetricsWatcher(
+            f"{emu.base_url}/metrics",
+            engine_profile("vllm"),
+            model_name=None,
+            interval_s=0.02,
+            timeout_s=1.0,
+            on_snapshot=seen.append,
+        )
+        async with watcher, httpx.AsyncClient(base_url=emu.base_url, timeout=30) as client:
+            burst = [
+                asyncio.ensure_future(
+                    client.post("/v1/completions", json=completion_body(max_tokens=20))
+                )
+                for _ in range(12)
+            ]
+            await asyncio.wait_for(asyncio.gather(*burst), timeout=30)
+            await wait_until(
+                lambda: (
+                    bool(seen) and seen[-1].ok and seen[-1].running == 0 and seen[-1].waiting == 0
+                )
+            )
+        waiting = [snapshot.waiting for snapshot in seen if snapshot.ok]
+        running = [snapshot.running for snapshot in seen if snapshot.ok]
+        assert max(waiting) > 0 and max(running) == 2
+        assert waiting[-1] == 0 and running[-1] == 0
+        assert any(snapshot.tpot_s is not None for snapshot in seen)
+
+
+async def test_burst_of_1000_parked_requests_never_floods_the_engine_queue() -> None:
+    """1,000 requests from 10 users wait in our queues; the engine's waiting queue stays within
+    the threshold (the scrape lag is covered by the pending credits)."""
+    async with emulator(max_num_seqs=8, base_step_ms=2.0) as emu:
+        settings = fair_config(
+            emu, waiting_below=3, queue={"max_per_user": 1000, "max_total": 2000}
+        )
+        async with (
+            SchedulingService(settings) as service,
+            httpx.AsyncClient(
+                base_url=emu.base_url, timeout=120, limits=httpx.Limits(max_connections=None)
+            ) as client,
+        ):
+            await wait_until(lambda: service.gate.status()[0].mode == "metrics")
+            body = completion_body(max_tokens=4, stream=True)
+            requests = [
+                asyncio.ensure_future(_forward(service, client, f"sk-user-{i % 10}", body))
+                for i in range(1000)
+            ]
+            try:
+                await asyncio.wait_for(asyncio.gather(*requests), timeout=240)
+            finally:
+                await cancel_all(requests)
+            stats = emu.engine.statistics()
+            print(
+                f"\n1000-request burst: engine max waiting {stats.max_waiting_seen} (threshold 3)"
+            )
+            assert stats.requests_finished == 1000
+            assert stats.max_waiting_seen <= 3
+            scheduler_stats = service.scheduler.statistics()
+            assert (scheduler_stats.queued, scheduler_stats.in_flight) == (0, 0)
+
+
+async def test_tpot_ceiling_pauses_release_and_release_resumes() -> None:
+    async with emulator(max_num_seqs=4, base_step_ms=8.0) as emu:
+        settings = fair_config(emu, waiting_below=8)
+        settings["tiers"][0]["tpot_below_ms"] = 2  # below what the engine can do while busy
+        async with (
+            SchedulingService(settings) as service,
+            httpx.AsyncClient(base_url=emu.base_url, timeout=60) as client,
+        ):
+            await wait_until(lambda: service.gate.status()[0].mode == "metrics")
+            # Tokens flowing: the engine's recent TPOT (~8 ms) is above the 2 ms ceiling.
+            busy = [
+                asyncio.ensure_future(
+                    _forward(
+                        service, client, "sk-busy", completion_body(max_tokens=150, stream=True)
+                    )
+                )
+                for _ in range(2)
+            ]
+            await wait_until(lambda: (service.gate.status()[0].tpot_s or 0) > 0.002)
+            later = [
+                asyncio.ensure_future(
+                    _forward(service, client, f"sk-{i}", completion_body(max_tokens=4, stream=True))
+                )
+                for i in range(6)
+            ]
+            try:
+                await wait_until(lambda: service.scheduler.statistics().queued == 6)
+                await wait_until(lambda: service.gate.status()[0].blocked_reason == "tpot")
+                assert emu.engine.statistics().requests_received == 2
+                # Once the long requests end, no tokens flow, TPOT is unknown: release resumes.
+                await asyncio.wait_for(asyncio.gather(*busy, *later), timeout=60)
+            finally:
+                await cancel_all([*busy, *later])
+            assert emu.engine.statistics().requests_finished == 8
+
+
+async def _cpu_share(seconds: float) -> float:
+    cpu_before, wall_before = time.process_time(), time.perf_counter()
+    await asyncio.sleep(seconds)
+    return (time.process_time() - cpu_before) / (time.perf_counter() - wall_before)
+
+
+async def _gate_modes_under(emu: RunningEmulator, fault: dict[str, Any]) -> list[str]:
+    settings = fair_config(emu, metrics_poll_ms=20, stale_after_ms=200, metrics_timeout_ms=100)
+    async with (
+        SchedulingService(settings) as service,
+        httpx.AsyncClient(base_url=emu.base_url) as admin,
+    ):
+        await wait_until(lambda: service.gate.status()[0].mode == "metrics")
+        await admin.post("/emulator/faults", json=fault)
+        await wait_until(lambda: service.gate.status()[0].mode == "fallback", timeout_s=10)
+        # While the metrics are out, the in-flight cap still lets requests through.
+        principal = service.identify(Credentials(api_key="sk-a"))
+        admission = await asyncio.wait_for(
+            service.admit(principal, MODEL, completion_body()), timeout=5
+        )
+        admission.lease.release()
+        await admin.post("/emulator/faults", json={"metrics_mode": "ok", "metrics_delay_s": 0})
+        await wait_until(lambda: service.gate.status()[0].mode == "metrics", timeout_s=10)
+        return [transition.new for transition in service.transitions]
+
+
+async def test_failing_garbage_missing_and_slow_metrics_fall_back_and_recover() -> None:
+    faults = [
+        {"metrics_mode": "error"},
+        {"metrics_mode": "garbage"},
+        {"metrics_mode": "missing"},
+        {"metrics_delay_s": 1.0},
+    ]
+    async with emulator() as emu:
+        for fault in faults:
+            modes = await _gate_modes_under(emu, fault)
+            assert modes == ["metrics", "fallback", "metrics"], (fault, modes)
+
+
+async def test_engine_down_falls_back_and_recovers_when_it_returns() -> None:
+    async with emulator() as emu:
+        port = emu.port
+        settings = fair_config(emu, metrics_poll_ms=20, stale_after_ms=200, metrics_timeout_ms=100)
+    # The engine is gone now; the service starts against a dead address.
+    async with SchedulingService(settings) as service:
+        await wait_until(lambda: service.gate.status()[0].mode == "fallback", timeout_s=10)
+        async with run_emulator(emulator_config(), port=port) as emu_again:
+            assert emu_again.port == port
+            await wait_until(lambda: service.gate.status()[0].mode == "metrics", timeout_s=10)
+
+
+async def test_idle_gate_with_parked_requests_burns_almost_no_cpu() -> None:
+    """Parked requests cost nothing while the gate is closed: only the watcher's scrapes run."""
+    async with emulator(max_num_seqs=1, base_step_ms=5.0) as emu:
+        settings = fair_config(emu, waiting_below=1)
+        async with (
+            SchedulingService(settings) as service,
+            httpx.AsyncClient(base_url=emu.base_url, timeout=60) as client,
+        ):
+            await wait_until(lambda: service.gate.status()[0].mode == "metrics")
+            # Hold the engine: one long request keeps everything else parked.
+            blocker = asyncio.ensure_future(
+                _forward(service, client, "sk-block", completion_body(max_tokens=400, stream=True))
+            )
+            await wait_until(lambda: service.scheduler.statistics().in_flight == 1)
+            baseline = await _cpu_share(1.0)
+            parked = [
+                asyncio.ensure_future(
+                    _forward(service, client, f"sk-{i}", completion_body(max_tokens=1, stream=True))
+                )
+                for i in range(200)
+            ]
+            # One more fits into the engine's waiting queue (waiting_below 1); the rest park.
+            await wait_until(lambda: service.scheduler.statistics().queued == 199)
+            with_parked = await _cpu_share(1.0)
+            print(
+                f"\nidle gate: CPU share of this process (emulator streaming one request + watcher) "
+                f"{baseline:.1%} without parked requests, {with_parked:.1%} with 199 parked"
+            )
+            assert service.scheduler.statistics().queued == 199
+            # Nothing polls parked requests: they add (almost) nothing to the baseline.
+            assert with_parked < baseline * 1.5 + 0.05
+            await cancel_all([blocker, *parked])
