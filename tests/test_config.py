@@ -104,7 +104,8 @@ def test_defaults_match_the_design() -> None:
     assert settings.tiers[0].waiting_below == 3 and settings.tiers[1].waiting_below == 1
     assert settings.fairness == "round_robin"
     assert settings.metrics_poll_ms == 100
-    assert settings.effective_stale_after_ms == 1000
+    assert settings.effective_metrics_timeout_ms == 1000
+    assert settings.effective_stale_after_ms == 2000
     assert settings.identity.source == "auth"
 
 

@@ -11,6 +11,16 @@ as waiting or running). The estimate of the engine's queue is therefore
 which over-counts briefly (a request already in the engine's queue is also pending until the
 grace passes) and never under-counts the way "reset credits on every scrape" does.
 
+Pending requests that will find a free running slot never enter the engine's queue. The gate
+learns each deployment's capacity as the most requests it has seen running at once, and lets
+pending requests fill the slots the last scrape showed free (less those taken since):
+
+    waiting_at_last_scrape + max(0, pending - free_slots)
+
+Until the engine has been seen saturated the capacity is underestimated, which only makes the
+gate more careful. Without this, a tier that wants the queue empty (`waiting_below: 1`) would
+refill free slots one round trip at a time.
+
 Several deployments behind one model name are one group: their waiting counts are summed and the
 threshold scales with the number of deployments; TPOT and KV usage are the worst deployment's; a
 group is only as fresh as its stalest deployment. Without fresh metrics the group falls back to a
@@ -38,7 +48,7 @@ class BackendGroup:
 
     model: str
     metrics_urls: tuple[str, ...]
-    arrival_grace_s: float = 0.3
+    arrival_grace_s: float = 1.0
     fallback_max_inflight: int = 4  # per deployment
 
 
@@ -60,6 +70,7 @@ class GroupStatus(NamedTuple):
     tpot_s: float | None
     kv_usage: float | None
     pending: int
+    free_slots: float
     in_flight: int
     last_scrape_age_s: float | None
     blocked_reason: str | None
@@ -76,6 +87,10 @@ class _GroupState:
     pending_count: int = 0
     pending_ids: set[int] = field(default_factory=set)
     mode: GateMode = "starting"
+    # Most requests seen running at once, per deployment: the learned capacity.
+    capacity: dict[str, float] = field(default_factory=dict)
+    # First bytes since the last scrape: slots taken that the scrape could not show.
+    started_since_scrape: int = 0
     scrape_requested: bool = False
     blocked_reason: str | None = None
 
@@ -115,6 +130,10 @@ class MetricsGate:
         if snapshot.ok:
             state.latest_ok[snapshot.url] = snapshot
             state.last_error.pop(snapshot.url, None)
+            state.capacity[snapshot.url] = max(
+                state.capacity.get(snapshot.url, 0.0), snapshot.running
+            )
+            state.started_since_scrape = 0
             self._account_scraped(state)
         else:
             state.last_error[snapshot.url] = snapshot.error or "scrape failed"
@@ -136,6 +155,7 @@ class MetricsGate:
     def on_started(self, lease: Lease) -> None:
         state = self._groups.get(lease.ticket.model)
         if state is not None and self._settle(state, lease):
+            state.started_since_scrape += 1
             self._notify(lease.ticket.model)
 
     def on_ended(self, lease: Lease) -> None:
@@ -187,7 +207,8 @@ class MetricsGate:
             return "fallback_inflight"
         snapshots = state.latest_ok.values()
         waiting = sum(snapshot.waiting for snapshot in snapshots)
-        if waiting + state.pending_count >= tier.waiting_below * deployments:
+        queued_in_engine = waiting + max(0.0, state.pending_count - self._free_slots(state))
+        if queued_in_engine >= tier.waiting_below * deployments:
             return "waiting"
         if tier.tpot_below_s is not None:
             tpot = _worst(snapshot.tpot_s for snapshot in snapshots)
@@ -198,6 +219,14 @@ class MetricsGate:
             if kv_usage is not None and kv_usage >= tier.kv_usage_below:
                 return "kv_usage"
         return None
+
+    @staticmethod
+    def _free_slots(state: _GroupState) -> float:
+        free = sum(
+            max(0.0, state.capacity.get(url, 0.0) - snapshot.running)
+            for url, snapshot in state.latest_ok.items()
+        )
+        return max(0.0, free - state.started_since_scrape)
 
     # ------------------------------------------------------------------ observation
 
@@ -217,6 +246,7 @@ class MetricsGate:
                     tpot_s=_worst(s.tpot_s for s in snapshots),
                     kv_usage=_worst(s.kv_usage for s in snapshots),
                     pending=state.pending_count,
+                    free_slots=self._free_slots(state) if fresh else 0.0,
                     in_flight=state.in_flight,
                     last_scrape_age_s=(
                         now - min(s.started_at for s in snapshots) if fresh else None

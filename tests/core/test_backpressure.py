@@ -254,3 +254,32 @@ async def test_burst_never_exceeds_threshold_between_scrapes() -> None:
         gate.update("m", scrape(clock, waiting=granted_before))
         await settle()
     await drain(scheduler)
+
+
+async def test_pending_requests_fill_the_free_slots_the_engine_was_seen_to_have() -> None:
+    """Capacity is learned from the most requests seen running; pending requests that will find a
+    free slot do not count as queued, so a batch tier refills free slots in one go."""
+    clock = FakeClock()
+    gate, _, _ = make_gate(clock)
+    scheduler = FairScheduler([INTERACTIVE, BATCH], gate, clock=clock)
+    gate.update("m", scrape(clock, running=8))  # seen saturated: capacity 8
+    clock.advance(0.1)
+    gate.update("m", scrape(clock, running=4))  # four slots free
+    tasks = [asyncio.create_task(scheduler.acquire(ticket("bot", tier="batch"))) for _ in range(10)]
+    await settle()
+    granted = [task.result() for task in tasks if task.done()]
+    assert len(granted) == 5  # four fill the free slots, one more may wait (waiting_below 1)
+    assert gate.status()[0].free_slots == 4
+    # Slots taken since the scrape (first bytes) are no longer free.
+    for lease in granted[:4]:
+        lease.mark_started()
+    await settle()
+    assert sum(task.done() for task in tasks) == 5
+    await drain(scheduler)
+
+
+async def test_capacity_is_unknown_until_the_engine_has_run_anything() -> None:
+    clock = FakeClock()
+    gate, _, _ = make_gate(clock)
+    gate.update("m", scrape(clock, running=0))
+    assert gate.status()[0].free_slots == 0
