@@ -23,6 +23,7 @@ __all__ = [
     "FairSchedSettings",
     "IdentitySettings",
     "MetricsUnavailableSettings",
+    "ObservabilitySettings",
     "PrincipalMatch",
     "PrincipalSettings",
     "QueueSettings",
@@ -130,8 +131,9 @@ class BackendSettings(_Frozen):
     # The engine's `model_name` label to filter on; defaults to none (all series are summed).
     engine_model_name: str | None = None
     # How long a released request may take to reach the engine before a scrape is trusted to
-    # include it; until then it keeps counting against the waiting threshold.
-    arrival_grace_ms: Annotated[float, Field(ge=0)] = 300.0
+    # include it; until then (or its first byte) it keeps counting against the waiting threshold.
+    # A LiteLLM proxy on a busy host can take several hundred ms to forward a request.
+    arrival_grace_ms: Annotated[float, Field(ge=0)] = 1000.0
     on_metrics_unavailable: MetricsUnavailableSettings | None = None
 
     @field_validator("metric_names")
@@ -183,6 +185,45 @@ class IdentitySettings(_Frozen):
     header: str = "x-fair-sched-user"
 
 
+DEFAULT_WAIT_BUCKETS_S = (
+    0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0, 600.0
+)  # fmt: skip
+
+
+class ObservabilitySettings(_Frozen):
+    """The plugin's own metrics and status page (`/fair-sched/metrics`, `/fair-sched/status`).
+
+    `user_labels: principals` adds a `user` label naming configured principals (a bounded set);
+    every other caller is counted as `other`. Raw keys and key hashes never become labels.
+    `admin_key` guards the endpoints of the standalone proxy and the middleware (plain, or
+    `os.environ/NAME` to read it from the environment); LiteLLM uses its own master key.
+    """
+
+    user_labels: Literal["none", "principals"] = "none"
+    admin_key: str | None = None
+    # Models without a `backends` entry get their own label value up to this many; then `other`.
+    max_model_labels: Annotated[int, Field(gt=0, le=10_000)] = 64
+    # Backlogged users listed per model on the status page (the deepest first).
+    status_max_users: Annotated[int, Field(gt=0, le=100_000)] = 100
+    wait_buckets_s: tuple[float, ...] = DEFAULT_WAIT_BUCKETS_S
+
+    @field_validator("wait_buckets_s")
+    @classmethod
+    def _buckets_ok(cls, buckets: tuple[float, ...]) -> tuple[float, ...]:
+        if not buckets:
+            raise ValueError("needs at least one bucket")
+        if any(bound <= 0 for bound in buckets) or list(buckets) != sorted(set(buckets)):
+            raise ValueError("must be positive and strictly increasing")
+        return buckets
+
+    def resolved_admin_key(self) -> str | None:
+        """The admin key, read from the environment for `os.environ/NAME`; None when unset."""
+        key = self.admin_key
+        if key and key.startswith("os.environ/"):
+            key = os.environ.get(key.removeprefix("os.environ/"))
+        return key or None
+
+
 class FairSchedSettings(_Frozen):
     tiers: tuple[TierSettings, ...] = (
         TierSettings(name="interactive", waiting_below=3, tpot_below_ms=150, vllm_priority=0),
@@ -201,6 +242,12 @@ class FairSchedSettings(_Frozen):
     # Gate for models that have no `backends` entry and no metrics URL: an in-flight cap.
     unknown_model_max_inflight: Annotated[int, Field(gt=0)] = 64
     state: str = "memory://"
+    # Shared state (`state: redis://...`): key prefix, how often a replica says it is alive, and
+    # after how long without a heartbeat its queued tickets and leases are dropped.
+    state_prefix: Annotated[str, Field(min_length=1, max_length=64)] = "fair_sched:"
+    state_heartbeat_s: Annotated[float, Field(gt=0, le=60)] = 1.0
+    state_lease_ttl_s: Annotated[float, Field(gt=0, le=3600)] = 10.0
+    observability: ObservabilitySettings = ObservabilitySettings()
 
     @field_validator("tiers")
     @classmethod
@@ -223,6 +270,11 @@ class FairSchedSettings(_Frozen):
 
     @model_validator(mode="after")
     def _cross_references(self) -> FairSchedSettings:
+        if self.state_lease_ttl_s < 2 * self.state_heartbeat_s:
+            raise ValueError(
+                f"state_lease_ttl_s: must be at least twice state_heartbeat_s "
+                f"({self.state_heartbeat_s:g}) (got {self.state_lease_ttl_s:g})"
+            )
         tier_names = {tier.name for tier in self.tiers}
         if self.default_tier is not None and self.default_tier not in tier_names:
             raise ValueError(
@@ -253,11 +305,13 @@ class FairSchedSettings(_Frozen):
 
     @property
     def effective_stale_after_ms(self) -> float:
-        return self.stale_after_ms or 10 * self.metrics_poll_ms
+        # Long enough that one timed-out scrape does not make the gate fall back.
+        return self.stale_after_ms or max(10 * self.metrics_poll_ms, 2 * self.effective_metrics_timeout_ms)
 
     @property
     def effective_metrics_timeout_ms(self) -> float:
-        return self.metrics_timeout_ms or max(250.0, 5 * self.metrics_poll_ms)
+        # A loaded engine renders /metrics slowly (vLLM on a busy CPU: several hundred ms).
+        return self.metrics_timeout_ms or max(1000.0, 5 * self.metrics_poll_ms)
 
     def tier(self, name: str) -> TierSettings:
         for tier in self.tiers:
@@ -305,8 +359,8 @@ def _format_errors(error: ValidationError) -> str:
             message = "unknown key"
         bad_value = detail.get("input")
         show_value = kind != "extra_forbidden" and not isinstance(bad_value, (dict, list))
-        # Never echo anything under `keys`: it may be a real secret.
-        if "keys" in location:
+        # Never echo anything under `keys` or `admin_key`: it may be a real secret.
+        if "keys" in location or "admin_key" in location:
             show_value = False
         if show_value and bad_value is not None and "(got " not in message:
             message += f" (got {bad_value!r})"
