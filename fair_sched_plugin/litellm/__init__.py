@@ -58,12 +58,16 @@ def _attach() -> FairSchedCallback:
 scheduler = _attach()
 
 
-async def authenticate(request: Request, api_key: str) -> UserAPIKeyAuth:
+async def authenticate(request: Request, api_key: str | None) -> UserAPIKeyAuth:
     """`general_settings.custom_auth`: accept the master key and the keys of `principals`.
 
     LiteLLM runs custom auth before its own master-key check, so the master key is accepted here.
-    Unknown keys get 401; the key itself is never logged or echoed.
+    Unknown keys get 401; the key itself is never logged or echoed. Only `HTTPException` may
+    leave this function: LiteLLM turns anything else into an opaque 500.
     """
+    if not isinstance(api_key, str) or not api_key:
+        # LiteLLM passes None when the request has no Authorization header at all.
+        raise HTTPException(status_code=401, detail="fair_sched: missing API key")
     proxy_server = running_proxy()
     master_key = getattr(proxy_server, "master_key", None) if proxy_server else None
     if master_key and hmac.compare_digest(api_key.encode(), str(master_key).encode()):
