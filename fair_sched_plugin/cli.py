@@ -8,7 +8,9 @@ from collections.abc import Sequence
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from .demo import add_demo_parsers
     from .emulator.server import add_emulate_parser
+    from .proxy import add_proxy_parser
 
     parser = argparse.ArgumentParser(
         prog="fair-sched",
@@ -16,18 +18,8 @@ def build_parser() -> argparse.ArgumentParser:
     )
     subparsers = parser.add_subparsers(dest="command", required=True)
     add_emulate_parser(subparsers)
-    try:
-        from .proxy import add_proxy_parser
-    except ImportError:  # pragma: no cover - the proxy module is part of the package
-        pass
-    else:
-        add_proxy_parser(subparsers)
-    try:
-        from .demo import add_demo_parsers
-    except ImportError:  # pragma: no cover
-        pass
-    else:
-        add_demo_parsers(subparsers)
+    add_proxy_parser(subparsers)
+    add_demo_parsers(subparsers)
     return parser
 
 

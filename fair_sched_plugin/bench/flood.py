@@ -1,0 +1,267 @@
+"""The flood scenario (DESIGN.md, "How we measure"), played through several gateways.
+
+One power user sends N streaming requests at once; one second later two light users send one
+each. Each variant has its own engine (a fresh emulator, so its statistics are its own) and its
+own gateway in front of it: none (direct), LiteLLM, LiteLLM with the plugin, or, where the plugin
+is not installed, the standalone fair proxy standing in for it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+from collections.abc import AsyncIterator, Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+from .client import Caller, RequestRecord, make_client, send_wave, stream_one
+from .processes import (
+    MASTER_KEY,
+    ChildProcess,
+    EmulatorSettings,
+    emulator_process,
+    engine_stats,
+    fair_proxy,
+    litellm_config,
+    litellm_proxy,
+    plugin_available,
+)
+from .stats import summarize_flood
+
+Gateway = Literal["direct", "litellm", "plugin", "fair_proxy"]
+LIGHT_DELAY_S = 1.0
+POWER_KEY = "sk-demo-power-5b1d"
+LIGHT_KEYS = ("sk-demo-light1-0c3e", "sk-demo-light2-8a4f")
+
+
+@dataclass(frozen=True)
+class FloodSize:
+    power_requests: int = 100
+    max_tokens: int = 64
+
+
+# 100 requests x 64 tokens on 8 slots = 800 steps of ~16 ms (12 + 0.5 per running sequence):
+# about 13 s of engine time for the default flood.
+DEMO_ENGINE = EmulatorSettings(max_num_seqs=8, policy="fcfs", step_ms=12.0, step_ms_per_seq=0.5)
+DEMO_SIZE = FloodSize(power_requests=100, max_tokens=64)
+# The quick flood is smaller but runs on a slower engine, so that it still lasts well past the
+# light users' arrival (24 x 48 tokens / 8 slots x ~34 ms = ~5 s) and the engine, not the
+# proxies' CPU, stays the bottleneck.
+QUICK_SIZE = FloodSize(power_requests=24, max_tokens=48)
+QUICK_ENGINE = EmulatorSettings(max_num_seqs=8, policy="fcfs", step_ms=30.0, step_ms_per_seq=0.5)
+WARM_UP_TOKENS = 4
+
+
+@dataclass(frozen=True)
+class Variant:
+    """One way of putting a gateway between the users and the engine."""
+
+    name: str
+    label: str
+    gateway: Gateway
+    engine_policy: str = "fcfs"
+    # The plugin's settings: every user in one tier with this threshold, or tiers (power = batch).
+    waiting_below: int = 3
+    tiered: bool = False
+
+
+def fair_sched_section(variant: Variant, engine_base: str) -> dict[str, Any]:
+    """The `fair_sched:` settings of a variant (used by the plugin and by the fair proxy)."""
+    power_tier = "batch" if variant.tiered else "interactive"
+    return {
+        "tiers": [
+            {
+                "name": "interactive",
+                "waiting_below": variant.waiting_below,
+                "tpot_below_ms": 150,
+                "vllm_priority": 0,
+            },
+            {"name": "batch", "waiting_below": 1, "vllm_priority": 10},
+        ],
+        "default_tier": "interactive",
+        "principals": [
+            {"name": "power", "keys": [POWER_KEY], "tier": power_tier},
+            {"name": "light-1", "keys": [LIGHT_KEYS[0]], "tier": "interactive"},
+            {"name": "light-2", "keys": [LIGHT_KEYS[1]], "tier": "interactive"},
+        ],
+        "backends": {
+            "tiny": {
+                "api_base": f"{engine_base}/v1",
+                "metrics_url": f"{engine_base}/metrics",
+                "engine": "vllm",
+                "priority_scheduling": variant.engine_policy == "priority",
+            }
+        },
+        # Generous caps: the demo measures ordering, not rejections.
+        "queue": {"max_per_user": 5000, "max_total": 20000, "max_wait_s": 300},
+        "metrics_poll_ms": 50,
+    }
+
+
+def standard_variants(*, with_thresholds: bool = False) -> list[Variant]:
+    """The demo's four variants; the bench adds the waiting_below 1 and 8 ones."""
+    plugin: Gateway = "plugin" if plugin_available() else "fair_proxy"
+    via = "LiteLLM + plugin" if plugin == "plugin" else "fair-sched proxy*"
+    variants = [
+        Variant("direct", "direct (FIFO)", "direct"),
+        Variant("litellm", "LiteLLM", "litellm"),
+        Variant("plugin", via, plugin),
+        Variant("plugin_priority", f"{via} + priority", plugin, "priority", tiered=True),
+    ]
+    if with_thresholds:
+        variants += [
+            Variant("waiting_below_1", f"{via}, waiting_below 1", plugin, waiting_below=1),
+            Variant("waiting_below_8", f"{via}, waiting_below 8", plugin, waiting_below=8),
+        ]
+    return variants
+
+
+def callers_for(variant: Variant, size: FloodSize) -> tuple[list[Caller], list[Caller]]:
+    """The power user's callers (one per request) and the two light users'."""
+    uses_user_keys = variant.gateway in ("plugin", "fair_proxy")
+    shared_key = MASTER_KEY if variant.gateway == "litellm" else None
+
+    def key(own: str) -> str | None:
+        return own if uses_user_keys else shared_key
+
+    power = [Caller("power", "power", key(POWER_KEY))] * size.power_requests
+    light = [Caller(f"light-{i + 1}", "light", key(k)) for i, k in enumerate(LIGHT_KEYS)]
+    return power, light
+
+
+@dataclass
+class Target:
+    """Where a variant's requests go, and the engine and gateway behind it."""
+
+    variant: Variant
+    engine_base: str
+    base_url: str
+    gateway_pid: int | None = None
+    engine_is_emulator: bool = True
+
+
+@contextlib.asynccontextmanager
+async def _gateway(variant: Variant, engine_base: str, workdir: Path) -> AsyncIterator[Target]:
+    if variant.gateway == "direct":
+        yield Target(variant, engine_base, f"{engine_base}/v1")
+        return
+    section = fair_sched_section(variant, engine_base)
+    gateway: contextlib.AbstractAsyncContextManager[ChildProcess]
+    if variant.gateway == "fair_proxy":
+        gateway = fair_proxy(section, workdir, variant.name)
+    else:
+        plugin_section = section if variant.gateway == "plugin" else None
+        config = litellm_config(f"{engine_base}/v1", plugin_section)
+        gateway = litellm_proxy(config, workdir, variant.name)
+    async with gateway as child:
+        yield Target(variant, engine_base, child.base_url, child.pid)
+
+
+@contextlib.asynccontextmanager
+async def _target(
+    variant: Variant, emulator: EmulatorSettings, engine_url: str | None, workdir: Path
+) -> AsyncIterator[Target]:
+    if engine_url is not None:
+        async with _gateway(variant, engine_url.rstrip("/"), workdir) as target:
+            target.engine_is_emulator = False
+            yield target
+        return
+    settings = EmulatorSettings(
+        emulator.max_num_seqs, variant.engine_policy, emulator.step_ms, emulator.step_ms_per_seq
+    )
+    async with (
+        emulator_process(settings) as engine,
+        _gateway(variant, engine.base_url, workdir) as target,
+    ):
+        yield target
+
+
+@contextlib.asynccontextmanager
+async def started_targets(
+    variants: Sequence[Variant],
+    emulator: EmulatorSettings,
+    engine_url: str | None,
+    workdir: Path,
+    progress: Callable[[str], None],
+) -> AsyncIterator[list[Target]]:
+    """Start every variant's engine and gateway at once (proxies import slowly), stop all after.
+
+    Starting them side by side costs one LiteLLM start-up instead of one per variant; they sit
+    idle while the others are measured.
+    """
+    async with contextlib.AsyncExitStack() as stack:
+        started = time.perf_counter()
+        progress(f"starting {len(variants)} engine(s) and gateways ...")
+
+        async def enter(variant: Variant) -> Target:
+            return await stack.enter_async_context(_target(variant, emulator, engine_url, workdir))
+
+        tasks = [asyncio.ensure_future(enter(variant)) for variant in variants]
+        # Wait for every start to finish (or fail) before unwinding, so nothing starts late and
+        # escapes the stack.
+        outcomes = await asyncio.gather(*tasks, return_exceptions=True)
+        failures = [o for o in outcomes if isinstance(o, BaseException)]
+        if failures:
+            raise failures[0]
+        progress(f"all started in {time.perf_counter() - started:.1f} s")
+        yield [o for o in outcomes if isinstance(o, Target)]
+
+
+@dataclass
+class FloodResult:
+    variant: Variant
+    records: list[RequestRecord]
+    summary: dict[str, Any] = field(default_factory=dict)
+
+
+async def play_flood(
+    target: Target, size: FloodSize, progress: Callable[[str], None]
+) -> FloodResult:
+    """The flood against one target; the engine's statistics are added to the summary."""
+    variant = target.variant
+    power, light = callers_for(variant, size)
+    async with make_client(connections=size.power_requests + 16) as client:
+        progress(
+            f"[{variant.name}] sending {len(power)} power requests, "
+            f"{len(light)} light requests {LIGHT_DELAY_S:.0f} s later ..."
+        )
+        # The first request through a LiteLLM proxy pays for lazy imports: not part of the flood.
+        await stream_one(client, target.base_url, power[0], WARM_UP_TOKENS, time.perf_counter())
+        clock_zero = time.perf_counter()
+        waves = await asyncio.gather(
+            send_wave(client, target.base_url, power, size.max_tokens, clock_zero),
+            send_wave(client, target.base_url, light, size.max_tokens, clock_zero, LIGHT_DELAY_S),
+        )
+        records = [record for wave in waves for record in wave]
+        stats = await engine_stats(client, target.engine_base) if target.engine_is_emulator else {}
+    summary = summarize_flood(records)
+    summary["max_waiting_seen"] = stats.get("max_waiting_seen")
+    summary["max_running_seen"] = stats.get("max_running_seen")
+    progress(
+        f"[{variant.name}] done: {summary['requests'] - summary['errors']} ok, "
+        f"{summary['errors']} errors, {summary['generated_tokens']} tokens "
+        f"in {summary['makespan_s']:.1f} s"
+    )
+    for record in records:
+        if record.error:
+            progress(f"[{variant.name}] first error: {record.error}")
+            break
+    return FloodResult(variant, records, summary)
+
+
+async def run_flood(
+    variants: Sequence[Variant],
+    size: FloodSize,
+    emulator: EmulatorSettings,
+    engine_url: str | None,
+    workdir: Path,
+    progress: Callable[[str], None],
+) -> list[FloodResult]:
+    """Start everything, then play the flood variant by variant (never two at once)."""
+    async with started_targets(variants, emulator, engine_url, workdir, progress) as targets:
+        results = []
+        for target in targets:
+            results.append(await play_flood(target, size, progress))
+        return results

@@ -1,0 +1,105 @@
+"""PNG plots (the `bench` extra: matplotlib, imported inside each function, Agg backend)."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+from .client import RequestRecord
+from .flood import FloodResult
+
+USER_COLOURS = {"power": "#c0504d", "light-1": "#1f77b4", "light-2": "#2ca02c"}
+
+
+def _pyplot() -> Any:
+    import matplotlib
+
+    matplotlib.use("Agg")  # files only, no display
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def plot_timelines(results: Sequence[FloodResult], out_dir: Path) -> list[Path]:
+    """One PNG per variant: a bar per request, pale while waiting, solid while streaming."""
+    plt = _pyplot()
+    paths = []
+    for result in results:
+        ordered = sorted(result.records, key=lambda r: (r.started, r.user))
+        fig, ax = plt.subplots(figsize=(9, 5))
+        for row, record in enumerate(ordered):
+            _timeline_bar(ax, row, record)
+        ax.set_xlabel("seconds since the flood started")
+        ax.set_ylabel("request (by send time)")
+        ax.set_title(f"{result.variant.label}: wait (pale) then stream (solid)")
+        handles = [plt.Rectangle((0, 0), 1, 1, color=colour) for colour in USER_COLOURS.values()]
+        ax.legend(handles, list(USER_COLOURS), loc="lower right")
+        path = out_dir / f"timeline-{result.variant.name}.png"
+        fig.tight_layout()
+        fig.savefig(path, dpi=90)
+        plt.close(fig)
+        paths.append(path)
+    return paths
+
+
+def _timeline_bar(ax: Any, row: int, record: RequestRecord) -> None:
+    colour = USER_COLOURS.get(record.user, "#7f7f7f")
+    # Light users' bars are drawn thicker so two requests stand out among a hundred.
+    height = 2.5 if record.group == "light" else 0.8
+    first = record.first_token if record.first_token is not None else record.ended
+    if first is None:
+        return
+    ax.barh(
+        row, first - record.started, left=record.started, height=height, color=colour, alpha=0.25
+    )
+    if record.ended is not None and record.first_token is not None:
+        ax.barh(row, record.ended - first, left=first, height=height, color=colour)
+
+
+def plot_ttft_cdfs(results: Sequence[FloodResult], out_dir: Path) -> Path:
+    """TTFT CDFs, one panel per variant, a line per user group."""
+    plt = _pyplot()
+    fig, axes = plt.subplots(
+        1, len(results), figsize=(4 * len(results), 3.6), sharex=True, squeeze=False
+    )
+    for ax, result in zip(axes[0], results, strict=False):
+        for group, colour in (("power", USER_COLOURS["power"]), ("light", USER_COLOURS["light-1"])):
+            ttfts = sorted(
+                r.ttft for r in result.records if r.group == group and r.ttft is not None
+            )
+            if ttfts:
+                fractions = [(i + 1) / len(ttfts) for i in range(len(ttfts))]
+                ax.step(
+                    ttfts,
+                    fractions,
+                    where="post",
+                    color=colour,
+                    label=group,
+                    marker="o" if group == "light" else None,
+                )
+        ax.set_title(result.variant.label, fontsize=9)
+        ax.set_xlabel("TTFT (s)")
+        ax.grid(alpha=0.3)
+    axes[0][0].set_ylabel("fraction of requests")
+    axes[0][0].legend()
+    fig.tight_layout()
+    path = out_dir / "ttft-cdf.png"
+    fig.savefig(path, dpi=90)
+    plt.close(fig)
+    return path
+
+
+def plot_bars(title: str, values: Mapping[str, float], ylabel: str, path: Path) -> Path:
+    """A plain bar chart (tiers, many users, thresholds)."""
+    plt = _pyplot()
+    fig, ax = plt.subplots(figsize=(7, 3.6))
+    ax.bar(list(values), list(values.values()), color="#1f77b4")
+    ax.set_title(title)
+    ax.set_ylabel(ylabel)
+    for label in ax.get_xticklabels():
+        label.set_rotation(15)
+    fig.tight_layout()
+    fig.savefig(path, dpi=90)
+    plt.close(fig)
+    return path

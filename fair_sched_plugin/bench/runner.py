@@ -1,0 +1,312 @@
+"""`fair-sched bench`: every scenario, one after another, into ``report/index.md``."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+
+from .flood import (
+    DEMO_ENGINE,
+    DEMO_SIZE,
+    QUICK_ENGINE,
+    QUICK_SIZE,
+    FloodResult,
+    Variant,
+    run_flood,
+    standard_variants,
+    started_targets,
+)
+from .processes import kill_leftover_groups, plugin_available, terminate_as_interrupt
+from .report import (
+    STAND_IN_NOTE,
+    Progress,
+    flood_json,
+    flood_table,
+    markdown_table,
+    write_json,
+    write_plots,
+)
+from .scenarios import (
+    ManyUsersSize,
+    TiersSize,
+    play_core,
+    play_many_users,
+    play_overhead,
+    play_tiers,
+)
+
+ALL_SCENARIOS = ("flood", "tiers", "many-users", "overhead", "core")
+
+
+def _keep_runnable(variants: Sequence[Variant], args: argparse.Namespace) -> list[Variant]:
+    """Against a real engine, engine priority only where it was started with it."""
+    if args.engine is None or args.engine_priority:
+        return list(variants)
+    return [variant for variant in variants if variant.engine_policy != "priority"]
+
+
+def _pick(variants: Sequence[Variant], *names: str) -> list[Variant]:
+    return [variant for variant in variants if variant.name in names]
+
+
+async def _flood_section(args: argparse.Namespace, out: Path, progress: Progress) -> list[str]:
+    size = QUICK_SIZE if args.quick else DEMO_SIZE
+    variants = _keep_runnable(standard_variants(with_thresholds=True), args)
+    engine = QUICK_ENGINE if args.quick else DEMO_ENGINE
+    results = await run_flood(variants, size, engine, args.engine, out / "logs", progress)
+    write_json(out / "flood.json", flood_json(results))
+    plots = write_plots(results, out)
+    return [
+        "## Flood",
+        "",
+        f"One power user sends {size.power_requests} streaming requests at once "
+        f"({size.max_tokens} tokens each); 1 s later two light users send one each.",
+        "",
+        flood_table(results, markdown=True),
+        "",
+        "![TTFT CDFs](ttft-cdf.png)",
+        "",
+        *(f"![{path.stem}]({path.name})" for path in plots if path.stem.startswith("timeline")),
+        "",
+        *_threshold_section(results),
+    ]
+
+
+def _threshold_section(results: Sequence[FloodResult]) -> list[str]:
+    """Choosing `waiting_below`: light TTFT and throughput per threshold vs direct FIFO."""
+    by_name = {result.variant.name: result for result in results}
+    rows = []
+    for name, label in (
+        ("direct", "direct (FIFO)"),
+        ("waiting_below_1", "waiting_below 1"),
+        ("plugin", "waiting_below 3"),
+        ("waiting_below_8", "waiting_below 8"),
+    ):
+        if name in by_name:
+            summary = by_name[name].summary
+            rows.append(
+                [
+                    label,
+                    _seconds(summary["light_ttft_p50"]),
+                    _seconds(summary["power_ttft_p50"]),
+                    f"{summary['throughput_tps']:,.0f}",
+                    f"{summary['makespan_s']:.1f} s",
+                    str(summary.get("max_waiting_seen", "-")),
+                ]
+            )
+    header = ["", "light TTFT p50", "power TTFT p50", "tokens/s", "makespan", "max waiting"]
+    return ["### Choosing thresholds (all users in one tier)", "", markdown_table(header, rows), ""]
+
+
+def _seconds(value: float | None) -> str:
+    return "-" if value is None else f"{value:.2f} s"
+
+
+async def _tiers_section(args: argparse.Namespace, out: Path, progress: Progress) -> list[str]:
+    size = TiersSize(batch_alone_s=4, mixed_s=6) if args.quick else TiersSize()
+    variants = _keep_runnable(_pick(standard_variants(), "direct", "plugin_priority"), args)
+    results = {}
+    async with started_targets(
+        variants, DEMO_ENGINE, args.engine, out / "logs", progress
+    ) as targets:
+        for target in targets:
+            results[target.variant.label] = await play_tiers(target, size, progress)
+    header = ["", "idle TTFT p50", "interactive TTFT p50", "p95", "batch tokens/s alone", "errors"]
+    rows = [
+        [
+            label,
+            _seconds(r["idle_ttft_p50"]),
+            _seconds(r["interactive_ttft_p50"]),
+            _seconds(r["interactive_ttft_p95"]),
+            f"{r['batch_alone_tps']:,.0f}",
+            str(r["errors"]),
+        ]
+        for label, r in results.items()
+    ]
+    write_json(out / "tiers.json", results)
+    return [
+        "## Tiers",
+        "",
+        f"A batch user keeps {size.batch_concurrency} requests in flight; after "
+        f"{size.batch_alone_s:.0f} s alone, interactive users send one request every "
+        f"{size.interactive_every_s} s for {size.mixed_s:.0f} s. Batch throughput is measured "
+        "while no interactive request is around.",
+        "",
+        markdown_table(header, rows),
+        "",
+    ]
+
+
+async def _many_users_section(args: argparse.Namespace, out: Path, progress: Progress) -> list[str]:
+    size = ManyUsersSize(requests=5000) if args.quick else ManyUsersSize()
+    results = await play_many_users(size, progress)
+    write_json(out / "many-users.json", results)
+    rows = [
+        [
+            name,
+            f"{r['jain_vs_fair_share']:.3f}",
+            f"{r['jain_raw_served']:.3f}",
+            str(r["users_served"]),
+        ]
+        for name, r in results.items()
+    ]
+    header = ["policy", "Jain (served / fair share)", "Jain (raw served tokens)", "users served"]
+    _bar_plot(
+        "Jain's index vs max-min fair share",
+        {name: r["jain_vs_fair_share"] for name, r in results.items()},
+        out / "many-users.png",
+    )
+    return [
+        "## Many users",
+        "",
+        f"{size.users:,} users, {size.requests:,} requests of 16/64/256 tokens, Zipf (s = "
+        f"{size.zipf_s}) load, {size.slots} engine slots, capacity {size.capacity_fraction:.0%} "
+        "of the demand. Run through the in-process core scheduler with a simulated engine: "
+        "1,000 users over HTTP is too heavy for a 2-core machine. Every tenth user has weight 2 "
+        "(honoured by `weighted`, whose fair shares are weighted too).",
+        "",
+        markdown_table(header, rows),
+        "",
+        "![many users](many-users.png)",
+        "",
+    ]
+
+
+async def _overhead_section(args: argparse.Namespace, out: Path, progress: Progress) -> list[str]:
+    requests = 8 if args.quick else 30
+    variants = _pick(standard_variants(), "litellm", "plugin")
+    results = {}
+    async with started_targets(
+        variants, DEMO_ENGINE, args.engine, out / "logs", progress
+    ) as targets:
+        for target in targets:
+            results[target.variant.name] = await play_overhead(target, requests, 64, progress)
+    write_json(out / "overhead.json", results)
+    without, with_plugin = results.get("litellm"), results.get("plugin")
+    ratio = (
+        with_plugin["e2e_p50"] / without["e2e_p50"]
+        if without and with_plugin and without["e2e_p50"] and with_plugin["e2e_p50"]
+        else None
+    )
+    rows = [
+        [
+            name,
+            _seconds(r["ttft_p50"]),
+            _seconds(r["e2e_p50"]),
+            "-" if r["cpu_s_per_1000_tokens"] is None else f"{r['cpu_s_per_1000_tokens']:.3f}",
+        ]
+        for name, r in results.items()
+    ]
+    header = ["proxy", "TTFT p50", "e2e p50", "proxy CPU s / 1,000 tokens"]
+    return [
+        "## Overhead",
+        "",
+        f"{requests} requests of 64 tokens, one at a time. CPU is user + system time of the "
+        "proxy's process group from /proc/PID/stat.",
+        "",
+        markdown_table(header, rows),
+        "",
+        f"e2e p50 ratio with / without the plugin: {'-' if ratio is None else f'{ratio:.2f}'}",
+        "",
+    ]
+
+
+def _core_section(args: argparse.Namespace, out: Path, progress: Progress) -> list[str]:
+    pairs = 20_000 if args.quick else 200_000
+    result = play_core((10, 1000, 10_000), pairs, progress)
+    write_json(out / "core.json", result)
+    if "skipped" in result:
+        return ["## Core decisions", "", f"Skipped: {result['skipped']}", ""]
+    rows = [
+        [
+            f"{r['users']:,}",
+            f"{r['decisions_per_s']:,.0f}",
+            f"{r['p50_us']:.1f}",
+            f"{r['p99_us']:.1f}",
+        ]
+        for r in result["rows"]
+    ]
+    header = ["backlogged users", "decisions/s", "p50 µs", "p99 µs"]
+    return [
+        "## Core decisions",
+        "",
+        f"`benchmarks/core_decisions.py`'s measurement, {pairs:,} release+admit pairs, one core, "
+        "fake clock.",
+        "",
+        markdown_table(header, rows),
+        "",
+        f"Bytes per parked ticket: {result['bytes_per_parked_ticket']:,.0f}",
+        "",
+    ]
+
+
+def _bar_plot(title: str, values: dict[str, float], path: Path) -> None:
+    try:
+        from .plots import plot_bars
+
+        plot_bars(title, values, "Jain's index", path)
+    except ImportError:
+        print("matplotlib is not installed: no plot", file=sys.stderr)
+
+
+async def _http_sections(
+    scenarios: Sequence[str], args: argparse.Namespace, out: Path, progress: Progress
+) -> list[str]:
+    sections = {
+        "flood": _flood_section,
+        "tiers": _tiers_section,
+        "many-users": _many_users_section,
+        "overhead": _overhead_section,
+    }
+    lines: list[str] = []
+    for name in scenarios:
+        if name in sections:
+            progress(f"== scenario {name}")
+            lines += await sections[name](args, out, progress)
+    return lines
+
+
+def run_bench(args: argparse.Namespace) -> int:
+    scenarios = [name.strip() for name in args.scenarios.split(",") if name.strip()]
+    unknown = sorted(set(scenarios) - set(ALL_SCENARIOS))
+    if unknown:
+        print(
+            f"fair-sched bench: unknown scenario(s) {unknown}; known: {ALL_SCENARIOS}",
+            file=sys.stderr,
+        )
+        return 2
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    progress = Progress()
+    engine = args.engine or "the built-in emulator (8 slots, 12 ms + 0.5 ms per running sequence)"
+    lines = [
+        "# fair-sched benchmark report",
+        "",
+        f"Command: `fair-sched bench --out {args.out}{' --quick' if args.quick else ''} "
+        f"--scenarios {','.join(scenarios)}{f' --engine {args.engine}' if args.engine else ''}`",
+        "",
+        f"Engine: {engine}. Timings vary run to run: compare columns of one run.",
+        "",
+    ]
+    if not plugin_available():
+        lines += [STAND_IN_NOTE, ""]
+    try:
+        with terminate_as_interrupt():
+            lines += asyncio.run(_http_sections(scenarios, args, out, progress))
+        if "core" in scenarios:
+            progress("== scenario core")
+            lines += _core_section(args, out, progress)
+    except KeyboardInterrupt:
+        print("interrupted; stopping every child process", file=sys.stderr)
+        return 130
+    finally:
+        kill_leftover_groups()
+    (out / "index.md").write_text("\n".join(lines))
+    progress(f"wrote {out / 'index.md'}")
+    return 0
+
+
+__all__ = ["ALL_SCENARIOS", "run_bench"]

@@ -1,0 +1,73 @@
+"""`fair-sched demo --quick` and `fair-sched bench --quick`: outputs hold what they claim.
+
+Each test runs the real thing (emulators and LiteLLM proxies as child processes), so they are
+slow; orderings are checked, not absolute times (DESIGN.md: timings vary run to run).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from fair_sched_plugin.bench.processes import litellm_executable
+from fair_sched_plugin.cli import main
+
+pytestmark = [
+    pytest.mark.slow,
+    pytest.mark.timeout(240),
+    pytest.mark.skipif(litellm_executable() is None, reason="needs the litellm extra"),
+]
+
+VARIANTS = ("direct", "litellm", "plugin", "plugin_priority")
+
+
+@pytest.fixture(scope="module")
+def demo_output(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    out = tmp_path_factory.mktemp("demo")
+    assert main(["demo", "--quick", "--out", str(out)]) == 0
+    return out
+
+
+def _summaries(out: Path) -> dict[str, dict[str, Any]]:
+    variants = json.loads((out / "results.json").read_text())["variants"]
+    return {name: variant["summary"] for name, variant in variants.items()}
+
+
+def test_demo_results_hold_the_four_variants(demo_output: Path) -> None:
+    summaries = _summaries(demo_output)
+    assert set(VARIANTS) <= set(summaries)
+    for summary in summaries.values():
+        assert summary["errors"] == 0
+        assert summary["generated_tokens"] > 0
+
+
+def test_demo_with_the_plugin_light_users_go_before_the_flood(demo_output: Path) -> None:
+    summaries = _summaries(demo_output)
+    for name in ("plugin", "plugin_priority"):
+        assert summaries[name]["light_ttft_p50"] < summaries[name]["power_ttft_p50"]
+
+
+def test_demo_direct_fifo_makes_light_users_wait_behind_the_flood(demo_output: Path) -> None:
+    direct = _summaries(demo_output)["direct"]
+    assert direct["light_ttft_p50"] > direct["power_ttft_p50"]
+    assert direct["power_served_before_light"] > 0.5
+
+
+def test_demo_writes_summary_and_plots(demo_output: Path) -> None:
+    assert "light TTFT p50" in (demo_output / "summary.md").read_text()
+    plots = [demo_output / "ttft-cdf.png", *(demo_output / f"timeline-{v}.png" for v in VARIANTS)]
+    for plot in plots:
+        assert plot.stat().st_size > 0, plot
+
+
+def test_bench_quick_flood_and_core_writes_a_report(tmp_path: Path) -> None:
+    out = tmp_path / "report"
+    assert main(["bench", "--quick", "--scenarios", "flood,core", "--out", str(out)]) == 0
+    index = (out / "index.md").read_text()
+    assert "## Flood" in index and "## Core decisions" in index
+    assert "| light TTFT p50 |" in index
+    assert "waiting_below 8" in index
+    assert (out / "ttft-cdf.png").stat().st_size > 0
