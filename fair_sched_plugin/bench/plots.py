@@ -28,8 +28,11 @@ def plot_timelines(results: Sequence[FloodResult], out_dir: Path) -> list[Path]:
     for result in results:
         ordered = sorted(result.records, key=lambda r: (r.started, r.user))
         fig, ax = plt.subplots(figsize=(9, 5))
+        # Light users' bars are thicker so two requests stand out among a hundred, but never so
+        # thick that they cover their neighbours in a small run.
+        light_height = min(2.5, max(0.8, len(ordered) / 40))
         for row, record in enumerate(ordered):
-            _timeline_bar(ax, row, record)
+            _timeline_bar(ax, row, record, light_height)
         ax.set_xlabel("seconds since the flood started")
         ax.set_ylabel("request (by send time)")
         ax.set_title(f"{result.variant.label}: wait (pale) then stream (solid)")
@@ -43,10 +46,9 @@ def plot_timelines(results: Sequence[FloodResult], out_dir: Path) -> list[Path]:
     return paths
 
 
-def _timeline_bar(ax: Any, row: int, record: RequestRecord) -> None:
+def _timeline_bar(ax: Any, row: int, record: RequestRecord, light_height: float) -> None:
     colour = USER_COLOURS.get(record.user, "#7f7f7f")
-    # Light users' bars are drawn thicker so two requests stand out among a hundred.
-    height = 2.5 if record.group == "light" else 0.8
+    height = light_height if record.group == "light" else 0.8
     first = record.first_token if record.first_token is not None else record.ended
     if first is None:
         return
