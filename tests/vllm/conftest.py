@@ -1,0 +1,337 @@
+"""A real vLLM (CPU build) for the tests in this folder: its virtualenv, a tiny model, the engine.
+
+The vLLM virtualenv lives outside git (`scripts/vllm_env.sh`, which `scripts/test` runs first);
+this conftest never installs anything. `FAIR_SCHED_SKIP_VLLM=1` skips the stage on a quick local
+run. Under CI (`CI=true`) a missing or broken vLLM fails: the stage can never silently vanish.
+
+One engine runs at a time (two would fight over two cores): `engines.get("priority")` stops an
+engine of the other policy first. Every engine runs in its own process group, killed in the
+session's teardown and, should that not run, at interpreter exit.
+"""
+
+from __future__ import annotations
+
+import atexit
+import contextlib
+import ctypes
+import hashlib
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import httpx
+import pytest
+
+VLLM_VERSION = "0.32.0"  # keep in step with scripts/vllm_env.sh
+LOOPBACK = "127.0.0.1"
+SERVED_MODEL = "tiny"
+ROOT = Path(__file__).resolve().parents[2]
+BUILDER = Path(__file__).with_name("tiny_model.py")
+MODEL_BUILD_TIMEOUT_S = 300.0
+# ~35-55 s on an idle 2-core machine; much longer while other processes compete for the cores.
+ENGINE_START_TIMEOUT_S = 300.0
+ENGINE_STOP_TIMEOUT_S = 15.0
+
+
+def in_ci() -> bool:
+    return os.environ.get("CI", "").strip().lower() in {"1", "true", "yes"}
+
+
+def cache_dir() -> Path:
+    root = os.environ.get("FAIR_SCHED_CACHE") or str(Path.home() / ".cache" / "fair-sched")
+    return Path(root).expanduser()
+
+
+def unavailable(reason: str) -> None:
+    """Skip on a developer's machine; fail under CI, where this stage must run."""
+    if in_ci():
+        pytest.fail(f"real-vLLM stage cannot run under CI: {reason}", pytrace=False)
+    pytest.skip(reason)
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    here = Path(__file__).parent
+    for item in items:
+        if here in Path(str(item.fspath)).parents:
+            item.add_marker(pytest.mark.vllm)
+    if os.environ.get("FAIR_SCHED_SKIP_VLLM") and not in_ci():
+        skip = pytest.mark.skip(reason="FAIR_SCHED_SKIP_VLLM is set: real-vLLM stage skipped")
+        for item in items:
+            if here in Path(str(item.fspath)).parents:
+                item.add_marker(skip)
+
+
+# Flood numbers by scenario, filled by the tests and printed at the end of the session so that
+# they appear in the CI log.
+FLOOD_REPORT: dict[str, dict[str, float]] = {}
+
+
+def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
+    if not FLOOD_REPORT:
+        return
+    terminalreporter.section("real vLLM (CPU) flood numbers")
+    for name, numbers in FLOOD_REPORT.items():
+        terminalreporter.write_line(
+            f"{name:40s} light TTFT p50 {numbers['light_ttft_p50_s']:6.2f} s | "
+            f"power TTFT p50 {numbers['power_ttft_p50_s']:6.2f} s | "
+            f"light done (max) {numbers['light_done_max_s']:6.2f} s | "
+            f"power done p50 {numbers['power_done_p50_s']:6.2f} s | "
+            f"{numbers['tokens_per_s']:7.0f} tokens/s"
+        )
+    direct = FLOOD_REPORT.get(DIRECT_FLOOD)
+    if direct:
+        for name, numbers in FLOOD_REPORT.items():
+            if name != DIRECT_FLOOD and name in RATIO_FLOODS:
+                ratio = numbers["tokens_per_s"] / direct["tokens_per_s"]
+                terminalreporter.write_line(f"throughput {name} / direct: {ratio:.2f}")
+
+
+DIRECT_FLOOD = "direct to vLLM (FIFO)"
+RATIO_FLOODS = ("fair-sched proxy", "LiteLLM proxy + plugin")
+
+
+# ----------------------------------------------------------------------------- environment
+
+
+@pytest.fixture(scope="session")
+def vllm_python() -> Path:
+    """The vLLM venv's interpreter: `FAIR_SCHED_VLLM_PYTHON` (set by scripts/test) or the cache."""
+    if os.environ.get("FAIR_SCHED_SKIP_VLLM"):
+        unavailable("FAIR_SCHED_SKIP_VLLM is set")
+    named = os.environ.get("FAIR_SCHED_VLLM_PYTHON")
+    venv = cache_dir() / f"vllm-venv-{VLLM_VERSION}"
+    python = Path(named) if named else venv / "bin" / "python"
+    stamp = python.parent.parent / ".fair-sched-vllm-installed"
+    if not python.exists() or not stamp.exists():
+        unavailable(
+            f"no vLLM virtualenv at {python.parent.parent}: run scripts/vllm_env.sh "
+            "(scripts/test does), or set FAIR_SCHED_SKIP_VLLM=1"
+        )
+    return python
+
+
+def engine_environment(vllm_python: Path, scratch: Path) -> dict[str, str]:
+    env = {
+        name: value
+        for name, value in os.environ.items()
+        # The dev venv must not leak into the engine's interpreter.
+        if name not in {"VIRTUAL_ENV", "PYTHONPATH", "PYTHONHOME"}
+    }
+    env["PATH"] = f"{vllm_python.parent}{os.pathsep}{env.get('PATH', '')}"
+    env.update(
+        HF_HUB_OFFLINE="1",
+        TRANSFORMERS_OFFLINE="1",
+        VLLM_CPU_KVCACHE_SPACE="1",
+        VLLM_NO_USAGE_STATS="1",
+        DO_NOT_TRACK="1",
+        VLLM_CACHE_ROOT=str(scratch / "vllm-cache"),
+        HF_HOME=str(scratch / "hf-home"),
+        TMPDIR=str(scratch / "tmp"),
+        NO_PROXY="127.0.0.1,localhost",
+        PYTHONUNBUFFERED="1",
+    )
+    for name in ("HTTP_PROXY", "HTTPS_PROXY", "http_proxy", "https_proxy", "ALL_PROXY"):
+        env.pop(name, None)
+    (scratch / "tmp").mkdir(parents=True, exist_ok=True)
+    return env
+
+
+@pytest.fixture(scope="session")
+def vllm_scratch() -> Path:
+    path = cache_dir() / "vllm-run"
+    path.mkdir(parents=True, exist_ok=True)
+    return path
+
+
+@pytest.fixture(scope="session")
+def tiny_model(vllm_python: Path, vllm_scratch: Path) -> Path:
+    """The tiny random Llama, built once per version of the builder script and reused."""
+    digest = hashlib.sha256(BUILDER.read_bytes()).hexdigest()[:12]
+    model_dir = cache_dir() / f"tiny-llama-{digest}"
+    if (model_dir / ".complete").exists():
+        return model_dir
+    started = time.monotonic()
+    result = subprocess.run(
+        [str(vllm_python), str(BUILDER), str(model_dir)],
+        env=engine_environment(vllm_python, vllm_scratch),
+        capture_output=True,
+        text=True,
+        timeout=MODEL_BUILD_TIMEOUT_S,
+        check=False,
+    )
+    if result.returncode != 0 or not (model_dir / ".complete").exists():
+        pytest.fail(
+            f"building the tiny model failed (exit {result.returncode}):\n"
+            f"{result.stdout[-2000:]}\n{result.stderr[-4000:]}",
+            pytrace=False,
+        )
+    print(f"\n[vllm] tiny model built in {time.monotonic() - started:.1f} s at {model_dir}")
+    return model_dir
+
+
+# ----------------------------------------------------------------------------- engines
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind((LOOPBACK, 0))
+        port: int = sock.getsockname()[1]
+        return port
+
+
+def _die_with_parent() -> None:
+    """In the child before exec: SIGTERM when pytest dies, also by SIGKILL or an unhandled
+    SIGTERM, which skip both fixture teardown and atexit. vLLM's API server stops its engine
+    processes on SIGTERM."""
+    pr_set_pdeathsig = 1
+    ctypes.CDLL(None, use_errno=True).prctl(pr_set_pdeathsig, signal.SIGTERM)
+
+
+def _kill_group(process: subprocess.Popen[bytes]) -> None:
+    if process.poll() is None:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(process.pid, signal.SIGTERM)
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            process.wait(ENGINE_STOP_TIMEOUT_S)
+    # The API server's engine-core and worker processes are in the same group.
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.killpg(process.pid, signal.SIGKILL)
+    with contextlib.suppress(subprocess.TimeoutExpired):
+        process.wait(ENGINE_STOP_TIMEOUT_S)
+
+
+@dataclass
+class VllmEngine:
+    """A running `vllm.entrypoints.openai.api_server`; `base_url` has no `/v1`."""
+
+    policy: str
+    base_url: str
+    process: subprocess.Popen[bytes]
+    log_path: Path
+    start_s: float
+
+    @property
+    def api_base(self) -> str:
+        return f"{self.base_url}/v1"
+
+    @property
+    def metrics_url(self) -> str:
+        return f"{self.base_url}/metrics"
+
+    def log_tail(self, characters: int = 6000) -> str:
+        return self.log_path.read_text(encoding="utf-8", errors="replace")[-characters:]
+
+    def stop(self) -> None:
+        _kill_group(self.process)
+
+
+def start_engine(vllm_python: Path, model_dir: Path, scratch: Path, policy: str) -> VllmEngine:
+    port = free_port()
+    argv = [str(vllm_python), "-m", "vllm.entrypoints.openai.api_server"]
+    argv += ["--model", str(model_dir), "--served-model-name", SERVED_MODEL]
+    argv += ["--host", LOOPBACK, "--port", str(port), "--enforce-eager"]
+    argv += ["--max-num-seqs", "8", "--max-model-len", "512", "--dtype", "float32"]
+    if policy == "priority":
+        argv += ["--scheduling-policy", "priority"]
+    log_path = scratch / f"engine-{policy}.log"
+    started = time.monotonic()
+    with log_path.open("wb") as log:
+        process = subprocess.Popen(
+            argv,
+            stdin=subprocess.DEVNULL,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            env=engine_environment(vllm_python, scratch),
+            cwd=str(scratch),
+            start_new_session=True,  # its own process group: killed as a whole
+            preexec_fn=_die_with_parent,
+        )
+    atexit.register(_kill_group, process)
+    engine = VllmEngine(policy, f"http://{LOOPBACK}:{port}", process, log_path, 0.0)
+    try:
+        _wait_healthy(engine)
+    except BaseException:
+        engine.stop()
+        raise
+    engine.start_s = time.monotonic() - started
+    print(f"\n[vllm] engine ({policy}) started in {engine.start_s:.1f} s on port {port}")
+    return engine
+
+
+def _wait_healthy(engine: VllmEngine) -> None:
+    give_up_at = time.monotonic() + ENGINE_START_TIMEOUT_S
+    with httpx.Client(timeout=2.0, trust_env=False) as client:
+        while True:
+            code = engine.process.poll()
+            if code is not None:
+                pytest.fail(
+                    f"vLLM ({engine.policy}) exited with {code} while starting:\n"
+                    f"{engine.log_tail()}",
+                    pytrace=False,
+                )
+            with contextlib.suppress(httpx.HTTPError):
+                if client.get(f"{engine.base_url}/health").status_code == 200:
+                    return
+            if time.monotonic() > give_up_at:
+                pytest.fail(
+                    f"vLLM ({engine.policy}) did not answer /health within "
+                    f"{ENGINE_START_TIMEOUT_S:.0f} s:\n{engine.log_tail()}",
+                    pytrace=False,
+                )
+            time.sleep(0.5)
+
+
+class Engines:
+    """At most one engine at a time, started on demand with the scheduling policy asked for."""
+
+    def __init__(self, vllm_python: Path, model_dir: Path, scratch: Path) -> None:
+        self._python = vllm_python
+        self._model_dir = model_dir
+        self._scratch = scratch
+        self._current: VllmEngine | None = None
+        self.start_times: dict[str, float] = {}
+
+    def get(self, policy: str) -> VllmEngine:
+        current = self._current
+        if current is not None and current.policy == policy and current.process.poll() is None:
+            return current
+        self.close()
+        self._current = start_engine(self._python, self._model_dir, self._scratch, policy)
+        self.start_times[policy] = self._current.start_s
+        return self._current
+
+    def close(self) -> None:
+        current, self._current = self._current, None
+        if current is not None:
+            current.stop()
+
+
+@pytest.fixture(scope="session")
+def engines(vllm_python: Path, tiny_model: Path, vllm_scratch: Path) -> Iterator[Engines]:
+    manager = Engines(vllm_python, tiny_model, vllm_scratch)
+    try:
+        yield manager
+    finally:
+        manager.close()
+
+
+@pytest.fixture
+def priority_engine(engines: Engines) -> VllmEngine:
+    """vLLM with `--scheduling-policy priority` (lower `priority` first)."""
+    return engines.get("priority")
+
+
+@pytest.fixture
+def fcfs_engine(engines: Engines) -> VllmEngine:
+    """vLLM with its default first-come-first-served policy (a non-zero `priority` is an error)."""
+    return engines.get("fcfs")
+
+
+if sys.platform != "linux":  # process groups and /proc are assumed throughout
+    collect_ignore_glob = ["test_*.py"]

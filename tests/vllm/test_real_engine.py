@@ -1,0 +1,529 @@
+"""The project's claims against a real vLLM (CPU build) serving a tiny random Llama on 127.0.0.1.
+
+Orderings only, never absolute times (a 2-core machine varies ±40% run to run):
+- the metrics watcher sees the live engine's waiting and running counts rise and fall;
+- a flood from one power user: light users finish before the power user's median request through
+  the fair proxy and through a LiteLLM proxy with the plugin, and after it when sent straight to
+  vLLM (FIFO: no `priority` in the body, so all requests are priority 0);
+- tiers: an interactive request overtakes a running batch flood, with the tiers' priorities in
+  the bodies the engine receives;
+- an engine without priority scheduling receives no `priority` and answers every request.
+The flood numbers are printed at the end of the session (`pytest_terminal_summary`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import statistics
+import time
+from collections.abc import AsyncIterator, Callable, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+from starlette.applications import Starlette
+from starlette.requests import Request
+from starlette.responses import Response, StreamingResponse
+from starlette.routing import Route
+
+from fair_sched_plugin.core import BackendSnapshot
+from fair_sched_plugin.metrics.profiles import engine_profile
+from fair_sched_plugin.metrics.watcher import MetricsWatcher
+from fair_sched_plugin.proxy import build_proxy_app
+
+from ..integrations.conftest import open_client, serve
+from .conftest import FLOOD_REPORT, SERVED_MODEL, VllmEngine
+
+pytestmark = [pytest.mark.vllm, pytest.mark.slow, pytest.mark.timeout(600)]
+
+# Equal lengths make vLLM run the flood in waves of `--max-num-seqs 8`: 56 requests are 7 waves,
+# so the power user's median request ends with the 4th, and a light user who comes during the
+# 1st has 1-2 waves of margin whether the machine is fast or slowed down by other work.
+POWER_REQUESTS = 56
+MAX_TOKENS = 48
+REQUEST_TIMEOUT_S = 180.0
+FLOOD_TIMEOUT_S = 240.0
+
+POWER_KEY = "sk-power"
+LIGHT_KEYS = ("sk-light-1", "sk-light-2")
+BATCH_KEY = "sk-batch"
+INTERACTIVE_PRIORITY = 0
+BATCH_PRIORITY = 10
+
+
+def fair_section(
+    engine: VllmEngine, *, api_base: str | None = None, priority_scheduling: bool = True
+) -> dict[str, Any]:
+    backend: dict[str, Any] = {
+        "metrics_url": engine.metrics_url,
+        "engine": "vllm",
+        "priority_scheduling": priority_scheduling,
+        "engine_model_name": SERVED_MODEL,
+    }
+    if api_base is not None:
+        backend["api_base"] = api_base
+    return {
+        "tiers": [
+            {"name": "interactive", "waiting_below": 3, "vllm_priority": INTERACTIVE_PRIORITY},
+            {"name": "batch", "waiting_below": 1, "vllm_priority": BATCH_PRIORITY},
+        ],
+        "default_tier": "interactive",
+        "principals": [
+            {"name": "power", "keys": [POWER_KEY]},
+            {"name": "light-1", "keys": [LIGHT_KEYS[0]]},
+            {"name": "light-2", "keys": [LIGHT_KEYS[1]]},
+            {"name": "bot", "keys": [BATCH_KEY], "tier": "batch"},
+        ],
+        "backends": {SERVED_MODEL: backend},
+        "queue": {"max_per_user": 1000, "max_total": 10000, "max_wait_s": 300},
+        "metrics_poll_ms": 100,
+    }
+
+
+def stream_body(marker: str, max_tokens: int = MAX_TOKENS, **extra: Any) -> dict[str, Any]:
+    return {
+        "model": SERVED_MODEL,
+        "messages": [{"role": "user", "content": f"Tell me about fair scheduling. [{marker}]"}],
+        "max_tokens": max_tokens,
+        "ignore_eos": True,  # exact lengths from a random model
+        "stream": True,
+        "stream_options": {"include_usage": True},
+        **extra,
+    }
+
+
+# ----------------------------------------------------------------------------- streaming client
+
+
+@dataclass
+class Stream:
+    """One streamed request as its client saw it (seconds on `time.perf_counter()`)."""
+
+    marker: str
+    sent_at: float
+    status: int = 0
+    first_chunk_at: float | None = None
+    first_token_at: float | None = None  # the first chunk with text in it
+    done_at: float | None = None
+    completion_tokens: int = 0
+    finish_reason: str | None = None
+    error: str | None = None
+
+    @property
+    def ok(self) -> bool:
+        return self.status == 200 and self.error is None and self.done_at is not None
+
+
+async def stream_chat(
+    client: httpx.AsyncClient, path: str, body: Mapping[str, Any], progress: list[Stream]
+) -> Stream:
+    """Stream one chat completion; `progress` holds the record while it is still running."""
+    record = Stream(marker=str(body["messages"][0]["content"]), sent_at=time.perf_counter())
+    progress.append(record)
+    try:
+        async with client.stream("POST", path, json=dict(body)) as response:
+            record.status = response.status_code
+            if response.status_code != 200:
+                record.error = (await response.aread()).decode(errors="replace")[:500]
+                return record
+            chunks = 0
+            async for line in response.aiter_lines():
+                if not line.startswith("data: ") or line == "data: [DONE]":
+                    continue
+                chunk = json.loads(line[6:])
+                for choice in chunk.get("choices") or ():
+                    now = time.perf_counter()
+                    if record.first_chunk_at is None:
+                        record.first_chunk_at = now
+                    text = (choice.get("delta") or {}).get("content") or choice.get("text")
+                    if text and record.first_token_at is None:
+                        record.first_token_at = now
+                    chunks += 1
+                    record.finish_reason = choice.get("finish_reason") or record.finish_reason
+                usage = chunk.get("usage")
+                if usage:
+                    record.completion_tokens = int(usage.get("completion_tokens") or 0)
+            record.completion_tokens = record.completion_tokens or chunks
+    except httpx.HTTPError as exc:
+        record.error = f"{type(exc).__name__}: {exc}"
+    finally:
+        record.done_at = time.perf_counter()
+    return record
+
+
+async def engine_counts(client: httpx.AsyncClient, engine: VllmEngine) -> tuple[float, float]:
+    """(waiting, running) straight from the engine's /metrics."""
+    text = (await client.get(engine.metrics_url)).text
+    values = {"vllm:num_requests_waiting": 0.0, "vllm:num_requests_running": 0.0}
+    for line in text.splitlines():
+        name = line.split("{", 1)[0]
+        if name in values:
+            values[name] += float(line.rsplit(" ", 1)[1])
+    return values["vllm:num_requests_waiting"], values["vllm:num_requests_running"]
+
+
+async def wait_first_token(
+    progress: list[Stream],
+    count: int,
+    flood: list[asyncio.Future[Stream]],
+    timeout_s: float = 120.0,
+) -> None:
+    """Until all `count` requests are sent and one of them has streamed a token."""
+    loop = asyncio.get_running_loop()
+    give_up_at = loop.time() + timeout_s
+    while len(progress) < count or not any(s.first_token_at is not None for s in progress):
+        if all(task.done() for task in flood):
+            failed = [task.result() for task in flood if not task.result().ok]
+            pytest.fail(f"the flood ended before streaming: {failed[:1]}")
+        if loop.time() > give_up_at:
+            pytest.fail(f"no token from the flood within {timeout_s} s")
+        await asyncio.sleep(0.01)
+
+
+async def wait_engine_idle(engine: VllmEngine, timeout_s: float = 120.0) -> None:
+    loop = asyncio.get_running_loop()
+    give_up_at = loop.time() + timeout_s
+    async with httpx.AsyncClient(timeout=5.0, trust_env=False) as client:
+        while await engine_counts(client, engine) != (0.0, 0.0):
+            if loop.time() > give_up_at:
+                pytest.fail(f"the engine did not become idle within {timeout_s} s")
+            await asyncio.sleep(0.1)
+
+
+# ----------------------------------------------------------------------------- floods
+
+
+@dataclass
+class Flood:
+    name: str
+    started_at: float
+    heavy: list[Stream] = field(default_factory=list)
+    light: list[Stream] = field(default_factory=list)
+
+    def check_all_ok(self) -> None:
+        bad = [s for s in self.heavy + self.light if not s.ok or s.finish_reason != "length"]
+        assert not bad, f"{self.name}: {len(bad)} requests failed, e.g. {bad[0]}"
+
+    def heavy_median_done(self) -> float:
+        return statistics.median(_done(s) for s in self.heavy)
+
+    def numbers(self) -> dict[str, float]:
+        everything = self.heavy + self.light
+        makespan = max(_done(s) for s in everything) - self.started_at
+        tokens = sum(s.completion_tokens for s in everything)
+
+        def ttft_p50(streams: list[Stream]) -> float:
+            return statistics.median(
+                (s.first_token_at or s.first_chunk_at or _done(s)) - s.sent_at for s in streams
+            )
+
+        return {
+            "light_ttft_p50_s": ttft_p50(self.light),
+            "power_ttft_p50_s": ttft_p50(self.heavy),
+            "light_done_max_s": max(_done(s) for s in self.light) - self.started_at,
+            "power_done_p50_s": self.heavy_median_done() - self.started_at,
+            "light_first_chunk_p50_s": statistics.median(
+                (s.first_chunk_at or _done(s)) - s.sent_at for s in self.light
+            ),
+            "makespan_s": makespan,
+            "tokens_per_s": tokens / makespan,
+        }
+
+
+def _done(stream: Stream) -> float:
+    assert stream.done_at is not None
+    return stream.done_at
+
+
+async def run_flood(
+    name: str,
+    engine: VllmEngine,
+    base_url: str,
+    path: str,
+    *,
+    heavy_key: str | None,
+    light_keys: tuple[str, ...] | None,
+    heavy_body: Callable[[int], dict[str, Any]],
+    light_body: Callable[[int], dict[str, Any]],
+    heavy_count: int = POWER_REQUESTS,
+) -> Flood:
+    """The heavy user's requests all at once; once the first of them streams, one request per
+    light key (no key: two anonymous ones). Returns when every request has ended."""
+    await wait_engine_idle(engine)
+    flood = Flood(name, time.perf_counter())
+    heavy_progress: list[Stream] = []
+    light_progress: list[Stream] = []
+    async with contextlib.AsyncExitStack() as stack:
+        heavy_client = await stack.enter_async_context(
+            open_client(base_url, heavy_key, timeout=REQUEST_TIMEOUT_S)
+        )
+        heavy = [
+            asyncio.ensure_future(stream_chat(heavy_client, path, heavy_body(i), heavy_progress))
+            for i in range(heavy_count)
+        ]
+        light: list[asyncio.Future[Stream]] = []
+        try:
+            # The light users come once every heavy request is sent and the engine streams
+            # the first one's tokens (a time offset would mean different things on a fast and
+            # on a slowed-down machine).
+            await wait_first_token(heavy_progress, heavy_count, heavy)
+            for index, key in enumerate(light_keys or (None, None)):
+                client = await stack.enter_async_context(
+                    open_client(base_url, key, timeout=REQUEST_TIMEOUT_S)
+                )
+                light.append(
+                    asyncio.ensure_future(
+                        stream_chat(client, path, light_body(index), light_progress)
+                    )
+                )
+            done = await asyncio.wait_for(asyncio.gather(*heavy, *light), FLOOD_TIMEOUT_S)
+        finally:
+            for task in heavy + light:
+                task.cancel()
+            await asyncio.gather(*heavy, *light, return_exceptions=True)
+    flood.heavy = list(done[:heavy_count])
+    flood.light = list(done[heavy_count:])
+    flood.check_all_ok()
+    return flood
+
+
+def record_flood(flood: Flood) -> dict[str, float]:
+    numbers = flood.numbers()
+    FLOOD_REPORT[flood.name] = numbers
+    print(f"\n[vllm flood] {flood.name}: " + ", ".join(f"{k}={v:.2f}" for k, v in numbers.items()))
+    return numbers
+
+
+def power_body(index: int) -> dict[str, Any]:
+    return stream_body(f"power {index}")
+
+
+def light_body(index: int) -> dict[str, Any]:
+    return stream_body(f"light {index}")
+
+
+# ----------------------------------------------------------------------------- recording relay
+
+
+@contextlib.asynccontextmanager
+async def recording_relay(engine: VllmEngine) -> AsyncIterator[tuple[str, list[dict[str, Any]]]]:
+    """A pass-through to the engine that keeps every request body it forwards; yields
+    (its `/v1` base URL, the bodies). Shows what the engine received, `priority` above all."""
+    seen: list[dict[str, Any]] = []
+    limits = httpx.Limits(max_connections=None, max_keepalive_connections=100)
+
+    async with httpx.AsyncClient(
+        timeout=REQUEST_TIMEOUT_S, limits=limits, trust_env=False
+    ) as upstream_client:
+
+        async def forward(request: Request) -> Response:
+            raw = await request.body()
+            seen.append(json.loads(raw))
+            upstream = await upstream_client.send(
+                upstream_client.build_request(
+                    "POST",
+                    f"{engine.api_base}/chat/completions",
+                    content=raw,
+                    headers={"content-type": "application/json"},
+                ),
+                stream=True,
+            )
+
+            async def relay() -> AsyncIterator[bytes]:
+                try:
+                    async for chunk in upstream.aiter_raw():
+                        yield chunk
+                finally:
+                    await upstream.aclose()
+
+            return StreamingResponse(
+                relay(),
+                status_code=upstream.status_code,
+                media_type=upstream.headers.get("content-type"),
+            )
+
+        app = Starlette(routes=[Route("/v1/chat/completions", forward, methods=["POST"])])
+        async with serve(app) as base_url:
+            yield f"{base_url}/v1", seen
+
+
+def priorities_of(bodies: list[dict[str, Any]], marker: str) -> list[Any]:
+    return [
+        body.get("priority", "absent")
+        for body in bodies
+        if marker in body["messages"][0]["content"]
+    ]
+
+
+# ----------------------------------------------------------------------------- tests
+
+
+async def test_watcher_sees_live_engine_queue_rise_and_fall(priority_engine: VllmEngine) -> None:
+    await wait_engine_idle(priority_engine)
+    seen: list[BackendSnapshot] = []
+    watcher = MetricsWatcher(
+        priority_engine.metrics_url,
+        engine_profile("vllm"),
+        model_name=SERVED_MODEL,
+        interval_s=0.05,
+        timeout_s=5.0,
+        on_snapshot=seen.append,
+    )
+    progress: list[Stream] = []
+    async with watcher, open_client(priority_engine.base_url, timeout=REQUEST_TIMEOUT_S) as client:
+        loop = asyncio.get_running_loop()
+        give_up_at = loop.time() + 30
+        while not any(s.ok for s in seen):
+            assert loop.time() < give_up_at, f"no successful scrape: {seen[-1:]}"
+            await asyncio.sleep(0.05)
+        before = [s for s in seen if s.ok][-1]
+        burst = [
+            stream_chat(client, "/v1/chat/completions", stream_body(f"burst {i}"), progress)
+            for i in range(24)
+        ]
+        results = await asyncio.wait_for(asyncio.gather(*burst), FLOOD_TIMEOUT_S)
+        assert all(r.ok for r in results), [r for r in results if not r.ok][:1]
+        give_up_at = loop.time() + 60
+        while not (seen[-1].ok and seen[-1].waiting == 0 and seen[-1].running == 0):
+            assert loop.time() < give_up_at, f"the engine never looked idle again: {seen[-1]}"
+            await asyncio.sleep(0.05)
+    ok = [s for s in seen if s.ok]
+    assert before.waiting == 0 and before.running == 0
+    # 24 requests on 8 slots: the watcher sees a full batch and a queue behind it ...
+    assert max(s.running for s in ok) >= 4
+    assert max(s.waiting for s in ok) >= 1
+    # ... and both fall back to zero; the recent time per output token was measured on the way.
+    assert ok[-1].waiting == 0 and ok[-1].running == 0
+    assert any(s.tpot_s is not None and s.tpot_s > 0 for s in ok)
+    print(
+        f"\n[vllm watcher] {len(ok)} scrapes: waiting max {max(s.waiting for s in ok):.0f}, "
+        f"running max {max(s.running for s in ok):.0f}"
+    )
+
+
+async def test_direct_to_vllm_light_users_wait_behind_the_flood(
+    priority_engine: VllmEngine,
+) -> None:
+    """No `priority` in the body: every request is priority 0, so vLLM serves them in arrival
+    order and the light users finish after the power user's median request."""
+    flood = await run_flood(
+        "direct to vLLM (FIFO)",
+        priority_engine,
+        priority_engine.base_url,
+        "/v1/chat/completions",
+        heavy_key=None,
+        light_keys=None,
+        heavy_body=power_body,
+        light_body=light_body,
+    )
+    record_flood(flood)
+    median = flood.heavy_median_done()
+    assert all(_done(s) > median for s in flood.light)
+
+
+async def test_fair_proxy_light_users_finish_before_power_median(
+    priority_engine: VllmEngine,
+) -> None:
+    app = build_proxy_app(fair_section(priority_engine, api_base=priority_engine.api_base))
+    async with serve(app) as base_url:
+        flood = await run_flood(
+            "fair-sched proxy",
+            priority_engine,
+            base_url,
+            "/v1/chat/completions",
+            heavy_key=POWER_KEY,
+            light_keys=LIGHT_KEYS,
+            heavy_body=power_body,
+            light_body=light_body,
+        )
+        stats = app.state.fair_sched.scheduler.statistics()
+    record_flood(flood)
+    median = flood.heavy_median_done()
+    assert all(_done(s) < median for s in flood.light), flood.numbers()
+    assert stats.released_total == POWER_REQUESTS + len(LIGHT_KEYS)
+
+
+async def test_litellm_proxy_with_plugin_light_users_finish_before_power_median(
+    priority_engine: VllmEngine, tmp_path: Path
+) -> None:
+    from ..integrations.litellm_harness import litellm_proxy, model_entry, proxy_config
+
+    config = proxy_config(
+        [model_entry(SERVED_MODEL, priority_engine.api_base, engine_model=SERVED_MODEL)],
+        fair_section(priority_engine),
+    )
+    async with litellm_proxy(config, tmp_path, "litellm-vllm") as proxy:
+        try:
+            flood = await run_flood(
+                "LiteLLM proxy + plugin",
+                priority_engine,
+                proxy.base_url,
+                "/v1/chat/completions",
+                heavy_key=POWER_KEY,
+                light_keys=LIGHT_KEYS,
+                heavy_body=power_body,
+                light_body=light_body,
+            )
+        except BaseException:
+            print(proxy.log_tail())
+            raise
+    record_flood(flood)
+    median = flood.heavy_median_done()
+    assert all(_done(s) < median for s in flood.light), flood.numbers()
+
+
+async def test_tiers_interactive_overtakes_batch_flood_with_its_priority(
+    priority_engine: VllmEngine,
+) -> None:
+    """A batch-tier flood is running; an interactive request finishes before the flood's median,
+    and the engine received priority 0 for it and 10 for every batch request."""
+    async with recording_relay(priority_engine) as (relay_base, bodies):
+        app = build_proxy_app(fair_section(priority_engine, api_base=relay_base))
+        async with serve(app) as base_url:
+            flood = await run_flood(
+                "tiers: batch flood + interactive",
+                priority_engine,
+                base_url,
+                "/v1/chat/completions",
+                heavy_key=BATCH_KEY,
+                light_keys=(LIGHT_KEYS[0],),
+                heavy_body=lambda i: stream_body(f"batch {i}"),
+                light_body=lambda i: stream_body("interactive"),
+                heavy_count=48,
+            )
+    assert all(_done(s) < flood.heavy_median_done() for s in flood.light)
+    assert priorities_of(bodies, "interactive") == [INTERACTIVE_PRIORITY]
+    batch = priorities_of(bodies, "batch ")
+    assert len(batch) == 48 and set(batch) == {BATCH_PRIORITY}
+
+
+async def test_fcfs_engine_gets_no_priority_and_every_request_succeeds(
+    fcfs_engine: VllmEngine,
+) -> None:
+    """Runs last: it replaces the priority engine. With `priority_scheduling: false` the batch
+    tier's priority 10 is not sent (the relay sees every body) and every request succeeds.
+    vLLM 0.32 under fcfs accepts and ignores a non-zero priority, so only the relay, not the
+    status codes, can prove that none was sent."""
+    async with recording_relay(fcfs_engine) as (relay_base, bodies):
+        app = build_proxy_app(
+            fair_section(fcfs_engine, api_base=relay_base, priority_scheduling=False)
+        )
+        async with serve(app) as base_url:
+            flood = await run_flood(
+                "fcfs engine: batch flood + interactive",
+                fcfs_engine,
+                base_url,
+                "/v1/chat/completions",
+                heavy_key=BATCH_KEY,
+                light_keys=LIGHT_KEYS,
+                heavy_body=lambda i: stream_body(f"batch {i}", max_tokens=32),
+                light_body=lambda i: stream_body(f"interactive {i}", max_tokens=32),
+                heavy_count=24,
+            )
+    assert len(bodies) == 24 + len(LIGHT_KEYS)
+    assert all("priority" not in body for body in bodies)
+    assert all(s.status == 200 for s in flood.heavy + flood.light)
