@@ -11,7 +11,7 @@ import asyncio
 import logging
 from collections.abc import Callable, Iterable, Mapping, MutableMapping
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 import httpx
 
@@ -26,10 +26,12 @@ from .core import (
     Ticket,
     TierLimits,
 )
-from .errors import FairSchedError
+from .errors import FairSchedError, Rejected, SchedulerClosed
 from .identity import Credentials, Principal, PrincipalDirectory
 from .metrics.profiles import profile_for
 from .metrics.watcher import MetricsWatcher
+from .observability import ServiceMetrics, rejection_reason
+from .state import SchedulerState, open_state
 
 logger = logging.getLogger("fair_sched")
 
@@ -39,6 +41,14 @@ DEFAULT_MAX_TOKENS = 256
 
 class ClientDisconnected(FairSchedError):
     """The client went away while its request waited; it never reached the engine."""
+
+
+class AdmissionObserver(Protocol):
+    """Told about each granted admission and each rejection, on the request's own task."""
+
+    def admitted(self, admission: Admission) -> None: ...
+
+    def rejected(self, principal: Principal, ticket: Ticket, error: Rejected) -> None: ...
 
 
 @dataclass(frozen=True)
@@ -120,28 +130,50 @@ class SchedulingService:
             request_scrape=self._request_scrape,
         )
         queue = self.settings.queue
-        self.scheduler = FairScheduler(
-            [
-                TierLimits(
-                    tier.name,
-                    waiting_below=tier.waiting_below,
-                    tpot_below_s=tier.tpot_below_ms / 1000 if tier.tpot_below_ms else None,
-                    kv_usage_below=tier.kv_usage_below,
-                )
-                for tier in self.settings.tiers
-            ],
+        tier_limits = tuple(
+            TierLimits(
+                tier.name,
+                waiting_below=tier.waiting_below,
+                tpot_below_s=tier.tpot_below_ms / 1000 if tier.tpot_below_ms else None,
+                kv_usage_below=tier.kv_usage_below,
+            )
+            for tier in self.settings.tiers
+        )
+        settings = self.settings
+        # `state: memory://` -> this FairScheduler; `redis://` -> a SharedScheduler over Redis
+        # with this FairScheduler as its fallback while Redis is unreachable.
+        self.state: SchedulerState = open_state(
+            settings.state,
+            tier_limits,
             self.gate,
-            fairness=self.settings.fairness,
+            lambda: FairScheduler(
+                tier_limits,
+                self.gate,
+                fairness=settings.fairness,
+                max_per_user=queue.max_per_user,
+                max_total=queue.max_total,
+                max_wait_s=queue.max_wait_s,
+            ),
+            fairness=settings.fairness,
+            stale_after_s=settings.effective_stale_after_ms / 1000,
+            unknown_max_inflight=settings.unknown_model_max_inflight,
             max_per_user=queue.max_per_user,
             max_total=queue.max_total,
             max_wait_s=queue.max_wait_s,
+            prefix=settings.state_prefix,
+            heartbeat_s=settings.state_heartbeat_s,
+            lease_ttl_s=settings.state_lease_ttl_s,
         )
+        self.scheduler = self.state.scheduler
         self._http_client = http_client
         self._watchers: dict[str, list[MetricsWatcher]] = {}
         self._started = False
         self._closed = False
         self.transitions: list[GateTransition] = []
         self._transition_listeners: list[Callable[[GateTransition], None]] = []
+        self._admission_observers: list[AdmissionObserver] = []
+        # Created now so the wait histogram sees every admission; reads happen at scrape time.
+        self._observability = ServiceMetrics(self)
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -156,6 +188,7 @@ class SchedulingService:
         if self._started:
             return
         self._started = True
+        self.state.start()
         settings = self.settings
         for model, backend in self.backends.items():
             profile = profile_for(backend)
@@ -179,6 +212,7 @@ class SchedulingService:
         self.scheduler.close()
         watchers = [watcher for group in self._watchers.values() for watcher in group]
         await asyncio.gather(*(watcher.aclose() for watcher in watchers), return_exceptions=True)
+        await self.state.aclose()
 
     async def __aenter__(self) -> SchedulingService:
         self.start()
@@ -189,6 +223,15 @@ class SchedulingService:
 
     def add_transition_listener(self, listener: Callable[[GateTransition], None]) -> None:
         self._transition_listeners.append(listener)
+
+    @property
+    def observability(self) -> ServiceMetrics:
+        """This service's Prometheus metrics (its own registry) and status document."""
+        return self._observability
+
+    def add_admission_observer(self, observer: AdmissionObserver) -> None:
+        """Tell `observer` about every admission and rejection (the metrics use this)."""
+        self._admission_observers.append(observer)
 
     # ------------------------------------------------------------------ the request path
 
@@ -220,10 +263,17 @@ class SchedulingService:
         if not self._started:
             self.start()
         ticket = self.ticket_for(principal, model, body)
-        lease = self.scheduler.try_acquire(ticket)
-        if lease is None:
-            lease = await self._wait(ticket, disconnected)
-        return Admission(lease, principal, self.engine_priority(model, principal.tier))
+        try:
+            lease = self.scheduler.try_acquire(ticket)
+            if lease is None:
+                lease = await self._wait(ticket, disconnected)
+        except Rejected as exc:
+            self._rejected(principal, ticket, exc)
+            raise
+        admission = Admission(lease, principal, self.engine_priority(model, principal.tier))
+        for observer in self._admission_observers:
+            observer.admitted(admission)
+        return admission
 
     async def _wait(self, ticket: Ticket, disconnected: asyncio.Event | None) -> Lease:
         if disconnected is None:
@@ -297,12 +347,36 @@ class SchedulingService:
     def _snapshot_listener(self, model: str) -> Callable[[BackendSnapshot], None]:
         def on_snapshot(snapshot: BackendSnapshot) -> None:
             self.gate.update(model, snapshot)
+            self.state.on_snapshot(model, snapshot)
 
         return on_snapshot
 
     def _request_scrape(self, model: str) -> None:
         for watcher in self._watchers.get(model, ()):
             watcher.request_early_scrape()
+
+    def _rejected(self, principal: Principal, ticket: Ticket, exc: Rejected) -> None:
+        reason = rejection_reason(exc)
+        # One line per rejection, naming the principal (never its key). A shutdown is not news.
+        logger.log(
+            logging.INFO if isinstance(exc, SchedulerClosed) else logging.WARNING,
+            "fair_sched rejected principal=%s model=%s tier=%s reason=%s retry_after=%s",
+            principal.name,
+            ticket.model,
+            ticket.tier,
+            reason,
+            exc.retry_after_header,
+            extra={
+                "fair_sched_event": "rejected",
+                "principal": principal.name,
+                "model": ticket.model,
+                "tier": ticket.tier,
+                "reason": reason,
+                "retry_after_s": exc.retry_after_s,
+            },
+        )
+        for observer in self._admission_observers:
+            observer.rejected(principal, ticket, exc)
 
     def _log_transition(self, transition: GateTransition) -> None:
         self.transitions.append(transition)

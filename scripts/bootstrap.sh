@@ -18,6 +18,18 @@ if [ ! -f "$STAMP" ] || [ "$(cat "$STAMP")" != "$WANT" ]; then
         || { echo "installation failed" >&2; exit 1; }
     echo "$WANT" > "$STAMP"
 fi
+# The shared-state tests (tests/state) start their own redis-server on 127.0.0.1. CI runs as root
+# on a fresh machine: install it there; elsewhere say how (the tests skip without it, except in CI).
+if ! command -v redis-server >/dev/null 2>&1; then
+    if [ "$(id -u)" = "0" ] && command -v apt-get >/dev/null 2>&1; then
+        echo "installing redis-server for the shared-state tests ..." >&2
+        { apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq redis-server; } \
+            >/dev/null 2>&1 || echo "could not install redis-server with apt-get" >&2
+    else
+        echo "redis-server not found: install it (apt-get install redis-server) to run the" \
+            "shared-state tests; they skip without it (and fail when CI=true)" >&2
+    fi
+fi
 export PATH="$VENV/bin:$PATH"
 # LiteLLM must not fetch its price list from the internet.
 export LITELLM_LOCAL_MODEL_COST_MAP=True

@@ -15,7 +15,7 @@ Pending requests that will find a free running slot never enter the engine's que
 learns each deployment's capacity as the most requests it has seen running at once, and lets
 pending requests fill the slots the last scrape showed free (less those taken since):
 
-    waiting_at_last_scrape + max(0, pending - free_slots)
+    max(0, waiting - free_slots) + max(0, pending - max(0, free_slots - waiting))
 
 Until the engine has been seen saturated the capacity is underestimated, which only makes the
 gate more careful. Without this, a tier that wants the queue empty (`waiting_below: 1`) would
@@ -207,7 +207,10 @@ class MetricsGate:
             return "fallback_inflight"
         snapshots = state.latest_ok.values()
         waiting = sum(snapshot.waiting for snapshot in snapshots)
-        queued_in_engine = waiting + max(0.0, state.pending_count - self._free_slots(state))
+        # The engine fills free slots from its own queue first; ours take what is left.
+        free = self._free_slots(state)
+        left_free = max(0.0, free - waiting)
+        queued_in_engine = max(0.0, waiting - free) + max(0.0, state.pending_count - left_free)
         if queued_in_engine >= tier.waiting_below * deployments:
             return "waiting"
         if tier.tpot_below_s is not None:

@@ -138,6 +138,7 @@ class EngineStatistics(NamedTuple):
     waiting: int
     running: int
     max_waiting_seen: int
+    """The longest queue left after a step's scheduling (what vLLM reports as waiting)."""
     max_running_seen: int
     requests_received: int
     requests_finished: int
@@ -325,7 +326,6 @@ class EmulatedEngine:
         heapq.heappush(self._heap, (rank, order, seq))
         self._waiting_count += 1
         self._waiting_by_model[model] += 1
-        self._max_waiting_seen = max(self._max_waiting_seen, self._waiting_count)
         self._received_count += 1
         self.received.append(
             ReceivedRequest(request_id, model, priority, prompt_tokens, max_tokens, user)
@@ -405,6 +405,9 @@ class EmulatedEngine:
             self._prompt_tokens_total += seq.prompt_tokens
             self.observer.on_prefill(seq, now - seq.arrived_at)
         self._max_running_seen = max(self._max_running_seen, len(self._running))
+        # Like vLLM's num_requests_waiting, the queue is measured after each step's scheduling:
+        # a request that arrives to a free slot is admitted at the next step, never queued.
+        self._max_waiting_seen = max(self._max_waiting_seen, self._waiting_count)
         return prefill_tokens
 
     def _step_seconds(self, prefill_tokens: int) -> float:

@@ -1,0 +1,140 @@
+"""A real redis-server on 127.0.0.1 (a free port, a temp dir, no persistence), and both stores.
+
+Without the binary the Redis tests skip, except in CI (`CI=true`), where they fail.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import itertools
+import os
+import pathlib
+import shutil
+import socket
+import subprocess
+import time
+from collections.abc import AsyncIterator, Iterator
+
+import pytest
+
+from fair_sched_plugin.state import MemoryStore, StateStore
+from fair_sched_plugin.state.redis_store import RedisStore
+
+LOOPBACK = "127.0.0.1"
+_prefixes = itertools.count()
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind((LOOPBACK, 0))
+        port: int = sock.getsockname()[1]
+        return port
+
+
+def require_redis_server() -> str:
+    binary = shutil.which("redis-server")
+    if binary is None:
+        if os.environ.get("CI", "").lower() == "true":
+            pytest.fail("redis-server is missing in CI (scripts/bootstrap.sh installs it as root)")
+        pytest.skip("redis-server is not installed (apt-get install redis-server)")
+    return binary
+
+
+class RedisServer:
+    """One redis-server process; `stop()` and `start()` again on the same port (a restart)."""
+
+    def __init__(self, directory: pathlib.Path) -> None:
+        self.binary = require_redis_server()
+        self.directory = directory
+        self.port = _free_port()
+        self.process: subprocess.Popen[bytes] | None = None
+
+    @property
+    def url(self) -> str:
+        return f"redis://{LOOPBACK}:{self.port}/0"
+
+    def start(self) -> None:
+        self.process = subprocess.Popen(
+            [
+                self.binary,
+                "--port",
+                str(self.port),
+                "--bind",
+                LOOPBACK,
+                "--save",
+                "",
+                "--appendonly",
+                "no",
+                "--dir",
+                str(self.directory),
+            ],
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+        )
+        give_up_at = time.monotonic() + 10
+        while True:
+            with contextlib.suppress(OSError), socket.create_connection((LOOPBACK, self.port), 0.2):
+                return
+            if self.process.poll() is not None or time.monotonic() > give_up_at:
+                raise RuntimeError(f"redis-server did not start on port {self.port}")
+            time.sleep(0.02)
+
+    def stop(self) -> None:
+        if self.process is not None and self.process.poll() is None:
+            self.process.terminate()
+            try:
+                self.process.wait(5)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+                self.process.wait(5)
+        self.process = None
+
+
+@pytest.fixture(scope="session")
+def redis_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RedisServer]:
+    server = RedisServer(tmp_path_factory.mktemp("redis"))
+    server.start()
+    try:
+        yield server
+    finally:
+        server.stop()
+
+
+@pytest.fixture
+def own_redis_server(tmp_path: pathlib.Path) -> Iterator[RedisServer]:
+    """A server for this test alone (tests that stop and restart it)."""
+    server = RedisServer(tmp_path)
+    server.start()
+    try:
+        yield server
+    finally:
+        server.stop()
+
+
+def unique_prefix() -> str:
+    return f"t{os.getpid()}.{next(_prefixes)}:"
+
+
+@contextlib.asynccontextmanager
+async def open_test_store(kind: str, request: pytest.FixtureRequest) -> AsyncIterator[StateStore]:
+    if kind == "memory":
+        yield MemoryStore()
+        return
+    server: RedisServer = request.getfixturevalue("redis_server")
+    store = RedisStore(server.url, prefix=unique_prefix(), block_s=0.2)
+    try:
+        yield store
+    finally:
+        await store.aclose()
+
+
+@pytest.fixture(params=["memory", "redis"])
+async def store(request: pytest.FixtureRequest) -> AsyncIterator[StateStore]:
+    """The same contract test against both stores."""
+    async with open_test_store(request.param, request) as opened:
+        yield opened
+
+
+async def bounded(awaitable: object, timeout_s: float = 10.0) -> object:
+    return await asyncio.wait_for(awaitable, timeout_s)  # type: ignore[arg-type]
