@@ -14,10 +14,12 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import logging
 import re
 from collections.abc import Awaitable, Callable, Iterable, Mapping, MutableMapping
 from typing import Any
 
+from . import observability
 from .config import FairSchedSettings
 from .errors import Rejected
 from .identity import Credentials
@@ -41,6 +43,8 @@ USAGE_SNIFF_BYTES = 256 * 1024
 
 __all__ = ["DEFAULT_PATHS", "FairSchedulerMiddleware", "error_body"]
 
+logger = logging.getLogger("fair_sched")
+
 
 def error_body(message: str, *, kind: str, code: str) -> bytes:
     """An error in OpenAI's shape."""
@@ -54,6 +58,8 @@ class FairSchedulerMiddleware:
 
     `config` is a YAML path, a mapping or `FairSchedSettings` (or pass a ready `service`).
     `resolve_user(scope, body)` may name the caller instead of the bearer key; it is trusted.
+    `serve_admin=True` answers ``GET /fair-sched/metrics`` and ``/fair-sched/status`` itself,
+    behind `admin_key` (or ``observability.admin_key``) when one is set.
     """
 
     def __init__(
@@ -65,16 +71,37 @@ class FairSchedulerMiddleware:
         paths: Iterable[str] = DEFAULT_PATHS,
         resolve_user: UserResolver | None = None,
         max_body_bytes: int = MAX_BODY_BYTES,
+        serve_admin: bool = False,
+        admin_key: str | None = None,
     ) -> None:
         self.app = app
         self.service = service or SchedulingService(config)
         self._paths = [re.compile(pattern) for pattern in paths]
         self._resolve_user = resolve_user
         self._max_body_bytes = max_body_bytes
+        self._admin: ASGIApp | None = None
+        if serve_admin:
+            # Opt-in: /fair-sched/metrics and /fair-sched/status answered here, before the app.
+            self._admin = observability.admin_app(self.service, admin_key=admin_key)
+            if not (admin_key or self.service.settings.observability.resolved_admin_key()):
+                logger.warning(
+                    "fair_sched: %s and %s are served without an admin key; set "
+                    "observability.admin_key (or admin_key=) unless only trusted clients reach "
+                    "this app",
+                    observability.METRICS_PATH,
+                    observability.STATUS_PATH,
+                )
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] == "lifespan":
             await self._lifespan(scope, receive, send)
+            return
+        if (
+            self._admin is not None
+            and scope["type"] == "http"
+            and scope.get("path") in observability.ADMIN_PATHS
+        ):
+            await self._admin(scope, receive, send)
             return
         if (
             scope["type"] != "http"

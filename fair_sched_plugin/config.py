@@ -306,7 +306,9 @@ class FairSchedSettings(_Frozen):
     @property
     def effective_stale_after_ms(self) -> float:
         # Long enough that one timed-out scrape does not make the gate fall back.
-        return self.stale_after_ms or max(10 * self.metrics_poll_ms, 2 * self.effective_metrics_timeout_ms)
+        return self.stale_after_ms or max(
+            10 * self.metrics_poll_ms, 2 * self.effective_metrics_timeout_ms
+        )
 
     @property
     def effective_metrics_timeout_ms(self) -> float:

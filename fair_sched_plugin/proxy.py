@@ -4,7 +4,9 @@
 
 Each model named in `fair_sched.backends` with an `api_base` is served: `POST /v1/chat/completions`,
 `/v1/completions` and `/v1/responses` are forwarded to `{api_base}/chat/completions` (and so on)
-with the body as the scheduler left it; `GET /v1/models` lists the models, `GET /health` answers.
+with the body as the scheduler left it; `GET /v1/models` lists the models, `GET /health` answers,
+`GET /fair-sched/metrics` and `/fair-sched/status` show the scheduler (behind
+`observability.admin_key` when set).
 Scheduling is done by `FairSchedulerMiddleware` around the routes, not by the routes themselves.
 Responses stream through unbuffered with the upstream status and content type; when the client
 goes away the upstream response is closed, so the engine frees the sequence. The client's
@@ -14,6 +16,7 @@ goes away the upstream response is closed, so the engine frees the sequence. The
 from __future__ import annotations
 
 import argparse
+import asyncio
 import contextlib
 import json
 import logging
@@ -32,6 +35,7 @@ from starlette.types import Receive, Scope, Send
 from .asgi import FairSchedulerMiddleware
 from .config import FairSchedSettings, load_settings
 from .errors import ConfigError
+from .observability import METRICS_PATH, STATUS_PATH, endpoints
 from .service import SchedulingService
 
 __all__ = ["DEFAULT_TIMEOUT", "add_proxy_parser", "build_proxy_app"]
@@ -189,8 +193,22 @@ class _ProxyRoutes:
         upstream_request = client.build_request(
             "POST", api_base + suffix, content=body, headers=headers
         )
+        sending = asyncio.ensure_future(client.send(upstream_request, stream=True))
+        # Until the engine's headers come back (for a non-streamed completion: until it has
+        # generated everything) nothing else would notice the client leaving, and the engine
+        # would run the request for nobody while its lease stays held.
+        watching = asyncio.ensure_future(_client_gone(request))
         try:
-            upstream = await client.send(upstream_request, stream=True)
+            await asyncio.wait({sending, watching}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            watching.cancel()
+            if not sending.done():
+                sending.cancel()  # closes the upstream connection: the engine aborts it
+            await asyncio.gather(sending, watching, return_exceptions=True)
+        if sending.cancelled():
+            return Response(status_code=499)  # nobody reads it; nginx's "client closed"
+        try:
+            upstream = sending.result()
         except httpx.TransportError as exc:
             logger.warning(
                 "fair_sched proxy: cannot reach %s for model %r: %s", api_base, model, exc
@@ -212,6 +230,12 @@ class _ProxyRoutes:
 
     async def health(self, request: Request) -> Response:
         return JSONResponse({"status": "ok"})
+
+
+async def _client_gone(request: Request) -> None:
+    """Return once the client disconnects (the body has been read: nothing else can come)."""
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
 
 
 def _model_of(body: bytes) -> str | None:
@@ -239,8 +263,15 @@ def build_proxy_app(
     """
     service = service or SchedulingService(config)
     proxy = _ProxyRoutes(service.settings, timeout=timeout, transport=transport)
+    if service.settings.observability.resolved_admin_key() is None:
+        logger.warning(
+            "fair_sched proxy: %s is served without authentication and %s is refused; set "
+            "fair_sched.observability.admin_key to require a key for both and enable the status",
+            METRICS_PATH,
+            STATUS_PATH,
+        )
     app = Starlette(
-        routes=proxy.routes(),
+        routes=[*proxy.routes(), *endpoints(service)],
         middleware=[Middleware(FairSchedulerMiddleware, service=service)],
         lifespan=proxy.lifespan,
     )
