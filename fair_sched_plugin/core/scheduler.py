@@ -28,6 +28,11 @@ FairnessPolicy = Literal["round_robin", "weighted", "tokens"]
 
 _QUEUED, _GRANTED, _CANCELLED, _EXPIRED, _CLOSED = range(5)
 
+# Idle users ahead of their tier's virtual time are remembered (they were served recently and
+# must not come back at the front); beyond this many per tier the longest idle are forgotten, so
+# memory cannot grow with the number of distinct callers (rotating keys, claimed names).
+MAX_IDLE_USERS_REMEMBERED = 10_000
+
 
 class UserBacklog(NamedTuple):
     model: str
@@ -94,12 +99,23 @@ class _UserQueue:
 
 
 class _TierQueue:
-    __slots__ = ("heap", "limits", "model", "queued", "stale_entries", "users", "virtual_time")
+    __slots__ = (
+        "heap",
+        "idle",
+        "limits",
+        "model",
+        "queued",
+        "stale_entries",
+        "users",
+        "virtual_time",
+    )
 
     def __init__(self, model: str, limits: TierLimits) -> None:
         self.model = model
         self.limits = limits
         self.users: dict[str, _UserQueue] = {}
+        # Users kept only for their virtual time, longest idle first (bounded).
+        self.idle: OrderedDict[str, _UserQueue] = OrderedDict()
         self.heap: list[tuple[float, int, int, _UserQueue]] = []
         self.stale_entries = 0
         self.virtual_time = 0.0
@@ -520,13 +536,24 @@ class FairScheduler:
     def _forget_if_idle(self, tier: _TierQueue, user_queue: _UserQueue) -> None:
         # A user with nothing queued or in flight whose virtual time the tier has caught up with
         # carries no information (it would be lifted anyway): drop it so memory follows load.
-        if (
-            not user_queue.waiters
-            and user_queue.in_flight == 0
-            and user_queue.virtual_time <= tier.virtual_time
-            and tier.users.get(user_queue.user) is user_queue
-        ):
-            del tier.users[user_queue.user]
+        # One still ahead is remembered, but only the most recently idle of them (bounded).
+        name = user_queue.user
+        if user_queue.waiters or user_queue.in_flight or tier.users.get(name) is not user_queue:
+            return
+        if user_queue.virtual_time <= tier.virtual_time:
+            del tier.users[name]
+            tier.idle.pop(name, None)
+            return
+        tier.idle[name] = user_queue
+        tier.idle.move_to_end(name)
+        while len(tier.idle) > MAX_IDLE_USERS_REMEMBERED:
+            _, oldest = tier.idle.popitem(last=False)
+            if (
+                not oldest.waiters
+                and not oldest.in_flight
+                and tier.users.get(oldest.user) is oldest
+            ):
+                del tier.users[oldest.user]
 
     # ------------------------------------------------------------------ deadlines
 

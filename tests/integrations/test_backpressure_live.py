@@ -202,7 +202,7 @@ async def test_idle_gate_with_parked_requests_burns_almost_no_cpu() -> None:
             await wait_until(lambda: service.gate.status()[0].mode == "metrics")
             # Hold the engine: one long request keeps everything else parked.
             blocker = asyncio.ensure_future(
-                _forward(service, client, "sk-block", completion_body(max_tokens=400, stream=True))
+                _forward(service, client, "sk-block", completion_body(max_tokens=5000, stream=True))
             )
             await wait_until(lambda: service.scheduler.statistics().in_flight == 1)
             baseline = await _cpu_share(1.0)
