@@ -60,6 +60,9 @@ class FairSchedulerMiddleware:
     `resolve_user(scope, body)` may name the caller instead of the bearer key; it is trusted.
     `serve_admin=True` answers ``GET /fair-sched/metrics`` and ``/fair-sched/status`` itself,
     behind `admin_key` (or ``observability.admin_key``) when one is set.
+    `reject_unknown_keys=True` answers 401 to a caller that is not a configured principal, before
+    it can queue: for apps that do not authenticate themselves (the standalone proxy), so that
+    made-up keys cannot each open a queue and fill the total cap.
     """
 
     def __init__(
@@ -73,12 +76,14 @@ class FairSchedulerMiddleware:
         max_body_bytes: int = MAX_BODY_BYTES,
         serve_admin: bool = False,
         admin_key: str | None = None,
+        reject_unknown_keys: bool = False,
     ) -> None:
         self.app = app
         self.service = service or SchedulingService(config)
         self._paths = [re.compile(pattern) for pattern in paths]
         self._resolve_user = resolve_user
         self._max_body_bytes = max_body_bytes
+        self._reject_unknown_keys = reject_unknown_keys
         self._admin: ASGIApp | None = None
         if serve_admin:
             # Opt-in: /fair-sched/metrics and /fair-sched/status answered here, before the app.
@@ -178,6 +183,17 @@ class _ScheduledRequest:
             await self.middleware.app(self.scope, self._replay(body_bytes), self.send)
             return
         principal = self.service.identify(self.middleware.credentials(self.scope, body))
+        if self.middleware._reject_unknown_keys and not principal.known:
+            await self._respond(
+                401,
+                error_body(
+                    "unknown or missing API key",
+                    kind="authentication_error",
+                    code="invalid_api_key",
+                ),
+                extra_headers=[(b"www-authenticate", b"Bearer")],
+            )
+            return
         disconnected = asyncio.Event()
         watcher = asyncio.ensure_future(self._watch_disconnect(disconnected))
         try:

@@ -272,7 +272,17 @@ def build_proxy_app(
         )
     app = Starlette(
         routes=[*proxy.routes(), *endpoints(service)],
-        middleware=[Middleware(FairSchedulerMiddleware, service=service)],
+        middleware=[
+            Middleware(
+                FairSchedulerMiddleware,
+                service=service,
+                # The proxy authenticates no one else: with principal keys configured, only
+                # they get in (a stranger's made-up key would otherwise open a fresh queue).
+                reject_unknown_keys=(
+                    service.directory.has_keys and service.settings.identity.source == "auth"
+                ),
+            )
+        ],
         lifespan=proxy.lifespan,
     )
     app.state.fair_sched = service

@@ -289,11 +289,12 @@ async def test_sha256_keys_work_end_to_end() -> None:
             async with open_client(url, key=secret) as bot:
                 assert (await bot.post("/v1/chat/completions", json=chat_body())).status_code == 200
             async with open_client(url, key="sk-someone-else") as other:
-                assert (
-                    await other.post("/v1/chat/completions", json=chat_body())
-                ).status_code == 200
-            # ci-bot was recognised (batch tier); the stranger got the default tier.
-            assert received_priorities(emu) == [BATCH_PRIORITY, INTERACTIVE_PRIORITY]
+                refused = await other.post("/v1/chat/completions", json=chat_body())
+                # The standalone proxy authenticates with the principals' keys.
+                assert refused.status_code == 401
+                assert "sk-someone-else" not in refused.text
+            # ci-bot was recognised (batch tier); the stranger never reached the engine.
+            assert received_priorities(emu) == [BATCH_PRIORITY]
             await assert_idle(service_of(app))
 
 
@@ -381,7 +382,8 @@ async def test_keys_never_appear_in_logs_errors_status_or_metrics(
             }
             for name in ("alice", "bob", "stranger"):
                 response = await clients[name].post("/v1/chat/completions", json=chat_body())
-                assert response.status_code == 200
+                # The proxy authenticates with the principals' keys: the stranger's is refused.
+                assert response.status_code == (401 if name == "stranger" else 200)
                 responses.append(response.text)
 
             # A backend error passes through.
