@@ -20,7 +20,7 @@ import contextlib
 import importlib.util
 import statistics
 import time
-from collections.abc import AsyncIterator, Callable, Mapping
+from collections.abc import AsyncIterator, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -31,6 +31,7 @@ import pytest_asyncio
 from fair_sched_plugin.emulator.engine import EmulatedEngine, EmulatorConfig
 from fair_sched_plugin.emulator.server import RunningEmulator, run_emulator
 
+from .conftest import wait_until
 from .litellm_harness import (
     MASTER_KEY,
     ProxyProcess,
@@ -200,15 +201,6 @@ def body(max_tokens: int = 5, model: str = "tiny", **extra: Any) -> dict[str, An
 
 def received_with(emu: RunningEmulator, max_tokens: int) -> list[Any]:
     return [request for request in emu.engine.received if request.max_tokens == max_tokens]
-
-
-async def wait_until(condition: Callable[[], bool], timeout_s: float = 10.0) -> None:
-    loop = asyncio.get_running_loop()
-    give_up_at = loop.time() + timeout_s
-    while not condition():
-        if loop.time() > give_up_at:
-            pytest.fail(f"condition not met within {timeout_s} s")
-        await asyncio.sleep(0.01)
 
 
 async def engine_idle(emu: RunningEmulator, timeout_s: float = 10.0) -> None:
