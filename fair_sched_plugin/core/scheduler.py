@@ -123,13 +123,16 @@ class _TierQueue:
 
 
 class _ModelQueues:
-    __slots__ = ("in_flight", "model", "queued", "tiers")
+    __slots__ = ("dispatching", "in_flight", "model", "queued", "redispatch", "tiers")
 
     def __init__(self, model: str, tiers: Iterable[TierLimits]) -> None:
         self.model = model
         self.tiers = [_TierQueue(model, limits) for limits in tiers]
         self.queued = 0
         self.in_flight = 0
+        # Re-entrancy guard: a gate may notify us from inside a release decision.
+        self.dispatching = False
+        self.redispatch = False
 
 
 class FairScheduler:
@@ -175,8 +178,6 @@ class FairScheduler:
         self._deadlines: deque[_Waiter] = deque()
         self._deadline_timer: TimerHandle | None = None
         self._deadline_timer_at: float | None = None
-        self._dispatching: set[str] = set()
-        self._redispatch: set[str] = set()
         self._closed = False
         self._counters = {
             "released": 0,
@@ -387,19 +388,19 @@ class FairScheduler:
         queues = self._models.get(model)
         if queues is None or not queues.queued:
             return
-        if model in self._dispatching:
+        if queues.dispatching:
             # Called back from inside a release (a gate notified us): run once more afterwards.
-            self._redispatch.add(model)
+            queues.redispatch = True
             return
-        self._dispatching.add(model)
+        queues.dispatching = True
         try:
             while True:
-                self._redispatch.discard(model)
+                queues.redispatch = False
                 self._release_while_possible(queues)
-                if model not in self._redispatch:
+                if not queues.redispatch:
                     break
         finally:
-            self._dispatching.discard(model)
+            queues.dispatching = False
 
     def _release_while_possible(self, queues: _ModelQueues) -> None:
         while queues.queued:
