@@ -1,6 +1,8 @@
 # Sourced by scripts/test and scripts/demo: a project virtualenv with every extra installed.
 # Re-installs only when pyproject.toml changed since the last install.
 set -euo pipefail
+# LiteLLM must never fetch its price list from the internet (also while checking the install).
+export LITELLM_LOCAL_MODEL_COST_MAP=True
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 VENV="${FAIR_SCHED_VENV:-$ROOT/.venv}"
 PYTHON_BIN="${PYTHON:-python3}"
@@ -31,5 +33,3 @@ if ! command -v redis-server >/dev/null 2>&1; then
     fi
 fi
 export PATH="$VENV/bin:$PATH"
-# LiteLLM must not fetch its price list from the internet.
-export LITELLM_LOCAL_MODEL_COST_MAP=True
