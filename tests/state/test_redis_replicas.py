@@ -14,10 +14,11 @@ import pytest
 
 from fair_sched_plugin.emulator.server import RunningEmulator
 from fair_sched_plugin.identity import Credentials
+from fair_sched_plugin.proxy import build_proxy_app
 from fair_sched_plugin.service import SchedulingService
 from fair_sched_plugin.state import SharedScheduler
 
-from ..integrations.conftest import MODEL, chat_body, emulator, fair_config, wait_until
+from ..integrations.conftest import MODEL, chat_body, emulator, fair_config, serve, wait_until
 from .conftest import RedisServer, unique_prefix
 
 pytestmark = pytest.mark.redis
@@ -207,3 +208,58 @@ async def test_redis_restart_falls_back_then_recovers(
         stats = await scheduler.shared_statistics()
         assert stats.in_flight_by_model == {"other": 1}
         service.finish(after.lease)
+
+
+@pytest.mark.slow
+async def test_three_proxy_replicas_behind_a_load_balancer(redis_server: RedisServer) -> None:
+    """Three `fair-sched proxy` apps served by uvicorn, requests spread over them round-robin as
+    a load balancer would: the light users still overtake the flood and the engine's queue stays
+    within one threshold."""
+    async with emulator(max_num_seqs=4) as emu:
+        config = fair_config(emu, waiting_below=WAITING_BELOW, **shared(redis_server.url))
+        apps = [build_proxy_app(config) for _ in range(REPLICAS)]
+        async with contextlib.AsyncExitStack() as stack:
+            urls = [await stack.enter_async_context(serve(app)) for app in apps]
+            services: list[SchedulingService] = [app.state.fair_sched for app in apps]
+            await _gates_see_metrics(services)
+            order: list[str] = []
+            limits = httpx.Limits(max_connections=200, max_keepalive_connections=200)
+            client = await stack.enter_async_context(
+                httpx.AsyncClient(limits=limits, timeout=60, trust_env=False)
+            )
+
+            async def request(replica: int, user: str) -> None:
+                response = await client.post(
+                    f"{urls[replica % REPLICAS]}/v1/chat/completions",
+                    json=chat_body(max_tokens=16),
+                    headers={"authorization": f"Bearer sk-{user.lower()}"},
+                )
+                assert response.status_code == 200, response.text
+                order.append(user)
+
+            flood = [asyncio.ensure_future(request(i, "A")) for i in range(FLOOD_SIZE)]
+            try:
+                await wait_until(
+                    lambda: (
+                        emu.engine.statistics().requests_received >= 1
+                        and sum(s.scheduler.statistics().queued for s in services) > 0
+                    ),
+                    timeout_s=15,
+                )
+                light = [
+                    asyncio.ensure_future(request(1, "B")),
+                    asyncio.ensure_future(request(2, "C")),
+                ]
+                await asyncio.wait_for(asyncio.gather(*flood, *light), timeout=60)
+            finally:
+                for task in flood:
+                    task.cancel()
+                await asyncio.gather(*flood, return_exceptions=True)
+    ranks = {user: order[: order.index(user)].count("A") for user in "BC"}
+    max_waiting = emu.engine.statistics().max_waiting_seen
+    print(
+        f"\n3 proxy replicas: A's requests done before B/C {ranks}, engine max waiting {max_waiting}"
+    )
+    for user in "BC":
+        assert ranks[user] <= 0.3 * FLOOD_SIZE
+    assert max_waiting <= WAITING_BELOW + 1
