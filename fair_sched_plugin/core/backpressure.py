@@ -207,10 +207,9 @@ class MetricsGate:
             return "fallback_inflight"
         snapshots = state.latest_ok.values()
         waiting = sum(snapshot.waiting for snapshot in snapshots)
-        # The engine fills free slots from its own queue first; ours take what is left.
-        free = self._free_slots(state)
-        left_free = max(0.0, free - waiting)
-        queued_in_engine = max(0.0, waiting - free) + max(0.0, state.pending_count - left_free)
+        queued_in_engine = engine_queue_estimate(
+            waiting, state.pending_count, self._free_slots(state)
+        )
         if queued_in_engine >= tier.waiting_below * deployments:
             return "waiting"
         if tier.tpot_below_s is not None:
@@ -322,6 +321,13 @@ class MetricsGate:
             state.mode = mode
             if self._on_transition is not None:
                 self._on_transition(transition)
+
+
+def engine_queue_estimate(waiting: float, pending: float, free_slots: float) -> float:
+    """The engine's queue once our pending requests arrive: it fills free slots from its own
+    queue first, ours take what is left, the rest waits."""
+    left_free = max(0.0, free_slots - waiting)
+    return max(0.0, waiting - free_slots) + max(0.0, pending - left_free)
 
 
 def _worst(values: Iterable[float | None]) -> float | None:

@@ -14,6 +14,7 @@ from collections import deque
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
+from ..core.backpressure import engine_queue_estimate
 from ..core.ticket import Ticket, TierLimits
 from .store import (
     CancelOutcome,
@@ -67,6 +68,10 @@ class _Model:
     leases: set[int] = field(default_factory=set)
     pending: dict[int, float] = field(default_factory=dict)  # lease id -> released at
     snapshots: dict[str, SharedSnapshot] = field(default_factory=dict)
+    # Most requests seen running per deployment (the learned capacity), and first bytes since the
+    # freshest scrape: as in core/backpressure.py.
+    capacity: dict[str, float] = field(default_factory=dict)
+    started_since_scrape: int = 0
 
 
 class MemoryStore:
@@ -127,7 +132,9 @@ class MemoryStore:
     async def started(
         self, replica: str, model: str, lease_id: int, policy: ModelPolicy, now: float
     ) -> list[Grant]:
-        self._model(model).pending.pop(lease_id, None)
+        state = self._model(model)
+        if state.pending.pop(lease_id, None) is not None:
+            state.started_since_scrape += 1
         return self._release(replica, model, policy, now)
 
     async def end(
@@ -160,6 +167,10 @@ class MemoryStore:
         old = state.snapshots.get(snapshot.url)
         if old is None or old.started_at < snapshot.started_at:
             state.snapshots[snapshot.url] = snapshot
+            state.capacity[snapshot.url] = max(
+                state.capacity.get(snapshot.url, 0.0), snapshot.running
+            )
+            state.started_since_scrape = 0
         latest = [state.snapshots.get(url) for url in policy.metrics_urls]
         if latest and all(s is not None for s in latest):
             seen_until = min(s.started_at for s in latest if s) - policy.arrival_grace_s
@@ -254,7 +265,12 @@ class MemoryStore:
                 return in_flight >= policy.fallback_max_inflight * deployments
             snapshots.append(snapshot)
         waiting = sum(s.waiting for s in snapshots)
-        if waiting + len(model.pending) >= limits.waiting_below * deployments:
+        free = sum(max(0.0, model.capacity.get(s.url, 0.0) - s.running) for s in snapshots)
+        free = max(0.0, free - model.started_since_scrape)
+        if (
+            engine_queue_estimate(waiting, len(model.pending), free)
+            >= limits.waiting_below * deployments
+        ):
             return True
         tpot = _worst(s.tpot_s for s in snapshots)
         if limits.tpot_below_s is not None and tpot is not None and tpot >= limits.tpot_below_s:

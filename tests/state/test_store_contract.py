@@ -119,6 +119,26 @@ async def test_a_scrape_sent_after_the_grace_settles_pending_credits(store: Stat
     assert (await store.statistics(["interactive"])).pending_by_model == {"m": 1}
 
 
+async def test_pending_requests_fill_the_free_slots_the_engine_was_seen_to_have(
+    store: StateStore,
+) -> None:
+    """As in core/backpressure.py: capacity is the most seen running; pending requests that will
+    find a free slot do not count as queued, and slots taken since the scrape are not free."""
+    policy = gated()
+    url = "http://e/metrics"
+    await store.publish_snapshot(R1, "m", SharedSnapshot(url, NOW, 0, 8.0), policy, NOW)
+    await store.publish_snapshot(R1, "m", SharedSnapshot(url, NOW + 0.1, 0, 4.0), policy, NOW + 0.1)
+    grants = []
+    for i in range(10):
+        grants += (
+            await store.enqueue(R1, ticket(f"bot{i}", tier="batch"), policy, NOW + 0.1)
+        ).grants
+    # Four fill the free slots, one more may wait (waiting_below 1).
+    assert len(grants) == 5
+    for grant in grants[:4]:
+        assert await store.started(R1, "m", grant.lease_id, policy, NOW + 0.2) == []
+
+
 async def test_an_older_scrape_never_replaces_a_newer_one(store: StateStore) -> None:
     policy = gated()
     await store.publish_snapshot(R1, "m", snapshot(NOW, waiting=5), policy, NOW)

@@ -134,7 +134,7 @@ local function blocked(mk, tier)
     if inflight < POLICY.unknown_cap then return false end
     return 'unknown_inflight'
   end
-  local waiting, tpot, kv = 0, nil, nil
+  local waiting, free, tpot, kv = 0, 0, nil, nil
   for _, url in ipairs(POLICY.urls) do
     local raw = redis.call('HGET', mk .. ':snap', url)
     local snap = raw and cjson.decode(raw)
@@ -143,11 +143,19 @@ local function blocked(mk, tier)
       return 'fallback_inflight'
     end
     waiting = waiting + snap.waiting
+    -- Free running slots: the most seen running (learned capacity) less those running now.
+    local capacity = num(redis.call('HGET', mk .. ':cap', url), 0)
+    if capacity > snap.running then free = free + capacity - snap.running end
     if snap.tpot_s and (not tpot or snap.tpot_s > tpot) then tpot = snap.tpot_s end
     if snap.kv_usage and (not kv or snap.kv_usage > kv) then kv = snap.kv_usage end
   end
+  -- Slots taken since the freshest scrape (first bytes) are no longer free.
+  free = math.max(0, free - num(redis.call('GET', mk .. ':started'), 0))
   local pending = redis.call('ZCARD', mk .. ':pending')
-  if waiting + pending >= tier.waiting_below * deployments then return 'waiting' end
+  -- The engine fills free slots from its own queue first; ours take what is left.
+  local left_free = math.max(0, free - waiting)
+  local queued = math.max(0, waiting - free) + math.max(0, pending - left_free)
+  if queued >= tier.waiting_below * deployments then return 'waiting' end
   if tier.tpot_below_s and tpot and tpot >= tier.tpot_below_s then return 'tpot' end
   if tier.kv_usage_below and kv and kv >= tier.kv_usage_below then return 'kv_usage' end
   return false

@@ -7,6 +7,10 @@ local snap = cjson.decode(ARGV[7])
 local old = redis.call('HGET', mk .. ':snap', url)
 if not old or cjson.decode(old).started_at < snap.started_at then
   redis.call('HSET', mk .. ':snap', url, ARGV[7])
+  if snap.running > num(redis.call('HGET', mk .. ':cap', url), 0) then
+    redis.call('HSET', mk .. ':cap', url, fmt(snap.running))
+  end
+  redis.call('SET', mk .. ':started', 0)
 end
 local seen = nil
 for _, u in ipairs(POLICY.urls) do
