@@ -181,7 +181,11 @@ class RedisStore:
         )
 
     async def ping(self) -> None:
+        """Is Redis reachable? Idle pooled connections are dropped first: after a Redis restart
+        they are dead, and the first script after a recovery must not land on one."""
         try:
+            await self._redis.connection_pool.disconnect(inuse_connections=False)
+            await self._blocking.connection_pool.disconnect(inuse_connections=False)
             await self._redis.ping()
         except RedisError as exc:
             raise StateStoreError(f"redis {self.url}: ping failed: {exc}") from exc
