@@ -1,0 +1,46 @@
+"""The public surface is pinned: adding or removing a name is a deliberate change."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import fair_sched_plugin
+
+PUBLIC = {
+    "__version__",
+    "ClientDisconnected",
+    "ConfigError",
+    "FairSchedError",
+    "FairSchedSettings",
+    "FairScheduler",
+    "FairSchedulerMiddleware",
+    "Lease",
+    "QueueFull",
+    "QueueTimeout",
+    "Rejected",
+    "SchedulerClosed",
+    "SchedulingService",
+    "StateStoreError",
+    "Ticket",
+    "build_proxy_app",
+    "load_settings",
+}
+
+
+def test_all_is_pinned_and_every_name_resolves() -> None:
+    assert set(fair_sched_plugin.__all__) == PUBLIC
+    for name in PUBLIC:
+        assert getattr(fair_sched_plugin, name) is not None
+
+
+def test_the_core_imports_without_the_http_stack() -> None:
+    code = (
+        "import sys, fair_sched_plugin.core; "
+        "heavy = [m for m in ('httpx', 'starlette', 'litellm', 'redis', 'prometheus_client') "
+        "if m in sys.modules]; print(heavy)"
+    )
+    result = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, check=True
+    )
+    assert result.stdout.strip() == "[]"
