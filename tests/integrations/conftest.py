@@ -171,6 +171,29 @@ async def emulator(**overrides: Any) -> AsyncIterator[RunningEmulator]:
         yield running
 
 
+async def relay_upstream(client: httpx.AsyncClient, url: str, body: bytes) -> StreamingResponse:
+    """POST `body` to `url` and stream the answer back unbuffered, closing the upstream after."""
+    upstream = await client.send(
+        client.build_request(
+            "POST", url, content=body, headers={"content-type": "application/json"}
+        ),
+        stream=True,
+    )
+
+    async def relay() -> AsyncIterator[bytes]:
+        try:
+            async for chunk in upstream.aiter_raw():
+                yield chunk
+        finally:
+            await upstream.aclose()
+
+    return StreamingResponse(
+        relay(),
+        status_code=upstream.status_code,
+        media_type=upstream.headers.get("content-type"),
+    )
+
+
 def forwarding_handler(
     emu_base_url: str,
 ) -> Callable[[Any], Any]:
@@ -178,27 +201,8 @@ def forwarding_handler(
 
     async def endpoint(request: Request) -> Response:
         client: httpx.AsyncClient = request.app.state.http
-        upstream = await client.send(
-            client.build_request(
-                "POST",
-                f"{emu_base_url}/v1/chat/completions",
-                content=await request.body(),
-                headers={"content-type": "application/json"},
-            ),
-            stream=True,
-        )
-
-        async def relay() -> AsyncIterator[bytes]:
-            try:
-                async for chunk in upstream.aiter_raw():
-                    yield chunk
-            finally:
-                await upstream.aclose()
-
-        return StreamingResponse(
-            relay(),
-            status_code=upstream.status_code,
-            media_type=upstream.headers.get("content-type"),
+        return await relay_upstream(
+            client, f"{emu_base_url}/v1/chat/completions", await request.body()
         )
 
     return endpoint

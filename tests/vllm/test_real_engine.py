@@ -27,7 +27,7 @@ import httpx
 import pytest
 from starlette.applications import Starlette
 from starlette.requests import Request
-from starlette.responses import Response, StreamingResponse
+from starlette.responses import Response
 from starlette.routing import Route
 
 from fair_sched_plugin.core import BackendSnapshot
@@ -35,7 +35,7 @@ from fair_sched_plugin.metrics.profiles import engine_profile
 from fair_sched_plugin.metrics.watcher import MetricsWatcher
 from fair_sched_plugin.proxy import build_proxy_app
 
-from ..integrations.conftest import open_client, serve
+from ..integrations.conftest import open_client, relay_upstream, serve
 from .conftest import FLOOD_REPORT, SERVED_MODEL, VllmEngine
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow, pytest.mark.timeout(600)]
@@ -323,28 +323,7 @@ async def recording_relay(engine: VllmEngine) -> AsyncIterator[tuple[str, list[d
         async def forward(request: Request) -> Response:
             raw = await request.body()
             seen.append(json.loads(raw))
-            upstream = await upstream_client.send(
-                upstream_client.build_request(
-                    "POST",
-                    f"{engine.api_base}/chat/completions",
-                    content=raw,
-                    headers={"content-type": "application/json"},
-                ),
-                stream=True,
-            )
-
-            async def relay() -> AsyncIterator[bytes]:
-                try:
-                    async for chunk in upstream.aiter_raw():
-                        yield chunk
-                finally:
-                    await upstream.aclose()
-
-            return StreamingResponse(
-                relay(),
-                status_code=upstream.status_code,
-                media_type=upstream.headers.get("content-type"),
-            )
+            return await relay_upstream(upstream_client, f"{engine.api_base}/chat/completions", raw)
 
         app = Starlette(routes=[Route("/v1/chat/completions", forward, methods=["POST"])])
         async with serve(app) as base_url:
