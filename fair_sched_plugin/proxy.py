@@ -32,6 +32,7 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 from starlette.types import Receive, Scope, Send
 
+from ._http import KEEPALIVE_EXPIRY_S
 from .asgi import FairSchedulerMiddleware
 from .config import FairSchedSettings, load_settings
 from .errors import ConfigError
@@ -48,6 +49,13 @@ DEFAULT_TIMEOUT = httpx.Timeout(connect=10.0, read=300.0, write=60.0, pool=300.0
 
 # Routes served under both `/v1/...` and `/...`; the part after `/v1` is appended to `api_base`.
 _FORWARDED = ("/chat/completions", "/completions", "/responses")
+
+# Failures that mean the request never got an answer on that connection (a refused connect, a
+# pooled connection the server had closed, a reset before any response byte): worth one more try
+# on a fresh connection, as the OpenAI and LiteLLM clients also do. A completion has no side
+# effects, so the rare duplicate (an engine that cut the connection mid-generation) costs only
+# compute.
+_RETRIED_ONCE = (httpx.ConnectError, httpx.RemoteProtocolError, httpx.ReadError, httpx.WriteError)
 
 # Request headers passed to the engine. Everything else stays here, `authorization` above all.
 _FORWARD_REQUEST_HEADERS = ("content-type", "accept", "x-request-id")
@@ -138,7 +146,11 @@ class _ProxyRoutes:
     async def lifespan(self, app: Starlette) -> AsyncIterator[None]:
         # The scheduler bounds what is in flight; a pool limit here would only add a second,
         # unfair queue behind it.
-        limits = httpx.Limits(max_connections=None, max_keepalive_connections=100)
+        limits = httpx.Limits(
+            max_connections=None,
+            max_keepalive_connections=100,
+            keepalive_expiry=KEEPALIVE_EXPIRY_S,
+        )
         async with httpx.AsyncClient(
             timeout=self._timeout, limits=limits, transport=self._transport, trust_env=False
         ) as client:
@@ -190,10 +202,8 @@ class _ProxyRoutes:
         }
         # Raw bytes are relayed as they come, so ask for them uncompressed.
         headers["accept-encoding"] = "identity"
-        upstream_request = client.build_request(
-            "POST", api_base + suffix, content=body, headers=headers
-        )
-        sending = asyncio.ensure_future(client.send(upstream_request, stream=True))
+        url = api_base + suffix
+        sending = asyncio.ensure_future(_send_retrying_once(client, url, body, headers))
         # Until the engine's headers come back (for a non-streamed completion: until it has
         # generated everything) nothing else would notice the client leaving, and the engine
         # would run the request for nobody while its lease stays held.
@@ -211,7 +221,10 @@ class _ProxyRoutes:
             upstream = sending.result()
         except httpx.TransportError as exc:
             logger.warning(
-                "fair_sched proxy: cannot reach %s for model %r: %s", api_base, model, exc
+                "fair_sched proxy: cannot reach %s for model %r: %s",
+                api_base,
+                model,
+                _describe(exc),
             )
             return _error(
                 502,
@@ -230,6 +243,27 @@ class _ProxyRoutes:
 
     async def health(self, request: Request) -> Response:
         return JSONResponse({"status": "ok"})
+
+
+async def _send_retrying_once(
+    client: httpx.AsyncClient, url: str, body: bytes, headers: dict[str, str]
+) -> httpx.Response:
+    """Send the request; after a connection-level failure, once more on a fresh connection."""
+    try:
+        return await client.send(
+            client.build_request("POST", url, content=body, headers=headers), stream=True
+        )
+    except _RETRIED_ONCE as exc:
+        logger.info("fair_sched proxy: %s failed (%s); sending it once more", url, _describe(exc))
+    return await client.send(
+        client.build_request("POST", url, content=body, headers=headers), stream=True
+    )
+
+
+def _describe(exc: BaseException) -> str:
+    """The exception's type and message (httpx's transport errors often carry no message)."""
+    message = str(exc)
+    return f"{type(exc).__name__}: {message}" if message else type(exc).__name__
 
 
 async def _client_gone(request: Request) -> None:

@@ -13,6 +13,7 @@ from types import TracebackType
 
 import httpx
 
+from .._http import KEEPALIVE_EXPIRY_S
 from ..core.snapshot import BackendSnapshot
 from .parser import MetricsParseError, ParsedMetrics, parse_metrics, recent_tpot
 from .profiles import MetricProfile
@@ -90,7 +91,8 @@ class MetricsWatcher:
             raise RuntimeError("MetricsWatcher is already started")
         loop = asyncio.get_running_loop()
         if self._client is None:
-            self._client = httpx.AsyncClient()
+            limits = httpx.Limits(keepalive_expiry=KEEPALIVE_EXPIRY_S)
+            self._client = httpx.AsyncClient(limits=limits)
         self._wake = asyncio.Event()
         self._task = loop.create_task(self._run(), name=f"fair-sched metrics {self.url}")
 

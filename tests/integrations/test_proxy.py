@@ -113,6 +113,68 @@ async def test_unreachable_backend_is_502() -> None:
         await assert_idle(service_of(app))
 
 
+class ClosingKeepAliveServer:
+    """An HTTP/1.1 server on 127.0.0.1 that answers the first request on each connection and
+    keeps it open, then closes it, unanswered, when a second request arrives on it: the race a
+    proxy meets when it reuses a pooled connection the engine's idle timeout is closing."""
+
+    def __init__(self) -> None:
+        self.connections = 0
+        self.answered = 0
+        self.dropped = 0
+        self._server: asyncio.AbstractServer | None = None
+
+    async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        self.connections += 1
+        try:
+            for turn in range(2):
+                head = await reader.readuntil(b"\r\n\r\n")
+                length = next(
+                    int(line.split(b":", 1)[1])
+                    for line in head.split(b"\r\n")
+                    if line.lower().startswith(b"content-length:")
+                )
+                await reader.readexactly(length)
+                if turn == 1:
+                    self.dropped += 1
+                    return
+                body = b'{"ok":true}'
+                writer.write(
+                    b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\n"
+                    b"content-length: %d\r\n\r\n%s" % (len(body), body)
+                )
+                await writer.drain()
+                self.answered += 1
+        except (asyncio.IncompleteReadError, ConnectionError):
+            pass
+        finally:
+            writer.close()
+
+    @contextlib.asynccontextmanager
+    async def running(self) -> Any:
+        self._server = await asyncio.start_server(self._serve, "127.0.0.1", 0)
+        port = self._server.sockets[0].getsockname()[1]
+        try:
+            yield f"http://127.0.0.1:{port}/v1"
+        finally:
+            self._server.close()
+            await self._server.wait_closed()
+
+
+async def test_a_pooled_connection_closed_by_the_engine_is_retried_on_a_fresh_one() -> None:
+    upstream = ClosingKeepAliveServer()
+    async with emulator() as emu, upstream.running() as api_base:  # emulator: metrics only
+        backend = {"api_base": api_base, "metrics_url": f"{emu.base_url}/metrics"}
+        app = build_proxy_app(fair_config(emu, backend=backend))
+        async with serve(app) as url, open_client(url, key="sk-a") as client:
+            for _ in range(3):
+                response = await client.post("/v1/chat/completions", json=chat_body())
+                assert response.status_code == 200 and response.json() == {"ok": True}
+            await assert_idle(service_of(app))
+    # Requests 2 and 3 each met the closing connection first, then got a fresh one.
+    assert (upstream.answered, upstream.dropped, upstream.connections) == (3, 2, 3)
+
+
 async def test_client_authorization_is_not_forwarded() -> None:
     seen: list[httpx.Headers] = []
 
