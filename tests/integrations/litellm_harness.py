@@ -24,6 +24,8 @@ from typing import Any
 import httpx
 import yaml
 
+from ..processes import own_process_group
+
 LOOPBACK = "127.0.0.1"
 # Long and random enough that LiteLLM does not refuse it as a well-known weak key.
 MASTER_KEY = "sk-fairsched-test-master-7c41d9e2b8a6"
@@ -158,7 +160,7 @@ def _spawn(config_path: Path, port: int, log_path: Path) -> subprocess.Popen[byt
             stderr=subprocess.STDOUT,
             env=proxy_env(),
             cwd=str(config_path.parent),
-            start_new_session=True,  # its own process group: killed as a whole
+            **own_process_group(),  # killed as a whole
         )
 
 

@@ -28,6 +28,8 @@ from pathlib import Path
 import httpx
 import pytest
 
+from ..processes import own_process_group
+
 VLLM_VERSION = "0.32.0"  # keep in step with scripts/vllm_env.sh
 LOOPBACK = "127.0.0.1"
 SERVED_MODEL = "tiny"
@@ -249,8 +251,7 @@ def start_engine(vllm_python: Path, model_dir: Path, scratch: Path, policy: str)
             stderr=subprocess.STDOUT,
             env=engine_environment(vllm_python, scratch),
             cwd=str(scratch),
-            start_new_session=True,  # its own process group: killed as a whole
-            preexec_fn=_die_with_parent,
+            **own_process_group(_die_with_parent),  # killed as a whole
         )
     atexit.register(_kill_group, process)
     engine = VllmEngine(policy, f"http://{LOOPBACK}:{port}", process, log_path, 0.0)
