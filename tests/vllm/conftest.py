@@ -86,16 +86,21 @@ def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
             f"power done p50 {numbers['power_done_p50_s']:6.2f} s | "
             f"{numbers['tokens_per_s']:7.0f} tokens/s"
         )
-    direct = FLOOD_REPORT.get(DIRECT_FLOOD)
-    if direct:
-        for name, numbers in FLOOD_REPORT.items():
-            if name != DIRECT_FLOOD and name in RATIO_FLOODS:
-                ratio = numbers["tokens_per_s"] / direct["tokens_per_s"]
-                terminalreporter.write_line(f"throughput {name} / direct: {ratio:.2f}")
+    for name, baseline in THROUGHPUT_RATIOS:
+        if name in FLOOD_REPORT and baseline in FLOOD_REPORT:
+            ratio = FLOOD_REPORT[name]["tokens_per_s"] / FLOOD_REPORT[baseline]["tokens_per_s"]
+            terminalreporter.write_line(f"throughput {name} / {baseline}: {ratio:.2f}")
 
 
 DIRECT_FLOOD = "direct to vLLM (FIFO)"
-RATIO_FLOODS = ("fair-sched proxy", "LiteLLM proxy + plugin")
+FAIR_PROXY_FLOOD = "fair-sched proxy"
+PLAIN_LITELLM_FLOOD = "LiteLLM proxy, no plugin"
+PLUGIN_LITELLM_FLOOD = "LiteLLM proxy + plugin"
+THROUGHPUT_RATIOS = (
+    (FAIR_PROXY_FLOOD, DIRECT_FLOOD),
+    (PLAIN_LITELLM_FLOOD, DIRECT_FLOOD),
+    (PLUGIN_LITELLM_FLOOD, PLAIN_LITELLM_FLOOD),
+)
 
 
 # ----------------------------------------------------------------------------- environment
