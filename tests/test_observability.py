@@ -259,7 +259,7 @@ async def test_shutdown_rejections_are_counted_as_closed() -> None:
     holder.lease.release()
 
 
-async def test_one_warning_line_per_rejection_naming_principal_not_key(
+async def test_a_warning_line_per_kind_of_rejection_naming_principal_not_key(
     caplog: pytest.LogCaptureFixture,
 ) -> None:
     caplog.set_level(logging.DEBUG)
@@ -284,6 +284,23 @@ async def test_one_warning_line_per_rejection_naming_principal_not_key(
         assert part in message
     assert record.__dict__["reason"] == "queue_full_user"
     assert ALICE_KEY not in message
+    # The same rejection again within the minute: counted, not logged again.
+    caplog.clear()
+    for _ in range(5):
+        with pytest.raises(QueueFull):
+            await service.admit(who(service, ALICE_KEY), "m", BODY)
+    assert not [record for record in caplog.records if record.name == "fair_sched"]
+    text = scrape(service)
+    assert (
+        value(
+            text,
+            "fair_sched_rejected_total",
+            model="m",
+            tier="interactive",
+            reason="queue_full_user",
+        )
+        == 6
+    )
     await cancel(parked)
     holder.lease.release()
     await service.aclose()

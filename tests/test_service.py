@@ -11,6 +11,7 @@ from fair_sched_plugin.errors import QueueFull
 from fair_sched_plugin.identity import Credentials
 from fair_sched_plugin.service import (
     ClientDisconnected,
+    RejectionLogLimiter,
     SchedulingService,
     estimate_prompt_tokens,
     requested_max_tokens,
@@ -164,3 +165,18 @@ def test_cost_estimates() -> None:
     assert requested_max_tokens({"max_completion_tokens": 7, "max_tokens": 50}) == 7
     assert requested_max_tokens({}) == 256
     assert estimate_prompt_tokens({"prompt": ["abcd" * 10, 5]}) == 10
+
+
+def test_rejection_log_lines_are_limited_per_key_and_count_what_was_skipped() -> None:
+    now = [0.0]
+    limiter = RejectionLogLimiter(60.0, max_keys=2, clock=lambda: now[0])
+    assert limiter.allow("alice") == 0
+    assert limiter.allow("alice") is None
+    assert limiter.allow("alice") is None
+    assert limiter.allow("bob") == 0  # another key has its own allowance
+    now[0] = 61.0
+    assert limiter.allow("alice") == 2  # logged again, saying two were skipped
+    assert limiter.allow("alice") is None
+    # A third key evicts the least recently logged one (bob), which starts afresh.
+    assert limiter.allow("carol") == 0
+    assert limiter.allow("bob") == 0
