@@ -443,28 +443,33 @@ async def test_fair_proxy_light_users_finish_before_power_median(
     assert stats.released_total == POWER_REQUESTS + len(LIGHT_KEYS)
 
 
-async def test_plain_litellm_proxy_light_users_wait_behind_the_flood(
-    priority_engine: VllmEngine, tmp_path: Path
-) -> None:
-    """The same flood through LiteLLM without the plugin: FIFO, as direct. Its throughput is the
-    baseline for the plugin's (LiteLLM's own per-chunk cost on two cores is not the plugin's)."""
-    from ..integrations.litellm_harness import MASTER_KEY, litellm_proxy, model_entry, proxy_config
+async def litellm_flood(
+    name: str,
+    engine: VllmEngine,
+    tmp_path: Path,
+    *,
+    plugin: bool,
+    heavy_key: str,
+    light_keys: tuple[str, ...],
+) -> Flood:
+    """The power-user flood through a LiteLLM proxy subprocess, with or without the plugin."""
+    from ..integrations.litellm_harness import litellm_proxy, model_entry, proxy_config
 
     config = proxy_config(
-        [model_entry(SERVED_MODEL, priority_engine.api_base, engine_model=SERVED_MODEL)],
-        None,
-        plugin=False,
-        custom_auth=False,
+        [model_entry(SERVED_MODEL, engine.api_base, engine_model=SERVED_MODEL)],
+        fair_section(engine) if plugin else None,
+        plugin=plugin,
+        custom_auth=plugin,
     )
-    async with litellm_proxy(config, tmp_path, "litellm-plain-vllm") as proxy:
+    async with litellm_proxy(config, tmp_path, "litellm-vllm") as proxy:
         try:
             flood = await run_flood(
-                PLAIN_LITELLM_FLOOD,
-                priority_engine,
+                name,
+                engine,
                 proxy.base_url,
                 "/v1/chat/completions",
-                heavy_key=MASTER_KEY,
-                light_keys=(MASTER_KEY, MASTER_KEY),
+                heavy_key=heavy_key,
+                light_keys=light_keys,
                 heavy_body=power_body,
                 light_body=light_body,
             )
@@ -472,6 +477,24 @@ async def test_plain_litellm_proxy_light_users_wait_behind_the_flood(
             print(proxy.log_tail())
             raise
     record_flood(flood)
+    return flood
+
+
+async def test_plain_litellm_proxy_light_users_wait_behind_the_flood(
+    priority_engine: VllmEngine, tmp_path: Path
+) -> None:
+    """The same flood through LiteLLM without the plugin: FIFO, as direct. Its throughput is the
+    baseline for the plugin's (LiteLLM's own per-chunk cost on two cores is not the plugin's)."""
+    from ..integrations.litellm_harness import MASTER_KEY
+
+    flood = await litellm_flood(
+        PLAIN_LITELLM_FLOOD,
+        priority_engine,
+        tmp_path,
+        plugin=False,
+        heavy_key=MASTER_KEY,
+        light_keys=(MASTER_KEY, MASTER_KEY),
+    )
     # LiteLLM, not the engine, is the bottleneck here (CPU per relayed chunk on two cores), so
     # the power requests end close together: the light users are checked against the first
     # quarter of them, not the median (which they miss by a few percent only).
@@ -482,28 +505,14 @@ async def test_plain_litellm_proxy_light_users_wait_behind_the_flood(
 async def test_litellm_proxy_with_plugin_light_users_finish_before_power_median(
     priority_engine: VllmEngine, tmp_path: Path
 ) -> None:
-    from ..integrations.litellm_harness import litellm_proxy, model_entry, proxy_config
-
-    config = proxy_config(
-        [model_entry(SERVED_MODEL, priority_engine.api_base, engine_model=SERVED_MODEL)],
-        fair_section(priority_engine),
+    flood = await litellm_flood(
+        PLUGIN_LITELLM_FLOOD,
+        priority_engine,
+        tmp_path,
+        plugin=True,
+        heavy_key=POWER_KEY,
+        light_keys=LIGHT_KEYS,
     )
-    async with litellm_proxy(config, tmp_path, "litellm-vllm") as proxy:
-        try:
-            flood = await run_flood(
-                PLUGIN_LITELLM_FLOOD,
-                priority_engine,
-                proxy.base_url,
-                "/v1/chat/completions",
-                heavy_key=POWER_KEY,
-                light_keys=LIGHT_KEYS,
-                heavy_body=power_body,
-                light_body=light_body,
-            )
-        except BaseException:
-            print(proxy.log_tail())
-            raise
-    record_flood(flood)
     median = flood.heavy_median_done()
     assert all(_done(s) < median for s in flood.light), flood.numbers()
 
