@@ -17,9 +17,6 @@ pending requests fill the slots the last scrape showed free (less those taken si
 
     max(0, waiting - free_slots) + max(0, pending - max(0, free_slots - waiting))
 
-Slots change between scrapes too: a first byte since the last scrape took one, a request that
-had started and has ended since gave one back. Counting both keeps the batch full when requests
-are short next to the scrape interval, instead of idling until the next scrape shows the end.
 Until the engine has been seen saturated the capacity is underestimated, which only makes the
 gate more careful. Without this, a tier that wants the queue empty (`waiting_below: 1`) would
 refill free slots one round trip at a time.
@@ -94,8 +91,6 @@ class _GroupState:
     capacity: dict[str, float] = field(default_factory=dict)
     # First bytes since the last scrape: slots taken that the scrape could not show.
     started_since_scrape: int = 0
-    # Started requests that ended since the last scrape: slots given back it could not show.
-    ended_since_scrape: int = 0
     scrape_requested: bool = False
     blocked_reason: str | None = None
 
@@ -139,7 +134,6 @@ class MetricsGate:
                 state.capacity.get(snapshot.url, 0.0), snapshot.running
             )
             state.started_since_scrape = 0
-            state.ended_since_scrape = 0
             self._account_scraped(state)
         else:
             state.last_error[snapshot.url] = snapshot.error or "scrape failed"
@@ -176,9 +170,6 @@ class MetricsGate:
         else:
             state.in_flight -= 1
             self._settle(state, lease)
-            if lease.started:
-                # The scheduler dispatches right after this: the freed slot is used at once.
-                state.ended_since_scrape += 1
 
     # ------------------------------------------------------------------ decision
 
@@ -233,13 +224,11 @@ class MetricsGate:
 
     @staticmethod
     def _free_slots(state: _GroupState) -> float:
-        capacity = sum(state.capacity.get(url, 0.0) for url in state.latest_ok)
         free = sum(
             max(0.0, state.capacity.get(url, 0.0) - snapshot.running)
             for url, snapshot in state.latest_ok.items()
         )
-        free += state.ended_since_scrape - state.started_since_scrape
-        return min(capacity, max(0.0, free))
+        return max(0.0, free - state.started_since_scrape)
 
     # ------------------------------------------------------------------ observation
 

@@ -48,7 +48,6 @@ class _Lease:
     weight: float
     charged: float
     replica: str
-    started: bool = False
 
 
 @dataclass
@@ -69,11 +68,10 @@ class _Model:
     leases: set[int] = field(default_factory=set)
     pending: dict[int, float] = field(default_factory=dict)  # lease id -> released at
     snapshots: dict[str, SharedSnapshot] = field(default_factory=dict)
-    # Most requests seen running per deployment (the learned capacity), first bytes and ends of
-    # started leases since the freshest scrape: as in core/backpressure.py.
+    # Most requests seen running per deployment (the learned capacity), and first bytes since the
+    # freshest scrape: as in core/backpressure.py.
     capacity: dict[str, float] = field(default_factory=dict)
     started_since_scrape: int = 0
-    ended_since_scrape: int = 0
 
 
 class MemoryStore:
@@ -135,9 +133,6 @@ class MemoryStore:
         self, replica: str, model: str, lease_id: int, policy: ModelPolicy, now: float
     ) -> list[Grant]:
         state = self._model(model)
-        lease = self._leases.get(lease_id)
-        if lease is not None:
-            lease.started = True
         if state.pending.pop(lease_id, None) is not None:
             state.started_since_scrape += 1
         return self._release(replica, model, policy, now)
@@ -176,7 +171,6 @@ class MemoryStore:
                 state.capacity.get(snapshot.url, 0.0), snapshot.running
             )
             state.started_since_scrape = 0
-            state.ended_since_scrape = 0
         latest = [state.snapshots.get(url) for url in policy.metrics_urls]
         if latest and all(s is not None for s in latest):
             seen_until = min(s.started_at for s in latest if s) - policy.arrival_grace_s
@@ -271,10 +265,8 @@ class MemoryStore:
                 return in_flight >= policy.fallback_max_inflight * deployments
             snapshots.append(snapshot)
         waiting = sum(s.waiting for s in snapshots)
-        capacity = sum(model.capacity.get(s.url, 0.0) for s in snapshots)
         free = sum(max(0.0, model.capacity.get(s.url, 0.0) - s.running) for s in snapshots)
-        free += model.ended_since_scrape - model.started_since_scrape
-        free = min(capacity, max(0.0, free))
+        free = max(0.0, free - model.started_since_scrape)
         if (
             engine_queue_estimate(waiting, len(model.pending), free)
             >= limits.waiting_below * deployments
@@ -347,8 +339,6 @@ class MemoryStore:
         self._tickets.pop(lease.ticket_id, None)
         model.leases.discard(lease_id)
         model.pending.pop(lease_id, None)
-        if lease.started:
-            model.ended_since_scrape += 1
         self._replica_leases.get(lease.replica, set()).discard(lease_id)
         left = tier.in_flight.get(lease.user, 0) - 1
         if left > 0:

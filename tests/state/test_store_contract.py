@@ -139,40 +139,6 @@ async def test_pending_requests_fill_the_free_slots_the_engine_was_seen_to_have(
         assert await store.started(R1, "m", grant.lease_id, policy, NOW + 0.2) == []
 
 
-async def test_a_started_lease_that_ends_frees_its_slot_before_the_next_scrape(
-    store: StateStore,
-) -> None:
-    """As in core/backpressure.py: ends of started requests give slots back between scrapes."""
-    policy = gated()
-    url = "http://e/metrics"
-    await store.publish_snapshot(R1, "m", SharedSnapshot(url, NOW, 0, 4.0), policy, NOW)
-    await store.publish_snapshot(R1, "m", SharedSnapshot(url, NOW + 0.1, 0, 0.0), policy, NOW + 0.1)
-    grants = []
-    for i in range(12):
-        grants += (await store.enqueue(R1, ticket(f"u{i}"), policy, NOW + 0.1)).grants
-    assert len(grants) == 7  # four fill the free slots, three may wait
-    for grant in grants[:4]:
-        assert await store.started(R1, "m", grant.lease_id, policy, NOW + 0.15) == []
-
-    async def end(grant: Grant) -> list[Grant]:
-        return await store.end(
-            R1, "m", grant.lease_id, policy, NOW + 0.2, tokens_used=None, abandoned=False
-        )
-
-    # A lease that never started gives back its place in the engine's queue, not a slot ...
-    assert len(await end(grants[6])) == 1
-    # ... a started one gives back its slot.
-    assert len(await end(grants[0])) == 1
-    assert (await store.enqueue(R1, ticket("late"), policy, NOW + 0.2)).grants == []
-    # The next scrape replaces both counts: four running again, two waiting: nothing more.
-    assert (
-        await store.publish_snapshot(
-            R1, "m", SharedSnapshot(url, NOW + 0.25, 2, 4.0), policy, NOW + 0.3
-        )
-        == []
-    )
-
-
 async def test_an_older_scrape_never_replaces_a_newer_one(store: StateStore) -> None:
     policy = gated()
     await store.publish_snapshot(R1, "m", snapshot(NOW, waiting=5), policy, NOW)

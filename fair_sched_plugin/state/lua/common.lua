@@ -13,7 +13,7 @@
 --   P.r#..:grants                  LIST of grants for a replica's waiters ("tid lid charged model")
 --   P.tk:<id>                      HASH ticket (model tier user weight cost replica [lease])
 --   P.ls:<id>                      HASH lease  (model tier user weight charged replica ticket)
---   P.m#..:queued / :leases / :pending / :snap / :cap / :started / :ended
+--   P.m#..:queued / :leases / :pending / :snap
 --   P.m#..t#..:queued / :heap / :member / :vt / :inflight / :tvt / :q#<user>
 local P = ARGV[1]
 local REPLICA = ARGV[2]
@@ -97,8 +97,7 @@ end
 -- back; token-fair: the actual token count instead of the estimate).
 local function end_lease(lid, tokens, abandoned)
   local lk = P .. 'ls:' .. lid
-  local f = redis.call('HMGET', lk, 'model', 'tier', 'user', 'weight', 'charged', 'replica', 'ticket',
-    'started')
+  local f = redis.call('HMGET', lk, 'model', 'tier', 'user', 'weight', 'charged', 'replica', 'ticket')
   if not f[1] then return nil end
   local model, tier, user = f[1], f[2], f[3]
   local weight, charged = tonumber(f[4]), tonumber(f[5])
@@ -107,8 +106,6 @@ local function end_lease(lid, tokens, abandoned)
   redis.call('DEL', P .. 'tk:' .. f[7])
   redis.call('SREM', mk .. ':leases', lid)
   redis.call('ZREM', mk .. ':pending', lid)
-  -- A started request's running slot is free again (until a scrape shows it).
-  if f[8] then redis.call('INCR', mk .. ':ended') end
   redis.call('SREM', rkey(f[6]) .. ':leases', lid)
   local left = redis.call('HINCRBY', tk .. ':inflight', user, -1)
   if left <= 0 then redis.call('HDEL', tk .. ':inflight', user) end
@@ -137,7 +134,7 @@ local function blocked(mk, tier)
     if inflight < POLICY.unknown_cap then return false end
     return 'unknown_inflight'
   end
-  local waiting, free, capacity, tpot, kv = 0, 0, 0, nil, nil
+  local waiting, free, tpot, kv = 0, 0, nil, nil
   for _, url in ipairs(POLICY.urls) do
     local raw = redis.call('HGET', mk .. ':snap', url)
     local snap = raw and cjson.decode(raw)
@@ -147,17 +144,13 @@ local function blocked(mk, tier)
     end
     waiting = waiting + snap.waiting
     -- Free running slots: the most seen running (learned capacity) less those running now.
-    local cap = num(redis.call('HGET', mk .. ':cap', url), 0)
-    capacity = capacity + cap
-    if cap > snap.running then free = free + cap - snap.running end
+    local capacity = num(redis.call('HGET', mk .. ':cap', url), 0)
+    if capacity > snap.running then free = free + capacity - snap.running end
     if snap.tpot_s and (not tpot or snap.tpot_s > tpot) then tpot = snap.tpot_s end
     if snap.kv_usage and (not kv or snap.kv_usage > kv) then kv = snap.kv_usage end
   end
-  -- Slots taken since the freshest scrape (first bytes) are no longer free; those of started
-  -- requests that ended since are free again.
-  local started = num(redis.call('GET', mk .. ':started'), 0)
-  free = free + num(redis.call('GET', mk .. ':ended'), 0) - started
-  free = math.min(capacity, math.max(0, free))
+  -- Slots taken since the freshest scrape (first bytes) are no longer free.
+  free = math.max(0, free - num(redis.call('GET', mk .. ':started'), 0))
   local pending = redis.call('ZCARD', mk .. ':pending')
   -- The engine fills free slots from its own queue first; ours take what is left.
   local left_free = math.max(0, free - waiting)

@@ -11,7 +11,6 @@ if not old or cjson.decode(old).started_at < snap.started_at then
     redis.call('HSET', mk .. ':cap', url, fmt(snap.running))
   end
   redis.call('SET', mk .. ':started', 0)
-  redis.call('SET', mk .. ':ended', 0)
 end
 local seen = nil
 for _, u in ipairs(POLICY.urls) do
