@@ -28,6 +28,7 @@ import random
 import statistics
 import sys
 import time
+import tracemalloc
 from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -253,6 +254,17 @@ async def soak(args: argparse.Namespace) -> int:
     )  # fmt: skip
     duration_s = args.minutes * 60
     out = Path(args.out)
+    if args.trace_memory:
+        tracemalloc.start(12)
+    baseline: list[tracemalloc.Snapshot] = []
+
+    async def memory_baseline() -> None:
+        # After a third of the run: warm-up allocations (imports, pools, caches) are done.
+        await asyncio.sleep(duration_s / 3)
+        if args.trace_memory:
+            gc.collect()
+            baseline.append(tracemalloc.take_snapshot())
+
     async with run_emulator_subprocess(engine) as emu:
         app = build_proxy_app(proxy_config(emu.base_url, args.users))
         service: SchedulingService = app.state.fair_sched
@@ -275,7 +287,10 @@ async def soak(args: argparse.Namespace) -> int:
             until = loop.time() + duration_s
             run.sample(started)
             await asyncio.gather(
-                run.traffic(clients, until), run.faults(until), run.sampler(started, until)
+                run.traffic(clients, until),
+                run.faults(until),
+                run.sampler(started, until),
+                memory_baseline(),
             )
             # Drain: let what is running finish (bounded), then look for leftovers.
             drain_until = loop.time() + 60
@@ -293,7 +308,30 @@ async def soak(args: argparse.Namespace) -> int:
                 await asyncio.sleep(0.05)
             final = run.sample(started)
             final_stats = service.scheduler.statistics()
+            if baseline:
+                gc.collect()
+                print_memory_growth(baseline[0], tracemalloc.take_snapshot())
     return report(args, run, final, final_stats, stuck, out)
+
+
+def print_memory_growth(before: tracemalloc.Snapshot, after: tracemalloc.Snapshot) -> None:
+    """Where the traced Python heap grew between the two snapshots (largest first)."""
+    ignored = [
+        tracemalloc.Filter(False, tracemalloc.__file__),
+        tracemalloc.Filter(False, "<frozen importlib._bootstrap*>"),
+        tracemalloc.Filter(False, "<unknown>"),
+    ]
+    before, after = before.filter_traces(ignored), after.filter_traces(ignored)
+    by_line = after.compare_to(before, "lineno")
+    total = sum(stat.size_diff for stat in by_line)
+    print(f"\ntraced heap growth after the first third of the run: {total / 1024:+.1f} KiB")
+    for stat in by_line[:12]:
+        print(f"  {stat.size_diff / 1024:+9.1f} KiB {stat.count_diff:+7d} blocks  {stat.traceback}")
+    print("largest growth by call stack:")
+    for stat in after.compare_to(before, "traceback")[:3]:
+        print(f"  {stat.size_diff / 1024:+9.1f} KiB {stat.count_diff:+7d} blocks")
+        for line in stat.traceback.format(limit=8, most_recent_first=True):
+            print(f"      {line}")
 
 
 def report(
@@ -400,6 +438,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rss-tolerance", type=float, default=0.10)
     parser.add_argument("--seed", type=int, default=1)
     parser.add_argument("--out", default="report/soak")
+    parser.add_argument(
+        "--trace-memory",
+        action="store_true",
+        help="trace the Python heap (slower) and print where it grew after the first third",
+    )
     args = parser.parse_args(argv)
     Path(args.out).mkdir(parents=True, exist_ok=True)
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
