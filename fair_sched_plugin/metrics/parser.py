@@ -42,7 +42,8 @@ def parse_metrics(text: str, profile: MetricProfile, model_name: str | None) -> 
     label are kept. Raise `MetricsParseError` for text the Prometheus parser rejects, a missing
     `waiting` or `running`, or a NaN, infinite or negative value in a signal we use.
     """
-    totals = _collect(text, _names_of_interest(profile), model_name)
+    wanted = _names_of_interest(profile)
+    totals = _collect(_sample_lines(text, wanted), wanted, model_name)
     where = f" for model_name={model_name!r}" if model_name is not None else ""
     waiting = _first_present(totals, profile.waiting)
     running = _first_present(totals, profile.running)
@@ -97,6 +98,22 @@ class _Total:
 def _names_of_interest(profile: MetricProfile) -> frozenset[str]:
     histogram_parts = {f"{name}{suffix}" for name in profile.tpot for suffix in ("_sum", "_count")}
     return frozenset((*profile.waiting, *profile.running, *profile.kv_usage, *histogram_parts))
+
+
+def _sample_lines(text: str, wanted: frozenset[str]) -> str:
+    """The lines that can hold one of our samples, for the Prometheus parser.
+
+    A vLLM page has about 600 lines (histogram buckets mostly) and we read about ten of them;
+    prometheus_client parses the whole page in about 8 ms, every poll, on the proxy's event loop.
+    Comments go too: without `# TYPE` a histogram's `_sum` and `_count` are read as untyped
+    samples of the same names. Junk in lines we do not read no longer matters, but a page that
+    ends mid-line (the format requires a final line feed) is still not trusted.
+    """
+    if text and not text.endswith("\n"):
+        raise MetricsParseError("not Prometheus text: the page ends mid-line (truncated?)")
+    prefixes = tuple(wanted)
+    kept = [line for line in text.split("\n") if line.startswith(prefixes)]
+    return "\n".join(kept) + "\n" if kept else ""
 
 
 def _collect(text: str, wanted: frozenset[str], model_name: str | None) -> dict[str, _Total]:

@@ -229,6 +229,18 @@ def test_nan_in_a_series_we_do_not_read_is_ignored() -> None:
     assert parse_metrics(text, VLLM_PROFILE, None).waiting == 2
 
 
+def test_junk_in_a_line_we_do_not_read_is_ignored() -> None:
+    # Only the lines that can hold our samples are parsed (a real page is ~600 lines).
+    text = vllm_text() + "some_exporter_bug{ this is not a sample\n"
+    assert parse_metrics(text, VLLM_PROFILE, None).waiting == 2
+
+
+def test_junk_in_a_line_we_read_is_an_error() -> None:
+    text = vllm_text() + "vllm:num_requests_waiting{engine=1} 3\n"
+    with pytest.raises(MetricsParseError, match="not Prometheus text"):
+        parse_metrics(text, VLLM_PROFILE, None)
+
+
 def test_truncated_page_after_the_signals_is_still_an_error(midburst_text: str) -> None:
     # A page cut mid-line is not trusted even when the lines we need came before the cut.
     cut = midburst_text[: len(midburst_text) // 2]
