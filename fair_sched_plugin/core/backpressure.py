@@ -41,6 +41,8 @@ from .ticket import Lease, TierLimits
 
 GateMode = Literal["starting", "metrics", "fallback"]
 
+_MAX_FIRST_BYTES = 10_000
+
 
 @dataclass(frozen=True)
 class BackendGroup:
@@ -89,8 +91,9 @@ class _GroupState:
     mode: GateMode = "starting"
     # Most requests seen running at once, per deployment: the learned capacity.
     capacity: dict[str, float] = field(default_factory=dict)
-    # First bytes since the last scrape: slots taken that the scrape could not show.
-    started_since_scrape: int = 0
+    # When each first byte since the scrapes came back: slots taken that no scrape can show yet.
+    # Bounded: only an outage of every scrape lets it fill, and then free slots are not used.
+    first_bytes: deque[float] = field(default_factory=lambda: deque(maxlen=_MAX_FIRST_BYTES))
     scrape_requested: bool = False
     blocked_reason: str | None = None
 
@@ -133,7 +136,7 @@ class MetricsGate:
             state.capacity[snapshot.url] = max(
                 state.capacity.get(snapshot.url, 0.0), snapshot.running
             )
-            state.started_since_scrape = 0
+            self._forget_first_bytes_scraped(state)
             self._account_scraped(state)
         else:
             state.last_error[snapshot.url] = snapshot.error or "scrape failed"
@@ -155,7 +158,7 @@ class MetricsGate:
     def on_started(self, lease: Lease) -> None:
         state = self._groups.get(lease.ticket.model)
         if state is not None and self._settle(state, lease):
-            state.started_since_scrape += 1
+            state.first_bytes.append(self._clock.now())
             self._notify(lease.ticket.model)
 
     def on_ended(self, lease: Lease) -> None:
@@ -228,7 +231,7 @@ class MetricsGate:
             max(0.0, state.capacity.get(url, 0.0) - snapshot.running)
             for url, snapshot in state.latest_ok.items()
         )
-        return max(0.0, free - state.started_since_scrape)
+        return max(0.0, free - len(state.first_bytes))
 
     # ------------------------------------------------------------------ observation
 
@@ -278,6 +281,18 @@ class MetricsGate:
         if len(state.pending) > 64 and len(state.pending) > 2 * state.pending_count:
             state.pending = deque(x for x in state.pending if x.lease_id in state.pending_ids)
         return True
+
+    @staticmethod
+    def _forget_first_bytes_scraped(state: _GroupState) -> None:
+        """Drop the first bytes every deployment's latest scrape was sent after (it shows them as
+        running). One that came back while a scrape was on its way is kept: that scrape may not
+        show it, and forgetting it would count its slot free twice."""
+        if len(state.latest_ok) < len(state.spec.metrics_urls):
+            return
+        seen_until = min(s.started_at for s in state.latest_ok.values())
+        first_bytes = state.first_bytes
+        while first_bytes and first_bytes[0] <= seen_until:
+            first_bytes.popleft()
 
     def _account_scraped(self, state: _GroupState) -> None:
         """Settle the leases that every deployment's latest scrape must already include."""

@@ -68,10 +68,10 @@ class _Model:
     leases: set[int] = field(default_factory=set)
     pending: dict[int, float] = field(default_factory=dict)  # lease id -> released at
     snapshots: dict[str, SharedSnapshot] = field(default_factory=dict)
-    # Most requests seen running per deployment (the learned capacity), and first bytes since the
-    # freshest scrape: as in core/backpressure.py.
+    # Most requests seen running per deployment (the learned capacity), and the times of the
+    # first bytes no deployment's latest scrape was sent after: as in core/backpressure.py.
     capacity: dict[str, float] = field(default_factory=dict)
-    started_since_scrape: int = 0
+    first_bytes: dict[int, float] = field(default_factory=dict)  # lease id -> time
 
 
 class MemoryStore:
@@ -134,7 +134,11 @@ class MemoryStore:
     ) -> list[Grant]:
         state = self._model(model)
         if state.pending.pop(lease_id, None) is not None:
-            state.started_since_scrape += 1
+            state.first_bytes[lease_id] = now
+            # Older than any fresh scrape can be: they no longer matter (bounded in an outage).
+            first_bytes = state.first_bytes
+            while first_bytes and next(iter(first_bytes.values())) < now - policy.stale_after_s:
+                del first_bytes[next(iter(first_bytes))]
         return self._release(replica, model, policy, now)
 
     async def end(
@@ -170,10 +174,13 @@ class MemoryStore:
             state.capacity[snapshot.url] = max(
                 state.capacity.get(snapshot.url, 0.0), snapshot.running
             )
-            state.started_since_scrape = 0
         latest = [state.snapshots.get(url) for url in policy.metrics_urls]
         if latest and all(s is not None for s in latest):
-            seen_until = min(s.started_at for s in latest if s) - policy.arrival_grace_s
+            sent = min(s.started_at for s in latest if s)
+            for lease_id, started_at in list(state.first_bytes.items()):
+                if started_at <= sent:
+                    del state.first_bytes[lease_id]
+            seen_until = sent - policy.arrival_grace_s
             for lease_id, released_at in list(state.pending.items()):
                 if released_at <= seen_until:
                     del state.pending[lease_id]
@@ -266,7 +273,7 @@ class MemoryStore:
             snapshots.append(snapshot)
         waiting = sum(s.waiting for s in snapshots)
         free = sum(max(0.0, model.capacity.get(s.url, 0.0) - s.running) for s in snapshots)
-        free = max(0.0, free - model.started_since_scrape)
+        free = max(0.0, free - len(model.first_bytes))
         if (
             engine_queue_estimate(waiting, len(model.pending), free)
             >= limits.waiting_below * deployments

@@ -278,6 +278,36 @@ async def test_pending_requests_fill_the_free_slots_the_engine_was_seen_to_have(
     await drain(scheduler)
 
 
+async def test_a_first_byte_during_a_scrape_is_not_forgotten_by_it() -> None:
+    """Race: a scrape is sent, a request released after it takes a free slot (first byte), then
+    the scrape's answer arrives. It cannot show that slot taken; forgetting the first byte would
+    count the slot free twice and let one request too many into the engine's queue."""
+    clock = FakeClock()
+    gate, _, _ = make_gate(clock)
+    scheduler = FairScheduler([INTERACTIVE, BATCH], gate, clock=clock)
+    gate.update("m", scrape(clock, running=8))  # capacity 8
+    clock.advance(0.1)
+    gate.update("m", scrape(clock, running=4))  # four slots free
+    tasks = [asyncio.create_task(scheduler.acquire(ticket("bot", tier="batch"))) for _ in range(10)]
+    await settle()
+    granted = [task.result() for task in tasks if task.done()]
+    assert len(granted) == 5  # four for the free slots, one may wait
+    sent_at = clock.now()
+    clock.advance(0.05)
+    for lease in granted[:4]:
+        lease.mark_started()  # after the scrape below was sent
+    clock.advance(0.05)
+    answer = BackendSnapshot(url=URL, started_at=sent_at, ok=True, waiting=0, running=4)
+    gate.update("m", answer)
+    await settle()
+    assert gate.status()[0].free_slots == 0
+    assert sum(task.done() for task in tasks) == 5
+    # A scrape sent after those first bytes shows them running: they are forgotten then.
+    gate.update("m", scrape(clock, running=6))
+    assert gate.status()[0].free_slots == 2
+    await drain(scheduler)
+
+
 async def test_an_end_gives_no_slot_back_before_a_scrape_shows_it() -> None:
     """The proxy sees an end only after the engine's last bytes were relayed, so the last scrape
     may already show that slot free: counting the end as well would let the queue overshoot."""

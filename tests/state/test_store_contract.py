@@ -139,6 +139,28 @@ async def test_pending_requests_fill_the_free_slots_the_engine_was_seen_to_have(
         assert await store.started(R1, "m", grant.lease_id, policy, NOW + 0.2) == []
 
 
+async def test_a_first_byte_during_a_scrape_is_not_forgotten_by_it(store: StateStore) -> None:
+    """As in core/backpressure.py: a scrape sent before a first byte cannot show that slot taken;
+    only a scrape sent after it can."""
+    policy = gated()
+    url = "http://e/metrics"
+    await store.publish_snapshot(R1, "m", SharedSnapshot(url, NOW, 0, 8.0), policy, NOW)
+    await store.publish_snapshot(R1, "m", SharedSnapshot(url, NOW + 0.1, 0, 4.0), policy, NOW + 0.1)
+    grants = []
+    for i in range(10):
+        grants += (
+            await store.enqueue(R1, ticket(f"bot{i}", tier="batch"), policy, NOW + 0.1)
+        ).grants
+    assert len(grants) == 5  # four for the free slots, one may wait
+    for grant in grants[:4]:
+        assert await store.started(R1, "m", grant.lease_id, policy, NOW + 0.15) == []
+    sent_before = SharedSnapshot(url, NOW + 0.12, 0, 4.0)
+    assert await store.publish_snapshot(R1, "m", sent_before, policy, NOW + 0.2) == []
+    # Sent after the first bytes: six running, two slots free again.
+    sent_after = SharedSnapshot(url, NOW + 0.3, 0, 6.0)
+    assert len(await store.publish_snapshot(R1, "m", sent_after, policy, NOW + 0.35)) == 2
+
+
 async def test_an_older_scrape_never_replaces_a_newer_one(store: StateStore) -> None:
     policy = gated()
     await store.publish_snapshot(R1, "m", snapshot(NOW, waiting=5), policy, NOW)

@@ -13,7 +13,7 @@
 --   P.r#..:grants                  LIST of grants for a replica's waiters ("tid lid charged model")
 --   P.tk:<id>                      HASH ticket (model tier user weight cost replica [lease])
 --   P.ls:<id>                      HASH lease  (model tier user weight charged replica ticket)
---   P.m#..:queued / :leases / :pending / :snap
+--   P.m#..:queued / :leases / :pending / :snap / :cap / :firstbytes
 --   P.m#..t#..:queued / :heap / :member / :vt / :inflight / :tvt / :q#<user>
 local P = ARGV[1]
 local REPLICA = ARGV[2]
@@ -149,8 +149,9 @@ local function blocked(mk, tier)
     if snap.tpot_s and (not tpot or snap.tpot_s > tpot) then tpot = snap.tpot_s end
     if snap.kv_usage and (not kv or snap.kv_usage > kv) then kv = snap.kv_usage end
   end
-  -- Slots taken since the freshest scrape (first bytes) are no longer free.
-  free = math.max(0, free - num(redis.call('GET', mk .. ':started'), 0))
+  -- Slots taken by first bytes that not every deployment's latest scrape was sent after are not
+  -- free (a first byte while a scrape is on its way must not be forgotten by it).
+  free = math.max(0, free - redis.call('ZCARD', mk .. ':firstbytes'))
   local pending = redis.call('ZCARD', mk .. ':pending')
   -- The engine fills free slots from its own queue first; ours take what is left.
   local left_free = math.max(0, free - waiting)

@@ -10,7 +10,6 @@ if not old or cjson.decode(old).started_at < snap.started_at then
   if snap.running > num(redis.call('HGET', mk .. ':cap', url), 0) then
     redis.call('HSET', mk .. ':cap', url, fmt(snap.running))
   end
-  redis.call('SET', mk .. ':started', 0)
 end
 local seen = nil
 for _, u in ipairs(POLICY.urls) do
@@ -20,6 +19,8 @@ for _, u in ipairs(POLICY.urls) do
   if not seen or started < seen then seen = started end
 end
 if seen then
+  -- First bytes every deployment's latest scrape was sent after are running in it.
+  redis.call('ZREMRANGEBYSCORE', mk .. ':firstbytes', '-inf', fmt(seen))
   redis.call('ZREMRANGEBYSCORE', mk .. ':pending', '-inf', fmt(seen - POLICY.arrival_grace_s))
 end
 return release_model(model, {})
