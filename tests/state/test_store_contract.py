@@ -13,6 +13,7 @@ TIERS = (
 )
 NOW = 1_000_000.0
 R1, R2 = "replica-1", "replica-2"
+URL = "http://e/metrics"
 
 
 def capped(cap: int = 1, **options: object) -> ModelPolicy:
@@ -23,7 +24,7 @@ def capped(cap: int = 1, **options: object) -> ModelPolicy:
 def gated(**options: object) -> ModelPolicy:
     return ModelPolicy(
         tiers=TIERS,
-        metrics_urls=("http://e/metrics",),
+        metrics_urls=(URL,),
         stale_after_s=5.0,
         arrival_grace_s=0.3,
         **options,
@@ -35,7 +36,7 @@ def ticket(user: str, tier: str = "interactive", weight: float = 1.0, cost: int 
 
 
 def snapshot(started_at: float, waiting: float = 0, tpot_s: float | None = None) -> SharedSnapshot:
-    return SharedSnapshot("http://e/metrics", started_at, waiting, 0.0, tpot_s, None)
+    return SharedSnapshot(URL, started_at, waiting, 0.0, tpot_s, None)
 
 
 async def test_an_open_gate_grants_at_enqueue_to_the_caller(store: StateStore) -> None:
@@ -119,20 +120,25 @@ async def test_a_scrape_sent_after_the_grace_settles_pending_credits(store: Stat
     assert (await store.statistics(["interactive"])).pending_by_model == {"m": 1}
 
 
+async def batch_flood_on_four_free_slots(store: StateStore, policy: ModelPolicy) -> list[Grant]:
+    """Capacity 8 seen, then 4 running; ten batch requests arrive: the grants they get."""
+    await store.publish_snapshot(R1, "m", SharedSnapshot(URL, NOW, 0, 8.0), policy, NOW)
+    await store.publish_snapshot(R1, "m", SharedSnapshot(URL, NOW + 0.1, 0, 4.0), policy, NOW + 0.1)
+    grants = []
+    for i in range(10):
+        grants += (
+            await store.enqueue(R1, ticket(f"bot{i}", tier="batch"), policy, NOW + 0.1)
+        ).grants
+    return grants
+
+
 async def test_pending_requests_fill_the_free_slots_the_engine_was_seen_to_have(
     store: StateStore,
 ) -> None:
     """As in core/backpressure.py: capacity is the most seen running; pending requests that will
     find a free slot do not count as queued, and slots taken since the scrape are not free."""
     policy = gated()
-    url = "http://e/metrics"
-    await store.publish_snapshot(R1, "m", SharedSnapshot(url, NOW, 0, 8.0), policy, NOW)
-    await store.publish_snapshot(R1, "m", SharedSnapshot(url, NOW + 0.1, 0, 4.0), policy, NOW + 0.1)
-    grants = []
-    for i in range(10):
-        grants += (
-            await store.enqueue(R1, ticket(f"bot{i}", tier="batch"), policy, NOW + 0.1)
-        ).grants
+    grants = await batch_flood_on_four_free_slots(store, policy)
     # Four fill the free slots, one more may wait (waiting_below 1).
     assert len(grants) == 5
     for grant in grants[:4]:
@@ -143,21 +149,14 @@ async def test_a_first_byte_during_a_scrape_is_not_forgotten_by_it(store: StateS
     """As in core/backpressure.py: a scrape sent before a first byte cannot show that slot taken;
     only a scrape sent after it can."""
     policy = gated()
-    url = "http://e/metrics"
-    await store.publish_snapshot(R1, "m", SharedSnapshot(url, NOW, 0, 8.0), policy, NOW)
-    await store.publish_snapshot(R1, "m", SharedSnapshot(url, NOW + 0.1, 0, 4.0), policy, NOW + 0.1)
-    grants = []
-    for i in range(10):
-        grants += (
-            await store.enqueue(R1, ticket(f"bot{i}", tier="batch"), policy, NOW + 0.1)
-        ).grants
-    assert len(grants) == 5  # four for the free slots, one may wait
+    grants = await batch_flood_on_four_free_slots(store, policy)
+    assert len(grants) == 5
     for grant in grants[:4]:
         assert await store.started(R1, "m", grant.lease_id, policy, NOW + 0.15) == []
-    sent_before = SharedSnapshot(url, NOW + 0.12, 0, 4.0)
+    sent_before = SharedSnapshot(URL, NOW + 0.12, 0, 4.0)
     assert await store.publish_snapshot(R1, "m", sent_before, policy, NOW + 0.2) == []
     # Sent after the first bytes: six running, two slots free again.
-    sent_after = SharedSnapshot(url, NOW + 0.3, 0, 6.0)
+    sent_after = SharedSnapshot(URL, NOW + 0.3, 0, 6.0)
     assert len(await store.publish_snapshot(R1, "m", sent_after, policy, NOW + 0.35)) == 2
 
 
