@@ -136,7 +136,6 @@ class MetricsGate:
             state.capacity[snapshot.url] = max(
                 state.capacity.get(snapshot.url, 0.0), snapshot.running
             )
-            self._forget_first_bytes_scraped(state)
             self._account_scraped(state)
         else:
             state.last_error[snapshot.url] = snapshot.error or "scrape failed"
@@ -282,25 +281,19 @@ class MetricsGate:
             state.pending = deque(x for x in state.pending if x.lease_id in state.pending_ids)
         return True
 
-    @staticmethod
-    def _forget_first_bytes_scraped(state: _GroupState) -> None:
-        """Drop the first bytes every deployment's latest scrape was sent after (it shows them as
-        running). One that came back while a scrape was on its way is kept: that scrape may not
-        show it, and forgetting it would count its slot free twice."""
-        if len(state.latest_ok) < len(state.spec.metrics_urls):
-            return
-        seen_until = min(s.started_at for s in state.latest_ok.values())
-        first_bytes = state.first_bytes
-        while first_bytes and first_bytes[0] <= seen_until:
-            first_bytes.popleft()
-
     def _account_scraped(self, state: _GroupState) -> None:
-        """Settle the leases that every deployment's latest scrape must already include."""
+        """Forget what every deployment's latest scrape must already show: the first bytes that
+        came back before it was sent (as running), and the leases released at least
+        `arrival_grace_s` before that (as waiting or running). A first byte that came back while
+        a scrape was on its way is kept: that scrape may not show it, and forgetting it would
+        count its slot free twice."""
         if len(state.latest_ok) < len(state.spec.metrics_urls):
             return
-        seen_until = (
-            min(s.started_at for s in state.latest_ok.values()) - state.spec.arrival_grace_s
-        )
+        sent_at = min(s.started_at for s in state.latest_ok.values())
+        first_bytes = state.first_bytes
+        while first_bytes and first_bytes[0] <= sent_at:
+            first_bytes.popleft()
+        seen_until = sent_at - state.spec.arrival_grace_s
         pending = state.pending
         while pending and pending[0].released_at <= seen_until:
             lease = pending.popleft()
