@@ -21,7 +21,7 @@ import contextlib
 import json
 import logging
 import sys
-from collections.abc import AsyncGenerator, AsyncIterator, Mapping
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Mapping
 from typing import Any
 
 import httpx
@@ -249,15 +249,16 @@ async def _send_retrying_once(
     client: httpx.AsyncClient, url: str, body: bytes, headers: dict[str, str]
 ) -> httpx.Response:
     """Send the request; after a connection-level failure, once more on a fresh connection."""
+
+    def send() -> Awaitable[httpx.Response]:
+        request = client.build_request("POST", url, content=body, headers=headers)
+        return client.send(request, stream=True)
+
     try:
-        return await client.send(
-            client.build_request("POST", url, content=body, headers=headers), stream=True
-        )
+        return await send()
     except _RETRIED_ONCE as exc:
         logger.info("fair_sched proxy: %s failed (%s); sending it once more", url, _describe(exc))
-    return await client.send(
-        client.build_request("POST", url, content=body, headers=headers), stream=True
-    )
+    return await send()
 
 
 def _describe(exc: BaseException) -> str:
