@@ -136,9 +136,12 @@ class MemoryStore:
         if state.pending.pop(lease_id, None) is not None:
             state.first_bytes[lease_id] = now
             # Older than any fresh scrape can be: they no longer matter (bounded in an outage).
-            first_bytes = state.first_bytes
-            while first_bytes and next(iter(first_bytes.values())) < now - policy.stale_after_s:
-                del first_bytes[next(iter(first_bytes))]
+            first_bytes, cutoff = state.first_bytes, now - policy.stale_after_s
+            while first_bytes:
+                oldest = next(iter(first_bytes))  # insertion order is time order
+                if first_bytes[oldest] >= cutoff:
+                    break
+                del first_bytes[oldest]
         return self._release(replica, model, policy, now)
 
     async def end(
