@@ -5,9 +5,15 @@ from __future__ import annotations
 from .backpressure import BackendGroup, GateTransition, GroupStatus, MetricsGate
 from .clock import Clock, FakeClock, LoopClock
 from .gate import AdmissionGate, InflightLimitGate, ManualGate
-from .scheduler import FairnessPolicy, FairScheduler, SchedulerStatistics, UserBacklog
+from .scheduler import (
+    FairnessPolicy,
+    FairScheduler,
+    Reservation,
+    SchedulerStatistics,
+    UserBacklog,
+)
 from .snapshot import BackendSnapshot
-from .ticket import Lease, Ticket, TierLimits
+from .ticket import Lease, LeaseOwner, Ticket, TierLimits
 
 __all__ = [
     "AdmissionGate",
@@ -21,9 +27,11 @@ __all__ = [
     "GroupStatus",
     "InflightLimitGate",
     "Lease",
+    "LeaseOwner",
     "LoopClock",
     "ManualGate",
     "MetricsGate",
+    "Reservation",
     "SchedulerStatistics",
     "Ticket",
     "TierLimits",

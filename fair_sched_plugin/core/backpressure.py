@@ -119,8 +119,23 @@ class MetricsGate:
         self._on_transition = on_transition
         self._request_scrape = request_scrape
         self._listener: CapacityListener | None = None
+        self._sharers = 1
 
     # ------------------------------------------------------------------ inputs
+
+    def share_with(self, replicas: int) -> None:
+        """Spend only 1/`replicas` of every threshold and cap (at least 1 each): several
+        replicas that each run their own gate against one engine (shared state unreachable)
+        must not each spend all of it. 1 restores the whole."""
+        if replicas < 1:
+            raise ValueError(f"replicas must be >= 1 (got {replicas})")
+        widened = replicas < self._sharers
+        self._sharers = replicas
+        if widened:
+            self._notify(None)
+
+    def _share(self, limit: float) -> float:
+        return limit if self._sharers == 1 else max(1.0, limit / self._sharers)
 
     def set_listener(self, listener: CapacityListener) -> None:
         self._listener = listener
@@ -178,7 +193,7 @@ class MetricsGate:
     def may_release(self, model: str, tier: TierLimits) -> bool:
         state = self._groups.get(model)
         if state is None:
-            return self._unknown_in_flight.get(model, 0) < self._unknown_cap
+            return self._unknown_in_flight.get(model, 0) < self._share(self._unknown_cap)
         self._refresh_mode(state)
         reason = self._blocked_reason(state, tier)
         state.blocked_reason = reason
@@ -204,7 +219,7 @@ class MetricsGate:
     def _blocked_reason(self, state: _GroupState, tier: TierLimits) -> str | None:
         deployments = len(state.spec.metrics_urls)
         if state.mode != "metrics":
-            if state.in_flight < state.spec.fallback_max_inflight * deployments:
+            if state.in_flight < self._share(state.spec.fallback_max_inflight * deployments):
                 return None
             return "fallback_inflight"
         snapshots = state.latest_ok.values()
@@ -212,7 +227,7 @@ class MetricsGate:
         queued_in_engine = engine_queue_estimate(
             waiting, state.pending_count, self._free_slots(state)
         )
-        if queued_in_engine >= tier.waiting_below * deployments:
+        if queued_in_engine >= self._share(tier.waiting_below * deployments):
             return "waiting"
         if tier.tpot_below_s is not None:
             tpot = _worst(snapshot.tpot_s for snapshot in snapshots)
@@ -265,7 +280,7 @@ class MetricsGate:
 
     # ------------------------------------------------------------------ internals
 
-    def _notify(self, model: str) -> None:
+    def _notify(self, model: str | None) -> None:
         if self._listener is not None:
             self._listener(model)
 

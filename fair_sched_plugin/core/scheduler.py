@@ -75,6 +75,41 @@ class _Waiter:
         self.state = _QUEUED
 
 
+class Reservation:
+    """A ticket's place in the queue: `future` resolves to its lease (or fails with
+    `QueueTimeout` / `SchedulerClosed`); `cancel()` takes it out of the queue.
+
+    For callers that wait by callback rather than in a task (the shared-state leader waits for
+    many replicas' tickets at once); `FairScheduler.acquire()` is built on it.
+    """
+
+    __slots__ = ("_scheduler", "_waiter")
+
+    def __init__(self, scheduler: FairScheduler, waiter: _Waiter) -> None:
+        self._scheduler = scheduler
+        self._waiter = waiter
+
+    @property
+    def ticket(self) -> Ticket:
+        return self._waiter.ticket
+
+    @property
+    def future(self) -> asyncio.Future[Lease]:
+        return self._waiter.future
+
+    @property
+    def enqueued_at(self) -> float:
+        return self._waiter.enqueued_at
+
+    def cancel(self) -> bool:
+        """Leave the queue; True if the ticket was still queued (it will never be granted).
+
+        False once it was granted, timed out or failed: a granted lease is the caller's to
+        `abandon()` (or use).
+        """
+        return self._scheduler._cancel_waiter(self._waiter)
+
+
 class _UserQueue:
     __slots__ = (
         "heap_generation",
@@ -227,6 +262,27 @@ class FairScheduler:
         now = self._clock.now()
         return self._make_lease(queues, user_queue, ticket, enqueued_at=now)
 
+    def enqueue(self, ticket: Ticket) -> Reservation:
+        """Queue `ticket` and run the release decision; its `Reservation.future` resolves to
+        the lease. Raises `QueueFull` at once when a cap is reached."""
+        self._check_open()
+        waiter = self._enqueue(ticket)
+        self._dispatch(ticket.model)
+        return Reservation(self, waiter)
+
+    def adopt(self, ticket: Ticket, *, started: bool) -> Lease:
+        """A lease for a request already in the engine that this scheduler did not grant (a
+        replica reporting its live requests to a new leader): counted in flight and by the
+        gate, never queued, and not charged (fairness history restarts with the new leader)."""
+        self._check_open()
+        queues = self._model_queues(ticket.model)
+        user_queue = self._user_queue(queues.tiers[self._tier_position(ticket.tier)], ticket.user)
+        now = self._clock.now()
+        lease = self._make_lease(queues, user_queue, ticket, enqueued_at=now, charge=0.0)
+        if started:
+            lease.mark_started()
+        return lease
+
     def add_end_listener(self, listener: Callable[[Lease, bool], None]) -> None:
         """Call `listener(lease, abandoned)` whenever a lease ends."""
         self._end_listeners.append(listener)
@@ -305,21 +361,28 @@ class FairScheduler:
     # ------------------------------------------------------------------ waiting
 
     async def _wait_for_lease(self, ticket: Ticket) -> Lease:
-        self._check_open()
-        waiter = self._enqueue(ticket)
-        self._dispatch(ticket.model)
+        reservation = self.enqueue(ticket)
+        future = reservation.future
         try:
-            return await waiter.future
+            return await future
         except BaseException:
-            future = waiter.future
-            if future.done() and not future.cancelled() and future.exception() is None:
+            if (
+                not reservation.cancel()
+                and future.done()
+                and not future.cancelled()
+                and future.exception() is None
+            ):
                 # Woken with a lease, then cancelled before it could be used: hand it back so
                 # the next request gets the turn (the engine never saw this one).
                 future.result().abandon()
-            elif waiter.state == _QUEUED:
-                self._remove_waiter(waiter, _CANCELLED)
-                self._counters["cancelled"] += 1
             raise
+
+    def _cancel_waiter(self, waiter: _Waiter) -> bool:
+        if waiter.state != _QUEUED:
+            return False
+        self._remove_waiter(waiter, _CANCELLED)
+        self._counters["cancelled"] += 1
+        return True
 
     def _enqueue(self, ticket: Ticket) -> _Waiter:
         tier_index = self._tier_index.get(ticket.tier)
@@ -448,9 +511,16 @@ class FairScheduler:
         waiter.future.set_result(lease)
 
     def _make_lease(
-        self, queues: _ModelQueues, user_queue: _UserQueue, ticket: Ticket, *, enqueued_at: float
+        self,
+        queues: _ModelQueues,
+        user_queue: _UserQueue,
+        ticket: Ticket,
+        *,
+        enqueued_at: float,
+        charge: float | None = None,
     ) -> Lease:
-        charge = self._charge(ticket, ticket.cost)
+        if charge is None:
+            charge = self._charge(ticket, ticket.cost)
         user_queue.virtual_time += charge
         user_queue.in_flight += 1
         queues.in_flight += 1
@@ -467,10 +537,10 @@ class FairScheduler:
         self._gate.on_released(lease)
         return lease
 
-    def _lease_started(self, lease: Lease) -> None:
+    def lease_started(self, lease: Lease) -> None:
         self._gate.on_started(lease)
 
-    def _lease_ended(self, lease: Lease, tokens_used: int | None, *, abandoned: bool) -> None:
+    def lease_ended(self, lease: Lease, tokens_used: int | None, *, abandoned: bool) -> None:
         ticket = lease.ticket
         queues = self._models[ticket.model]
         tier = queues.tiers[self._tier_index[ticket.tier]]
@@ -481,9 +551,9 @@ class FairScheduler:
         if user_queue is not None:
             user_queue.in_flight -= 1
             if abandoned:
-                correction = -lease._charged
+                correction = -lease.charged
             elif tokens_used is not None and self._fairness == "tokens":
-                correction = self._charge(ticket, tokens_used) - lease._charged
+                correction = self._charge(ticket, tokens_used) - lease.charged
             else:
                 correction = 0.0
             if correction:

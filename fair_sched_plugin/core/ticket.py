@@ -4,10 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from types import TracebackType
-from typing import TYPE_CHECKING, NamedTuple
-
-if TYPE_CHECKING:
-    from .scheduler import FairScheduler
+from typing import NamedTuple, Protocol
 
 
 class TierLimits(NamedTuple):
@@ -40,6 +37,15 @@ class Ticket:
             raise ValueError(f"cost must be >= 0 (got {self.cost!r})")
 
 
+class LeaseOwner(Protocol):
+    """Whoever granted a lease and must hear about its first byte and its end (the core's
+    `FairScheduler`, or a replica that relays them to the scheduling leader)."""
+
+    def lease_started(self, lease: Lease) -> None: ...
+
+    def lease_ended(self, lease: Lease, tokens_used: int | None, *, abandoned: bool) -> None: ...
+
+
 class Lease:
     """The right to send one request to the engine, from release until `release()`.
 
@@ -50,7 +56,7 @@ class Lease:
     __slots__ = (
         "_charged",
         "_ended",
-        "_scheduler",
+        "_owner",
         "_started",
         "enqueued_at",
         "lease_id",
@@ -60,14 +66,14 @@ class Lease:
 
     def __init__(
         self,
-        scheduler: FairScheduler,
+        owner: LeaseOwner,
         ticket: Ticket,
         lease_id: int,
         enqueued_at: float,
         released_at: float,
         charged: float,
     ) -> None:
-        self._scheduler = scheduler
+        self._owner = owner
         self.ticket = ticket
         self.lease_id = lease_id
         self.enqueued_at = enqueued_at
@@ -85,6 +91,11 @@ class Lease:
         return self._started
 
     @property
+    def charged(self) -> float:
+        """What the fairness policy charged its user at release (virtual time)."""
+        return self._charged
+
+    @property
     def waited_s(self) -> float:
         return self.released_at - self.enqueued_at
 
@@ -93,7 +104,7 @@ class Lease:
         if self._started or self._ended:
             return
         self._started = True
-        self._scheduler._lease_started(self)
+        self._owner.lease_started(self)
 
     def release(self, tokens_used: int | None = None) -> bool:
         """End the lease; `tokens_used` (prompt + output) corrects the token-fair estimate.
@@ -103,7 +114,7 @@ class Lease:
         if self._ended:
             return False
         self._ended = True
-        self._scheduler._lease_ended(self, tokens_used, abandoned=False)
+        self._owner.lease_ended(self, tokens_used, abandoned=False)
         return True
 
     def abandon(self) -> None:
@@ -112,7 +123,7 @@ class Lease:
         if self._ended:
             return
         self._ended = True
-        self._scheduler._lease_ended(self, None, abandoned=True)
+        self._owner.lease_ended(self, None, abandoned=True)
 
     async def __aenter__(self) -> Lease:
         return self

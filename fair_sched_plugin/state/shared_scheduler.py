@@ -22,7 +22,7 @@ import logging
 import time
 import uuid
 from collections.abc import Callable, Coroutine, Mapping
-from typing import Any, Literal, NamedTuple, cast
+from typing import Any, Literal, NamedTuple
 
 from ..core.backpressure import BackendGroup
 from ..core.scheduler import FairScheduler, SchedulerStatistics, UserBacklog
@@ -431,7 +431,7 @@ class SharedScheduler:
                 continue
             del self._waiters[grant.ticket_id]
             lease = Lease(
-                cast(FairScheduler, self),
+                self,
                 waiter.ticket,
                 grant.lease_id,
                 enqueued_at=waiter.enqueued_at,
@@ -444,11 +444,11 @@ class SharedScheduler:
 
     # ------------------------------------------------------------------ leases (called by Lease)
 
-    def _lease_started(self, lease: Lease) -> None:
+    def lease_started(self, lease: Lease) -> None:
         model = lease.ticket.model
         self._spawn(self._store_call(self._store.started, model, lease.lease_id))
 
-    def _lease_ended(self, lease: Lease, tokens_used: int | None, *, abandoned: bool) -> None:
+    def lease_ended(self, lease: Lease, tokens_used: int | None, *, abandoned: bool) -> None:
         self._leases.pop(lease.lease_id, None)
         self._counters["abandoned" if abandoned else "completed"] += 1
         for listener in self._end_listeners:

@@ -343,3 +343,29 @@ async def test_capacity_is_unknown_until_the_engine_has_run_anything() -> None:
     gate, _, _ = make_gate(clock)
     gate.update("m", scrape(clock, running=0))
     assert gate.status()[0].free_slots == 0
+
+
+async def test_a_shared_gate_spends_only_its_share_of_the_threshold() -> None:
+    clock = FakeClock()
+    gate, _, _ = make_gate(clock)
+    scheduler = FairScheduler([INTERACTIVE, BATCH], gate, clock=clock)
+    gate.update("m", scrape(clock, waiting=0))
+    gate.share_with(3)  # waiting_below 3 among three replicas: 1 each
+    tasks = [asyncio.create_task(scheduler.acquire(ticket(f"u{i}"))) for i in range(5)]
+    await settle()
+    assert sum(task.done() for task in tasks) == 1
+    gate.share_with(1)  # the whole threshold again: the gate re-runs the decisions
+    await settle()
+    assert sum(task.done() for task in tasks) == 3
+    await drain(scheduler)
+
+
+async def test_a_shared_fallback_cap_is_at_least_one() -> None:
+    clock = FakeClock()
+    gate, _, _ = make_gate(clock)  # fallback cap 2, no scrape yet
+    scheduler = FairScheduler([INTERACTIVE, BATCH], gate, clock=clock)
+    gate.share_with(5)
+    tasks = [asyncio.create_task(scheduler.acquire(ticket(f"u{i}"))) for i in range(3)]
+    await settle()
+    assert sum(task.done() for task in tasks) == 1
+    await drain(scheduler)

@@ -410,3 +410,48 @@ async def test_memory_follows_load_under_submit_and_cancel_abuse(
     assert scheduler.statistics().queued == 0
     assert len(scheduler._deadlines) <= 128
     assert all(not tier.users for q in scheduler._models.values() for tier in q.tiers)
+
+
+async def test_a_reservation_is_granted_through_its_future(
+    gate: ManualGate, clock: FakeClock
+) -> None:
+    scheduler = make_scheduler(gate, clock)
+    reservation = scheduler.enqueue(ticket("a"))
+    assert not reservation.future.done()
+    gate.allow(1)
+    lease = reservation.future.result()
+    assert lease.ticket.user == "a"
+    assert not reservation.cancel()  # granted: the lease is the caller's to use or abandon
+    lease.release()
+    assert scheduler.statistics().in_flight == 0
+
+
+async def test_a_cancelled_reservation_is_never_granted(gate: ManualGate, clock: FakeClock) -> None:
+    """Race: cancelled by callback (no task) while queued, then capacity opens."""
+    scheduler = make_scheduler(gate, clock)
+    first = scheduler.enqueue(ticket("a"))
+    second = scheduler.enqueue(ticket("b"))
+    assert first.cancel()
+    assert not first.cancel()  # once
+    gate.allow(2)
+    assert not first.future.done()
+    assert second.future.result().ticket.user == "b"
+    stats = scheduler.statistics()
+    assert (stats.queued, stats.cancelled_total, stats.released_total) == (0, 1, 1)
+    await drain(scheduler)
+
+
+async def test_an_adopted_lease_counts_in_flight_and_is_not_charged(clock: FakeClock) -> None:
+    gate = InflightLimitGate(2)
+    scheduler = make_scheduler(gate, clock)  # type: ignore[arg-type]
+    adopted = scheduler.adopt(ticket("a"), started=True)
+    assert adopted.started and adopted.charged == 0.0
+    assert gate.in_flight("m") == 1
+    tasks = submit(scheduler, "a", 1) + submit(scheduler, "b", 2)
+    await settle()
+    # One slot left: "a" and "b" start level (the adopted lease charged nothing), "a" came first.
+    assert [task.done() for task in tasks] == [True, False, False]
+    adopted.release()
+    await settle()
+    assert [task.done() for task in tasks] == [True, True, False]
+    await drain(scheduler)
