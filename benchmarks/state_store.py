@@ -1,15 +1,16 @@
-"""Shared state cost: store decisions per second and the latency a request gains, Redis vs memory.
+"""The shared decision's cost: the latency a request gains when another replica decides.
 
     .venv/bin/python benchmarks/state_store.py [--redis-url redis://127.0.0.1:6379/0]
-        [--users 10 1000] [--pairs 5000] [--requests 2000]
+        [--requests 2000]
 
 Without --redis-url a throw-away redis-server (no persistence) is started on a free port.
 
-1. Decisions: U backlogged users, a one-slot in-flight cap; each pair is one `end` (which
-   releases the next ticket atomically: one decision) plus one `enqueue` to keep the backlog.
-   Sequential from one client, so it is the per-call latency that bounds it.
-2. Added latency: one request at a time through `acquire()` + `release()`, open gate:
-   FairScheduler (memory://, today) vs SharedScheduler on MemoryStore vs on RedisStore.
+One request at a time through `acquire()` + `release()`, open gate, 10 users:
+
+- `memory://`: the replica is its own leader (the core decides in-process);
+- `redis://` leader: a request entering at the replica that leads (still in-process);
+- `redis://` follower: a request entering at another replica: ticket to the leader's inbox,
+  its decision, the grant back through Redis (two round trips and the leader's turn).
 """
 
 from __future__ import annotations
@@ -22,17 +23,10 @@ import socket
 import subprocess
 import tempfile
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 from fair_sched_plugin.core import FairScheduler, InflightLimitGate, Ticket, TierLimits
-from fair_sched_plugin.state import (
-    MemoryStore,
-    ModelPolicy,
-    PolicyBook,
-    SharedScheduler,
-    StateStore,
-)
-from fair_sched_plugin.state.redis_store import RedisStore
+from fair_sched_plugin.state import ReplicaScheduler, open_state
 
 TIERS = (TierLimits("interactive", waiting_below=3), TierLimits("batch", waiting_below=1))
 
@@ -70,88 +64,67 @@ def percentile(values: list[float], q: float) -> float:
     return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
 
 
-async def decisions(store: StateStore, users: int, pairs: int) -> tuple[float, float, float]:
-    """(decisions/s, p50 ms, p99 ms) of end+enqueue pairs with `users` backlogged users."""
-    policy = ModelPolicy(tiers=TIERS, unknown_max_inflight=1, max_per_user=10**6, max_total=10**8)
-    now = time.time()
-    leases = []
-    for index in range(users * 2):
-        queued = await store.enqueue(
-            "bench", Ticket("m", f"u{index % users}", "interactive"), policy, now
-        )
-        leases += [grant.lease_id for grant in queued.grants]
-    latencies = []
-    started = time.perf_counter()
-    for index in range(pairs):
-        begin = time.perf_counter()
-        grants = await store.end(
-            "bench", "m", leases.pop(), policy, now, tokens_used=None, abandoned=False
-        )
-        leases += [grant.lease_id for grant in grants]
-        await store.enqueue("bench", Ticket("m", f"u{index % users}", "interactive"), policy, now)
-        latencies.append(time.perf_counter() - begin)
-    elapsed = time.perf_counter() - started
-    return pairs / elapsed, percentile(latencies, 0.5) * 1e3, percentile(latencies, 0.99) * 1e3
+def core() -> FairScheduler:
+    return FairScheduler(TIERS, InflightLimitGate(10**6), max_per_user=10**6, max_total=10**8)
 
 
-async def request_latency(scheduler: FairScheduler | SharedScheduler, requests: int) -> list[float]:
+async def request_latency(replica: ReplicaScheduler, requests: int) -> list[float]:
     latencies = []
     for index in range(requests):
         begin = time.perf_counter()
-        lease = await scheduler.acquire(Ticket("m", f"u{index % 10}", "interactive"))
+        lease = await replica.acquire(Ticket("m", f"u{index % 10}", "interactive"))
         latencies.append(time.perf_counter() - begin)
         lease.release()
-        await asyncio.sleep(0)  # let the shared scheduler's store update go out, as in service
+        await asyncio.sleep(0)  # let the end go out, as in the service
     return latencies
 
 
-def shared(store: StateStore) -> SharedScheduler:
-    policies = PolicyBook(
-        TIERS, {}, fairness="round_robin", stale_after_s=1.0, unknown_max_inflight=10**6,
-        max_per_user=10**6, max_total=10**8, lease_ttl_s=10.0,
-    )  # fmt: skip
-    local = FairScheduler(TIERS, InflightLimitGate(10**6))
-    return SharedScheduler(store, policies, local, heartbeat_s=1.0, lease_ttl_s=10.0)
+async def until(condition: Callable[[], bool]) -> None:
+    for _ in range(1000):
+        if condition():
+            return
+        await asyncio.sleep(0.01)
+    raise SystemExit("no leader elected within 10 s")
 
 
 async def main(args: argparse.Namespace, url: str) -> None:
-    print("== decisions (end + enqueue pairs, sequential, one client)")
-    print(f"{'store':8} {'users':>6} {'pairs/s':>9} {'p50 ms':>8} {'p99 ms':>8}")
-    for users in args.users:
-        for name in ("memory", "redis"):
-            store: StateStore = (
-                MemoryStore() if name == "memory" else RedisStore(url, prefix=f"bench{users}:")
-            )
-            rate, p50, p99 = await decisions(store, users, args.pairs)
-            await store.aclose()
-            print(f"{name:8} {users:>6} {rate:>9.0f} {p50:>8.3f} {p99:>8.3f}")
-    print("== acquire latency, one request at a time, open gate")
-    print(f"{'scheduler':24} {'p50 ms':>8} {'p95 ms':>8} {'p99 ms':>8}")
-    candidates: list[tuple[str, FairScheduler | SharedScheduler]] = [
-        ("FairScheduler (memory://)", FairScheduler(TIERS, InflightLimitGate(10**6))),
-        ("Shared + MemoryStore", shared(MemoryStore())),
-        ("Shared + RedisStore", shared(RedisStore(url, prefix="benchlat:"))),
-    ]
-    for name, scheduler in candidates:
-        if isinstance(scheduler, SharedScheduler):
-            scheduler.start()
-        await request_latency(scheduler, 100)  # warm up (script load, connections)
-        values = await request_latency(scheduler, args.requests)
+    memory = open_state("memory://", core())
+    options = {"prefix": "bench:", "heartbeat_s": 0.5, "lease_ttl_s": 5.0}
+    leader = open_state(url, core(), replica="bench-leader", **options)  # type: ignore[arg-type]
+    leader.start()
+    await until(lambda: leader.leading)
+    follower = open_state(url, core(), replica="bench-follower", **options)  # type: ignore[arg-type]
+    follower.start()
+    await until(lambda: follower.state_statistics().leader == leader.replica)
+    print(f"== acquire latency, one request at a time, open gate, {args.requests} requests")
+    print(f"{'scheduler':28} {'p50 ms':>8} {'p95 ms':>8} {'p99 ms':>8}")
+    results = {}
+    for name, replica in (
+        ("memory://", memory),
+        ("redis:// at the leader", leader),
+        ("redis:// at a follower", follower),
+    ):
+        await request_latency(replica, 100)  # warm up (scripts, connections)
+        values = await request_latency(replica, args.requests)
+        results[name] = values
         print(
-            f"{name:24} "
+            f"{name:28} "
             + " ".join(f"{percentile(values, q) * 1e3:>8.3f}" for q in (0.5, 0.95, 0.99))
         )
-        if isinstance(scheduler, SharedScheduler):
-            await scheduler.aclose()
-        else:
-            scheduler.close()
+    base = results["memory://"]
+    shared = results["redis:// at a follower"]
+    print(
+        "shared decision's added latency (follower - memory): "
+        f"p50 {(percentile(shared, 0.5) - percentile(base, 0.5)) * 1e3:.3f} ms, "
+        f"p99 {(percentile(shared, 0.99) - percentile(base, 0.99)) * 1e3:.3f} ms"
+    )
+    for replica in (follower, leader, memory):
+        await replica.aclose()
 
 
 def cli() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--redis-url")
-    parser.add_argument("--users", type=int, nargs="+", default=[10, 1000])
-    parser.add_argument("--pairs", type=int, default=5000)
     parser.add_argument("--requests", type=int, default=2000)
     args = parser.parse_args()
     if args.redis_url:

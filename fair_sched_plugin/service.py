@@ -33,7 +33,7 @@ from .identity import Credentials, Principal, PrincipalDirectory
 from .metrics.profiles import profile_for
 from .metrics.watcher import MetricsWatcher
 from .observability import ServiceMetrics, rejection_reason
-from .state import SchedulerState, open_state
+from .state import ReplicaScheduler, open_state
 
 logger = logging.getLogger("fair_sched")
 
@@ -142,13 +142,11 @@ class SchedulingService:
             for tier in self.settings.tiers
         )
         settings = self.settings
-        # `state: memory://` -> this FairScheduler; `redis://` -> a SharedScheduler over Redis
-        # with this FairScheduler as its fallback while Redis is unreachable.
-        self.state: SchedulerState = open_state(
+        # One scheduler object on every backend: the core decides, in this process
+        # (`memory://`) or in the replica leading the others through Redis (`redis://`).
+        self.scheduler: ReplicaScheduler = open_state(
             settings.state,
-            tier_limits,
-            self.gate,
-            lambda: FairScheduler(
+            FairScheduler(
                 tier_limits,
                 self.gate,
                 fairness=settings.fairness,
@@ -156,17 +154,11 @@ class SchedulingService:
                 max_total=queue.max_total,
                 max_wait_s=queue.max_wait_s,
             ),
-            fairness=settings.fairness,
-            stale_after_s=settings.effective_stale_after_ms / 1000,
-            unknown_max_inflight=settings.unknown_model_max_inflight,
-            max_per_user=queue.max_per_user,
-            max_total=queue.max_total,
-            max_wait_s=queue.max_wait_s,
+            self.gate,
             prefix=settings.state_prefix,
             heartbeat_s=settings.state_heartbeat_s,
             lease_ttl_s=settings.state_lease_ttl_s,
         )
-        self.scheduler = self.state.scheduler
         self._http_client = http_client
         self._watchers: dict[str, list[MetricsWatcher]] = {}
         self._started = False
@@ -191,7 +183,7 @@ class SchedulingService:
         if self._started:
             return
         self._started = True
-        self.state.start()
+        self.scheduler.start()
         settings = self.settings
         for model, backend in self.backends.items():
             profile = profile_for(backend)
@@ -215,7 +207,7 @@ class SchedulingService:
         self.scheduler.close()
         watchers = [watcher for group in self._watchers.values() for watcher in group]
         await asyncio.gather(*(watcher.aclose() for watcher in watchers), return_exceptions=True)
-        await self.state.aclose()
+        await self.scheduler.aclose()
 
     async def __aenter__(self) -> SchedulingService:
         self.start()
@@ -350,7 +342,6 @@ class SchedulingService:
     def _snapshot_listener(self, model: str) -> Callable[[BackendSnapshot], None]:
         def on_snapshot(snapshot: BackendSnapshot) -> None:
             self.gate.update(model, snapshot)
-            self.state.on_snapshot(model, snapshot)
 
         return on_snapshot
 

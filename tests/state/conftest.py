@@ -1,4 +1,4 @@
-"""A real redis-server on 127.0.0.1 (a free port, a temp dir, no persistence), and both stores.
+"""A real redis-server on 127.0.0.1 (a free port, a temp dir, no persistence).
 
 Without the binary the Redis tests skip, except in CI (`CI=true`), where they fail.
 """
@@ -14,12 +14,9 @@ import shutil
 import socket
 import subprocess
 import time
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import Iterator
 
 import pytest
-
-from fair_sched_plugin.state import MemoryStore, StateStore
-from fair_sched_plugin.state.redis_store import RedisStore
 
 LOOPBACK = "127.0.0.1"
 _prefixes = itertools.count()
@@ -114,26 +111,6 @@ def own_redis_server(tmp_path: pathlib.Path) -> Iterator[RedisServer]:
 
 def unique_prefix() -> str:
     return f"t{os.getpid()}.{next(_prefixes)}:"
-
-
-@contextlib.asynccontextmanager
-async def open_test_store(kind: str, request: pytest.FixtureRequest) -> AsyncIterator[StateStore]:
-    if kind == "memory":
-        yield MemoryStore()
-        return
-    server: RedisServer = request.getfixturevalue("redis_server")
-    store = RedisStore(server.url, prefix=unique_prefix(), block_s=0.2)
-    try:
-        yield store
-    finally:
-        await store.aclose()
-
-
-@pytest.fixture(params=["memory", "redis"])
-async def store(request: pytest.FixtureRequest) -> AsyncIterator[StateStore]:
-    """The same contract test against both stores."""
-    async with open_test_store(request.param, request) as opened:
-        yield opened
 
 
 async def bounded(awaitable: object, timeout_s: float = 10.0) -> object:

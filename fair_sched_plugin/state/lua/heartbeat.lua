@@ -1,25 +1,8 @@
--- ARGV[5] ttl seconds. Record this replica as alive; purge every replica silent for longer than
--- the TTL (its queued tickets leave the queues, its leases end). Returns the models touched.
-local ttl = tonumber(ARGV[5])
-redis.call('ZADD', P .. 'replicas', fmt(NOW), REPLICA)
-local dead = redis.call('ZRANGEBYSCORE', P .. 'replicas', '-inf', '(' .. fmt(NOW - ttl))
-local touched = {}
-for _, replica in ipairs(dead) do
-  local rk = rkey(replica)
-  for _, tid in ipairs(redis.call('SMEMBERS', rk .. ':tickets')) do
-    local t = redis.call('HMGET', P .. 'tk:' .. tid, 'model', 'tier', 'user')
-    if t[1] then
-      unqueue(tid, t[1], t[2], t[3], replica)
-      touched[t[1]] = true
-    end
-  end
-  for _, lid in ipairs(redis.call('SMEMBERS', rk .. ':leases')) do
-    local model = end_lease(lid, -1, false)
-    if model then touched[model] = true end
-  end
-  redis.call('DEL', rk .. ':tickets', rk .. ':leases', rk .. ':grants')
-  redis.call('ZREM', P .. 'replicas', replica)
-end
-local out = {}
-for model, _ in pairs(touched) do table.insert(out, model) end
-return out
+-- KEYS: replicas (sorted set by expiry, Redis's own clock). ARGV: replica, ttl ms.
+-- Marks the replica alive, forgets the silent ones, returns those alive.
+local now = redis.call('TIME')
+local ms = now[1] * 1000 + math.floor(now[2] / 1000)
+redis.call('ZADD', KEYS[1], ms + ARGV[2], ARGV[1])
+redis.call('ZREMRANGEBYSCORE', KEYS[1], '-inf', ms)
+redis.call('PEXPIRE', KEYS[1], ARGV[2])
+return redis.call('ZRANGE', KEYS[1], 0, -1)

@@ -1,0 +1,3 @@
+-- KEYS: leader. ARGV: token. Step down (only if the lease is still ours).
+if redis.call('GET', KEYS[1]) == ARGV[1] then return redis.call('DEL', KEYS[1]) end
+return 0

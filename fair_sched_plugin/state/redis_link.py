@@ -1,0 +1,183 @@
+"""Redis as the replicas' meeting point: the leader lease, the leader's inbox, one reply list per
+replica, the alive set and the leader's statistics document. No scheduling rule lives here.
+
+Imported only when `state:` names Redis (the `redis` extra). Keys, all under the prefix:
+
+- `leader`: the fenced lease, `"<epoch>:<replica>"` with a TTL; `epoch`: the counter behind it.
+- `inbox`: a list every follower appends its messages to; the leader pops it (BLPOP).
+- `r:<replica>`: a list of the leader's replies to that replica (BLPOP), expiring.
+- `replicas`: a sorted set of replicas by liveness deadline (Redis's own clock), expiring.
+- `stats`: the leader's statistics document, expiring.
+
+Five short Lua scripts (`lua/*.lua`, keys passed explicitly) make the lease and its fencing
+atomic; everything else is plain commands. Redis 7 or later (BLMPOP), standalone or a primary.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from importlib import resources
+from typing import Any, NamedTuple
+
+import redis.asyncio as redis_asyncio
+from redis.asyncio.retry import Retry
+from redis.backoff import NoBackoff
+from redis.exceptions import RedisError
+
+from ..errors import StateStoreError
+
+_SCRIPTS = ("elect", "renew", "deliver", "resign", "heartbeat")
+# Most messages taken from a list in one round trip.
+_BATCH = 1000
+
+
+def load_script(name: str) -> str:
+    folder = resources.files(__package__).joinpath("lua")
+    return folder.joinpath(f"{name}.lua").read_text(encoding="utf-8")
+
+
+class Beat(NamedTuple):
+    """One heartbeat's view: who is alive, who leads (token or None), the leader's document."""
+
+    alive: list[str]
+    leader: str | None
+    statistics: str | None
+
+
+class RedisLink:
+    """The Redis side of one replica (`redis://host:port/db`, `rediss://` for TLS).
+
+    Every failure raises `StateStoreError` (the RedisError as its cause). Blocking pops run on
+    their own connections so they never hold one the other commands need.
+    """
+
+    def __init__(
+        self,
+        url: str,
+        replica: str,
+        *,
+        prefix: str = "fair_sched:",
+        ttl_s: float = 10.0,
+        timeout_s: float = 1.0,
+        block_s: float = 1.0,
+    ) -> None:
+        self.url = url
+        self.replica = replica
+        self.prefix = prefix
+        self._ttl_ms = str(max(1, int(ttl_s * 1000)))
+        self._block_s = block_s
+        self.leader_key = f"{prefix}leader"
+        self.epoch_key = f"{prefix}epoch"
+        self.inbox_key = f"{prefix}inbox"
+        self.replicas_key = f"{prefix}replicas"
+        self.statistics_key = f"{prefix}stats"
+        # Fail fast: a replica that cannot reach Redis schedules locally rather than stalling
+        # its requests behind retries.
+        common: dict[str, Any] = {
+            "socket_connect_timeout": timeout_s,
+            "retry": Retry(NoBackoff(), 0),
+            "decode_responses": True,
+        }
+        self._redis = redis_asyncio.Redis.from_url(url, socket_timeout=timeout_s, **common)
+        blocking_timeout = block_s + timeout_s
+        self._inbox_reader = redis_asyncio.Redis.from_url(
+            url, socket_timeout=blocking_timeout, **common
+        )
+        self._reply_reader = redis_asyncio.Redis.from_url(
+            url, socket_timeout=blocking_timeout, **common
+        )
+        self._scripts = {name: self._redis.register_script(load_script(name)) for name in _SCRIPTS}
+
+    def replies_key(self, replica: str) -> str:
+        return f"{self.prefix}r:{replica}"
+
+    # ------------------------------------------------------------------ lease
+
+    async def beat(self) -> Beat:
+        """Mark this replica alive and read the lease and the statistics (one round trip)."""
+        try:
+            async with self._redis.pipeline(transaction=False) as pipe:
+                await self._scripts["heartbeat"](
+                    keys=[self.replicas_key], args=[self.replica, self._ttl_ms], client=pipe
+                )
+                pipe.get(self.leader_key)
+                pipe.get(self.statistics_key)
+                alive, leader, statistics = await pipe.execute()
+        except RedisError as exc:
+            raise self._error("heartbeat", exc) from exc
+        return Beat([str(name) for name in alive], leader, statistics)
+
+    async def elect(self) -> str:
+        """Take the lease if it is free; the holder's token either way."""
+        reply = await self._run("elect", [self.leader_key, self.epoch_key], [self.replica])
+        return str(reply)
+
+    async def renew(self, token: str, statistics: str) -> bool:
+        """Extend our lease and publish the statistics; False if the lease is not ours."""
+        reply = await self._run(
+            "renew", [self.leader_key, self.statistics_key], [token, statistics]
+        )
+        return bool(reply)
+
+    async def resign(self, token: str) -> None:
+        await self._run("resign", [self.leader_key], [token], with_ttl=False)
+
+    # ------------------------------------------------------------------ messages
+
+    async def send(self, messages: Sequence[str]) -> None:
+        """Append to the leader's inbox (in order); the inbox expires if nobody leads."""
+        try:
+            async with self._redis.pipeline(transaction=False) as pipe:
+                pipe.rpush(self.inbox_key, *messages)
+                pipe.pexpire(self.inbox_key, int(self._ttl_ms))
+                await pipe.execute()
+        except RedisError as exc:
+            raise self._error("send", exc) from exc
+
+    async def deliver(self, token: str, replies: Mapping[str, Sequence[str]]) -> bool:
+        """Append each replica's replies, fenced by our lease (one script call for all);
+        False if the lease is no longer ours."""
+        keys = [self.leader_key, *(self.replies_key(replica) for replica in replies)]
+        counts = [str(len(messages)) for messages in replies.values()]
+        messages = [message for batch in replies.values() for message in batch]
+        return bool(await self._run("deliver", keys, [token, *counts, *messages]))
+
+    async def next_inbox(self) -> list[str]:
+        """The leader's next messages; [] after `block_s` without any."""
+        return await self._pop(self._inbox_reader, self.inbox_key)
+
+    async def next_replies(self) -> list[str]:
+        """This replica's next replies from the leader; [] after `block_s` without any."""
+        return await self._pop(self._reply_reader, self.replies_key(self.replica))
+
+    async def aclose(self) -> None:
+        for client in (self._redis, self._inbox_reader, self._reply_reader):
+            await client.aclose()
+
+    async def reset_connections(self) -> None:
+        """Drop idle pooled connections (dead after a Redis restart) before trying again."""
+        for client in (self._redis, self._inbox_reader, self._reply_reader):
+            await client.connection_pool.disconnect(inuse_connections=False)
+
+    # ------------------------------------------------------------------ internals
+
+    async def _pop(self, client: redis_asyncio.Redis, key: str) -> list[str]:
+        # BLMPOP (Redis 7): block for the first message and take what else is there at once.
+        try:
+            reply = await client.blmpop(self._block_s, 1, key, direction="LEFT", count=_BATCH)
+        except RedisError as exc:
+            raise self._error(f"reading {key}", exc) from exc
+        return [str(message) for message in reply[1]] if reply else []
+
+    async def _run(
+        self, name: str, keys: list[str], args: list[str], *, with_ttl: bool = True
+    ) -> Any:
+        if with_ttl:
+            args = [args[0], self._ttl_ms, *args[1:]]
+        try:
+            return await self._scripts[name](keys=keys, args=args)
+        except RedisError as exc:
+            raise self._error(name, exc) from exc
+
+    def _error(self, what: str, exc: RedisError) -> StateStoreError:
+        return StateStoreError(f"redis {self.url}: {what} failed: {exc}")

@@ -1,0 +1,833 @@
+"""One replica's scheduler: the unchanged core decides, wherever the deciding core runs.
+
+A replica has two halves:
+
+- **Its requests** (every replica): the tickets it parked and the leases it handed out. It tells
+  *the acting leader* about each ticket, cancel, first byte and end, and waits for grants.
+- **A leadership term** (only the acting leader): the core (`FairScheduler` + the replica's own
+  `MetricsGate`) with every replica's tickets and leases in it, keyed by (replica, session,
+  ticket id).
+
+With `memory://` the replica is its own acting leader for good: its requests go straight into
+its own term. With `redis://` one replica holds a fenced lease in Redis and is the acting leader
+of all; the others send their messages through Redis and wait on their own reply list. When the
+leader changes (a new epoch), every replica re-sends what it has (its in-flight leases, adopted
+by the new leader's core, then its parked tickets) and ignores replies of older epochs, so
+nothing is lost and nothing is granted twice. When Redis fails, the replica becomes the acting
+leader of a local term over its own core, spending 1/n of the engine's thresholds (n: the
+replicas it last saw alive), until Redis answers again.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import itertools
+import json
+import logging
+import uuid
+from collections.abc import Callable
+from typing import Any, Literal, NamedTuple
+
+from ..core.backpressure import GroupStatus, MetricsGate
+from ..core.scheduler import FairScheduler, Reservation, SchedulerStatistics, UserBacklog
+from ..core.ticket import Lease, Ticket, TierLimits
+from ..errors import QueueFull, QueueTimeout, Rejected, SchedulerClosed, StateStoreError
+from .redis_link import Beat, RedisLink
+
+logger = logging.getLogger("fair_sched")
+
+StateMode = Literal["shared", "local"]
+
+# The epoch of a local term (memory://, or Redis unreachable); Redis epochs start at 1.
+LOCAL_EPOCH = 0
+# No leader known yet: messages are not sent (the re-send on learning the leader covers them).
+NO_EPOCH = -1
+
+_Key = tuple[str, int, int]  # (replica, session, ticket id)
+_Reply = tuple[Any, ...]
+
+
+class StateStatistics(NamedTuple):
+    """How this replica takes part (for metrics and the status page)."""
+
+    mode: StateMode
+    replica: str
+    fallbacks_total: int  # times Redis failed and this replica went local
+    recoveries_total: int  # times it rejoined
+    store_errors_total: int
+    leader: str | None = None  # the replica whose core decides (this one when local)
+    replicas_alive: int = 1
+
+
+class _Parked:
+    __slots__ = ("enqueued_at", "future", "ticket", "tid")
+
+    def __init__(
+        self, ticket: Ticket, tid: int, future: asyncio.Future[Lease], enqueued_at: float
+    ) -> None:
+        self.ticket = ticket
+        self.tid = tid
+        self.future = future
+        self.enqueued_at = enqueued_at
+
+
+class _Term:
+    """One leadership term over the core: every replica's tickets and leases in it.
+
+    `reply(replica, message)` carries grants and rejections back. A term ends with `drain()`:
+    its tickets leave the core without a reply (their replicas re-send them to the next acting
+    leader) and its leases end unused.
+    """
+
+    def __init__(
+        self, core: FairScheduler, epoch: int, reply: Callable[[str, _Reply], None]
+    ) -> None:
+        self.core = core
+        self.epoch = epoch
+        self._reply = reply
+        self.reservations: dict[_Key, Reservation] = {}
+        self.leases: dict[_Key, Lease] = {}
+        self._cancelled: set[_Key] = set()
+        self._sessions: dict[str, int] = {}
+        self.over = False
+
+    # ------------------------------------------------------------------ from replicas
+
+    def accepts(self, replica: str, session: int) -> bool:
+        """False for a replica's older session; a newer one replaces everything of the old."""
+        known = self._sessions.get(replica)
+        if known is None or session > known:
+            if known is not None:
+                self.drop_replica(replica)
+            self._sessions[replica] = session
+            return True
+        return session == known
+
+    def submit(self, key: _Key, ticket: Ticket) -> None:
+        """Queue a ticket (raises `QueueFull`); a ticket already known is not queued again."""
+        if key in self.reservations or key in self.leases:
+            return
+        reservation = self.core.enqueue(ticket)
+        self.reservations[key] = reservation
+        reservation.future.add_done_callback(lambda future: self._resolved(key, future))
+
+    def try_acquire(self, key: _Key, ticket: Ticket) -> Lease | None:
+        lease = self.core.try_acquire(ticket)
+        if lease is not None:
+            self.leases[key] = lease
+        return lease
+
+    def cancel(self, key: _Key) -> None:
+        reservation = self.reservations.get(key)
+        if reservation is None:
+            return  # granted already: the replica hands the grant back unused
+        if reservation.cancel():
+            del self.reservations[key]
+        else:
+            self._cancelled.add(key)  # granted, its callback not run yet: abandon it there
+
+    def started(self, key: _Key) -> None:
+        lease = self.leases.get(key)
+        if lease is not None:
+            lease.mark_started()
+
+    def end(self, key: _Key, tokens_used: int | None, *, abandoned: bool) -> None:
+        lease = self.leases.pop(key, None)
+        if lease is None:
+            return
+        if abandoned:
+            lease.abandon()
+        else:
+            lease.release(tokens_used)
+
+    def adopt(self, key: _Key, ticket: Ticket, *, started: bool) -> None:
+        """A lease granted by an earlier term (or locally) that is still running."""
+        if key in self.leases:
+            return
+        reservation = self.reservations.pop(key, None)
+        if reservation is not None:
+            reservation.cancel()
+        self.leases[key] = self.core.adopt(ticket, started=started)
+
+    # ------------------------------------------------------------------ endings
+
+    def replicas(self) -> set[str]:
+        return {key[0] for key in (*self.reservations, *self.leases)}
+
+    def drop_replica(self, replica: str) -> None:
+        """A replica that went silent (or restarted its session): its tickets leave the queue,
+        its leases end unused, so its capacity comes back."""
+        self._drop([key for key in self.reservations if key[0] == replica], [
+            key for key in self.leases if key[0] == replica
+        ])  # fmt: skip
+
+    def drain(self) -> None:
+        self.over = True
+        self._drop(list(self.reservations), list(self.leases))
+
+    def _drop(self, reservations: list[_Key], leases: list[_Key]) -> None:
+        # Queued tickets first, so ending the leases cannot grant them.
+        for key in reservations:
+            self.reservations.pop(key).cancel()
+        for key in leases:
+            self.leases.pop(key).abandon()
+
+    def _resolved(self, key: _Key, future: asyncio.Future[Lease]) -> None:
+        reservation = self.reservations.pop(key, None)
+        if future.cancelled():
+            return
+        error = future.exception()
+        if error is not None:
+            if reservation is not None and isinstance(error, Rejected) and not self.over:
+                self._reply(key[0], _rejection(self.epoch, key, error))
+            return
+        lease = future.result()
+        if reservation is None or self.over or key in self._cancelled:
+            self._cancelled.discard(key)
+            lease.abandon()
+            return
+        self.leases[key] = lease
+        self._reply(key[0], ("g", self.epoch, key[1], key[2], lease.charged))
+
+
+def _rejection(epoch: int, key: _Key, error: Rejected) -> _Reply:
+    kind = "f" if isinstance(error, QueueFull) else "t" if isinstance(error, QueueTimeout) else "x"
+    scope = error.scope if isinstance(error, QueueFull) else ""
+    return (kind, epoch, key[1], key[2], str(error), error.retry_after_s, scope)
+
+
+def _error_from(reply: _Reply) -> Rejected:
+    kind, _, _, _, message, retry_after_s, scope = reply
+    if kind == "f":
+        return QueueFull(message, retry_after_s=retry_after_s, scope=scope)
+    if kind == "t":
+        return QueueTimeout(message, retry_after_s=retry_after_s)
+    return SchedulerClosed(message, retry_after_s=retry_after_s)
+
+
+def _ticket_fields(ticket: Ticket) -> list[Any]:
+    return [ticket.model, ticket.user, ticket.tier, ticket.weight, ticket.cost]
+
+
+class ReplicaScheduler:
+    """`FairScheduler`'s surface (`acquire`, `try_acquire`, `statistics`, `backlog`, `close`,
+    `add_end_listener`, `tiers`, `gate`) for one replica, plus `start`/`aclose`.
+
+    `link` is None for `memory://`: the replica is its own acting leader and nothing else runs.
+    """
+
+    def __init__(
+        self,
+        core: FairScheduler,
+        gate: MetricsGate | None = None,
+        *,
+        link: RedisLink | None = None,
+        replica: str | None = None,
+        heartbeat_s: float = 1.0,
+    ) -> None:
+        self._core = core
+        self._gate = gate
+        self._link = link
+        self.replica = replica or (link.replica if link else uuid.uuid4().hex[:12])
+        self._heartbeat_s = heartbeat_s
+        self._tids = itertools.count(1)
+        self._session = 0
+        self._parked: dict[int, _Parked] = {}
+        self._held: dict[int, Lease] = {}
+        self._end_listeners: list[Callable[[Lease, bool], None]] = []
+        self._closed = False
+        # Whose core decides: our own term (`_term`), or the leader of `_epoch` through Redis.
+        self._term: _Term | None = None
+        self._epoch = NO_EPOCH
+        self._leader: str | None = None
+        self._token: str | None = None  # our leader lease, while we hold it
+        self._resigning: str | None = None  # the lease to hand back once closed
+        self._mode: StateMode = "shared" if link else "local"
+        self._alive: list[str] = [self.replica]
+        self._published: dict[str, Any] | None = None
+        self._outbox: list[str] = []
+        self._outbox_ready = asyncio.Event()
+        self._outgoing: dict[str, list[str]] = {}
+        self._outgoing_ready = asyncio.Event()
+        self._barriers: dict[int, asyncio.Future[None]] = {}
+        self._loops: list[asyncio.Task[Any]] = []
+        self._leading: list[asyncio.Task[Any]] = []
+        self._counters = dict.fromkeys(("fallbacks", "recoveries", "store_errors"), 0)
+        if link is None:
+            self._open_term(LOCAL_EPOCH)
+
+    # ------------------------------------------------------------------ FairScheduler's surface
+
+    @property
+    def tiers(self) -> tuple[TierLimits, ...]:
+        return self._core.tiers
+
+    @property
+    def gate(self) -> Any:
+        return self._core.gate
+
+    @property
+    def core(self) -> FairScheduler:
+        return self._core
+
+    @property
+    def mode(self) -> StateMode:
+        return self._mode
+
+    @property
+    def leading(self) -> bool:
+        """True while this replica's core decides for every replica on its Redis."""
+        return self._token is not None and self._term is not None
+
+    async def acquire(self, ticket: Ticket) -> Lease:
+        """Wait for this ticket's turn among every replica's tickets; see `FairScheduler`."""
+        self._check_open()
+        self._check_tier(ticket.tier)
+        loop = asyncio.get_running_loop()
+        parked = _Parked(ticket, next(self._tids), loop.create_future(), loop.time())
+        self._parked[parked.tid] = parked
+        self._submit(parked, raise_full=True)
+        future = parked.future
+        try:
+            return await future
+        except BaseException:
+            if self._parked.pop(parked.tid, None) is not None:
+                self._cancel(parked.tid)
+            elif future.done() and not future.cancelled() and future.exception() is None:
+                # Granted, then cancelled before it could be used: hand it back.
+                future.result().abandon()
+            raise
+
+    def try_acquire(self, ticket: Ticket) -> Lease | None:
+        """A lease now if this replica decides and the ticket would be released without
+        waiting; None otherwise (a follower always asks the leader through `acquire`)."""
+        self._check_open()
+        self._check_tier(ticket.tier)
+        term = self._term
+        if term is None:
+            return None
+        tid = next(self._tids)
+        granted = term.try_acquire((self.replica, self._session, tid), ticket)
+        if granted is None:
+            return None
+        now = asyncio.get_running_loop().time()
+        lease = Lease(self, ticket, tid, enqueued_at=now, released_at=now, charged=granted.charged)
+        self._held[tid] = lease
+        return lease
+
+    def add_end_listener(self, listener: Callable[[Lease, bool], None]) -> None:
+        """Call `listener(lease, abandoned)` when one of this replica's leases ends."""
+        self._end_listeners.append(listener)
+
+    def statistics(self) -> SchedulerStatistics:
+        """The deciding core's statistics: ours while we decide, else the leader's latest
+        published document (`state_statistics().leader` names it), else this replica's own."""
+        if self._term is not None:
+            return self._core.statistics()
+        if self._published is None:
+            return self._own_statistics()
+        document = self._published["scheduler"]
+        return SchedulerStatistics(
+            **{
+                **document,
+                "queued_by_model_tier": {
+                    (model, tier): count for model, tier, count in document["queued_by_model_tier"]
+                },
+                "in_flight_by_model": dict(document["in_flight_by_model"]),
+            }
+        )
+
+    def gate_status(self) -> list[GroupStatus]:
+        """The deciding gate's status: ours while we decide, else the leader's published one."""
+        if self._term is not None or self._published is None or self._gate is None:
+            return self._gate.status() if self._gate is not None else []
+        return [GroupStatus(*row) for row in self._published["gate"]]
+
+    def backlog(self, model: str | None = None) -> list[UserBacklog]:
+        """Backlogged users with their virtual times while we decide; a follower lists its own
+        parked requests (virtual time 0.0: the leader holds it)."""
+        if self._term is not None:
+            return self._core.backlog(model)
+        rows: dict[tuple[str, str, str], list[float]] = {}
+        for parked in self._parked.values():
+            t = parked.ticket
+            if model is None or t.model == model:
+                rows.setdefault((t.model, t.tier, t.user), []).append(parked.enqueued_at)
+        return [
+            UserBacklog(m, tier, user, len(times), min(times), 0.0)
+            for (m, tier, user), times in rows.items()
+        ]
+
+    def state_statistics(self) -> StateStatistics:
+        c = self._counters
+        return StateStatistics(
+            self._mode,
+            self.replica,
+            c["fallbacks"],
+            c["recoveries"],
+            c["store_errors"],
+            leader=self.replica if self._term is not None else self._leader,
+            replicas_alive=len(self._alive),
+        )
+
+    def close(self) -> None:
+        """Refuse new tickets and fail waiting ones with `SchedulerClosed`. A leader's term
+        ends without replies: the other replicas re-send their tickets to the next leader."""
+        if self._closed:
+            return
+        self._closed = True
+        for parked in list(self._parked.values()):
+            if self._term is None:
+                self._cancel(parked.tid)
+            if not parked.future.done():
+                parked.future.set_exception(
+                    SchedulerClosed("the scheduler is shutting down", retry_after_s=1)
+                )
+        self._parked.clear()
+        if self._term is not None and self._token is not None:
+            self._resigning = self._token
+            self._close_term()
+        self._core.close()
+
+    # ------------------------------------------------------------------ lifecycle
+
+    def start(self) -> None:
+        """Start the heartbeat, the sender and the reply listener (Redis only). Idempotent."""
+        if self._closed or self._link is None or self._loops:
+            return
+        loop = asyncio.get_running_loop()
+        self._loops = [
+            loop.create_task(self._tick(), name="fair-sched-state-tick"),
+            loop.create_task(self._send_loop(), name="fair-sched-state-send"),
+            loop.create_task(self._reply_loop(), name="fair-sched-state-replies"),
+        ]
+
+    async def aclose(self) -> None:
+        """Close, send what is still queued for the leader (briefly), step down, disconnect."""
+        self.close()
+        token = self._resigning
+        if self._link is None:
+            return
+        await asyncio.sleep(0)
+        with contextlib.suppress(StateStoreError, asyncio.TimeoutError):
+            await asyncio.wait_for(self._flush_outbox(), 2.0)
+        tasks = [*self._loops, *self._leading]
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        if token is not None:
+            with contextlib.suppress(StateStoreError):
+                await self._link.resign(token)
+        await self._link.aclose()
+
+    async def barrier(self) -> None:
+        """Return once the acting leader has handled everything this replica sent before and
+        its replies have arrived (tests and benchmarks wait for quiescence with it)."""
+        if self._term is not None or self._epoch == NO_EPOCH:
+            for _ in range(3):
+                await asyncio.sleep(0)
+            return
+        nonce = next(self._tids)
+        future: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        self._barriers[nonce] = future
+        self._send(["p", self._epoch, self._session, self.replica, nonce])
+        try:
+            await future
+        finally:
+            self._barriers.pop(nonce, None)
+
+    # ------------------------------------------------------------------ our requests
+
+    def _submit(self, parked: _Parked, *, raise_full: bool) -> None:
+        term = self._term
+        if term is not None:
+            try:
+                term.submit((self.replica, self._session, parked.tid), parked.ticket)
+            except QueueFull as exc:
+                self._parked.pop(parked.tid, None)
+                if raise_full:
+                    raise
+                if not parked.future.done():
+                    parked.future.set_exception(exc)
+            return
+        self._send(
+            [
+                "s",
+                self._epoch,
+                self._session,
+                self.replica,
+                parked.tid,
+                *_ticket_fields(parked.ticket),
+            ]
+        )
+
+    def _cancel(self, tid: int) -> None:
+        if self._term is not None:
+            self._term.cancel((self.replica, self._session, tid))
+        else:
+            self._send(["c", self._epoch, self._session, self.replica, tid])
+
+    def lease_started(self, lease: Lease) -> None:
+        if self._term is not None:
+            self._term.started((self.replica, self._session, lease.lease_id))
+        else:
+            self._send(["b", self._epoch, self._session, self.replica, lease.lease_id])
+
+    def lease_ended(self, lease: Lease, tokens_used: int | None, *, abandoned: bool) -> None:
+        self._held.pop(lease.lease_id, None)
+        for listener in self._end_listeners:
+            listener(lease, abandoned)
+        self._end(lease.lease_id, tokens_used, abandoned=abandoned)
+
+    def _end(self, tid: int, tokens_used: int | None, *, abandoned: bool) -> None:
+        if self._term is not None:
+            self._term.end((self.replica, self._session, tid), tokens_used, abandoned=abandoned)
+        else:
+            tokens = -1 if tokens_used is None else tokens_used
+            self._send(["e", self._epoch, self._session, self.replica, tid, tokens, abandoned])
+
+    def _on_reply(self, reply: _Reply) -> None:
+        """A grant, rejection, barrier answer or new leader's hello (ours or from Redis)."""
+        kind, epoch = reply[0], reply[1]
+        if kind == "h":
+            if epoch > self._epoch and self._term is None:
+                self._follow(epoch, reply[3])
+            return
+        if epoch != self._epoch or reply[2] != self._session:
+            return  # an earlier leader's or an earlier session's: already re-sent
+        if kind == "p":
+            barrier = self._barriers.get(reply[3])
+            if barrier is not None and not barrier.done():
+                barrier.set_result(None)
+            return
+        tid = reply[3]
+        parked = self._parked.pop(tid, None)
+        if kind != "g":
+            if parked is not None and not parked.future.done():
+                parked.future.set_exception(_error_from(reply))
+            return
+        if parked is None or parked.future.done():
+            if tid not in self._held:
+                # Its request went away while the grant was on its way: hand it back unused.
+                self._end(tid, None, abandoned=True)
+            return
+        lease = Lease(
+            self,
+            parked.ticket,
+            tid,
+            enqueued_at=parked.enqueued_at,
+            released_at=asyncio.get_running_loop().time(),
+            charged=reply[4],
+        )
+        self._held[tid] = lease
+        parked.future.set_result(lease)
+
+    def _resend(self) -> None:
+        """Tell a new acting leader everything we have: running leases first (so their
+        capacity is counted before anything else is granted), then parked tickets in order."""
+        term = self._term
+        for tid, lease in list(self._held.items()):
+            key = (self.replica, self._session, tid)
+            if term is not None:
+                term.adopt(key, lease.ticket, started=lease.started)
+            else:
+                self._send(
+                    [
+                        "a",
+                        self._epoch,
+                        self._session,
+                        self.replica,
+                        tid,
+                        *_ticket_fields(lease.ticket),
+                        lease.started,
+                    ]
+                )
+        for parked in sorted(self._parked.values(), key=lambda p: p.tid):
+            self._submit(parked, raise_full=False)
+
+    def _own_statistics(self) -> SchedulerStatistics:
+        by_tier: dict[tuple[str, str], int] = {}
+        for parked in self._parked.values():
+            key = (parked.ticket.model, parked.ticket.tier)
+            by_tier[key] = by_tier.get(key, 0) + 1
+        by_model: dict[str, int] = {}
+        for lease in self._held.values():
+            by_model[lease.ticket.model] = by_model.get(lease.ticket.model, 0) + 1
+        return SchedulerStatistics(
+            queued=len(self._parked),
+            in_flight=len(self._held),
+            released_total=0,
+            completed_total=0,
+            cancelled_total=0,
+            abandoned_total=0,
+            rejected_full_total=0,
+            timed_out_total=0,
+            queued_by_model_tier=by_tier,
+            in_flight_by_model=by_model,
+        )
+
+    # ------------------------------------------------------------------ terms
+
+    def _open_term(self, epoch: int) -> None:
+        self._term = _Term(self._core, epoch, self._reply)
+        self._epoch = epoch
+        self._leader = self.replica
+        self._outbox.clear()  # addressed to another leader: re-sent below
+        self._resend()
+
+    def _close_term(self) -> None:
+        term, self._term = self._term, None
+        if term is not None:
+            term.drain()
+        self._token = None
+        self._leader = None
+        self._epoch = NO_EPOCH
+        self._outgoing.clear()
+        for task in self._leading:
+            task.cancel()
+        self._leading = []
+
+    def _reply(self, replica: str, reply: _Reply) -> None:
+        if replica == self.replica:
+            self._on_reply(reply)
+            return
+        self._outgoing.setdefault(replica, []).append(json.dumps(reply))
+        self._outgoing_ready.set()
+
+    def _follow(self, epoch: int, leader: str) -> None:
+        """A new leader (not us): re-send everything to it."""
+        self._epoch = epoch
+        self._leader = leader
+        self._outbox.clear()
+        self._resend()
+
+    def _lead(self, token: str, epoch: int) -> None:
+        self._close_term()
+        self._token = token
+        self._open_term(epoch)
+        logger.info("fair_sched replica %s leads (epoch %d)", self.replica, epoch)
+        loop = asyncio.get_running_loop()
+        self._leading = [
+            loop.create_task(self._inbox_loop(token, epoch), name="fair-sched-leader-inbox"),
+            loop.create_task(self._deliver_loop(token), name="fair-sched-leader-deliver"),
+        ]
+        for replica in self._alive:
+            if replica != self.replica:
+                self._reply(replica, ("h", epoch, 0, self.replica))
+
+    def _step_down(self, why: str) -> None:
+        if self._token is None:
+            return
+        logger.warning("fair_sched replica %s no longer leads: %s", self.replica, why)
+        self._close_term()
+
+    # ------------------------------------------------------------------ Redis: all replicas
+
+    def _send(self, message: list[Any]) -> None:
+        if self._epoch == NO_EPOCH or (self._closed and message[0] not in "ce"):
+            return
+        self._outbox.append(json.dumps(message))
+        self._outbox_ready.set()
+
+    async def _flush_outbox(self) -> None:
+        assert self._link is not None
+        while self._outbox:
+            batch, self._outbox = self._outbox, []
+            await self._link.send(batch)
+
+    async def _send_loop(self) -> None:
+        # Not only cancellation: redis-py may turn a cancel into its own timeout error.
+        while not self._closed:
+            await self._outbox_ready.wait()
+            self._outbox_ready.clear()
+            if self._mode != "shared":
+                self._outbox.clear()
+                continue
+            try:
+                await self._flush_outbox()
+            except StateStoreError as exc:
+                self._store_failed(exc)
+
+    async def _reply_loop(self) -> None:
+        assert self._link is not None
+        # Not only cancellation: redis-py may turn a cancel into its own timeout error.
+        while not self._closed:
+            if self._mode != "shared":
+                await asyncio.sleep(self._heartbeat_s)
+                continue
+            try:
+                raw = await self._link.next_replies()
+            except StateStoreError as exc:
+                self._store_failed(exc)
+                continue
+            for message in raw:
+                self._on_reply(tuple(json.loads(message)))
+
+    async def _tick(self) -> None:
+        # Not only cancellation: redis-py may turn a cancel into its own timeout error.
+        while not self._closed:
+            await self._beat()
+            await asyncio.sleep(self._heartbeat_s)
+
+    async def _beat(self) -> None:
+        link = self._link
+        assert link is not None
+        try:
+            if self._mode == "local":
+                await link.reset_connections()
+            beat = await link.beat()
+            if self._mode == "local":
+                self._rejoin()
+            await self._after_beat(link, beat)
+        except StateStoreError as exc:
+            self._store_failed(exc)
+
+    async def _after_beat(self, link: RedisLink, beat: Beat) -> None:
+        self._alive = beat.alive or [self.replica]
+        self._published = json.loads(beat.statistics) if beat.statistics else None
+        if self._token is not None:
+            if beat.leader != self._token:
+                self._step_down(f"the lease is now {beat.leader!r}")
+            elif not await link.renew(self._token, self._document()):
+                self._step_down("the lease was taken while renewing it")
+            elif self._term is not None:
+                for replica in self._term.replicas() - set(self._alive) - {self.replica}:
+                    logger.warning(
+                        "fair_sched replica %s went silent: its requests dropped", replica
+                    )
+                    self._term.drop_replica(replica)
+            if self._token is not None:
+                return
+        token = beat.leader or await link.elect()
+        epoch_text, _, leader = token.partition(":")
+        epoch = int(epoch_text)
+        if leader == self.replica:
+            if self._token != token:
+                self._lead(token, epoch)
+                await link.renew(token, self._document())
+        elif epoch != self._epoch:
+            self._follow(epoch, leader)
+
+    def _rejoin(self) -> None:
+        self._counters["recoveries"] += 1
+        logger.warning(
+            "fair_sched state store is back: replica %s schedules with the others again",
+            self.replica,
+        )
+        self._close_term()  # the local one: our leases and tickets go to the shared leader
+        self._session += 1  # replies addressed to the session before the outage are stale
+        self._mode = "shared"
+        if self._gate is not None:
+            self._gate.share_with(1)
+
+    def _store_failed(self, exc: StateStoreError) -> None:
+        self._counters["store_errors"] += 1
+        if self._mode == "local" or self._closed:
+            return
+        self._mode = "local"
+        self._counters["fallbacks"] += 1
+        sharers = max(1, len(self._alive))
+        logger.warning(
+            "fair_sched state store unavailable (%s): replica %s falls back to in-memory "
+            "scheduling with 1/%d of each engine threshold until it is back",
+            exc,
+            self.replica,
+            sharers,
+        )
+        self._close_term()
+        if self._gate is not None:
+            self._gate.share_with(sharers)
+        self._open_term(LOCAL_EPOCH)
+
+    # ------------------------------------------------------------------ Redis: the leader
+
+    async def _inbox_loop(self, token: str, epoch: int) -> None:
+        assert self._link is not None
+        while self._token == token and not self._closed:
+            try:
+                raw = await self._link.next_inbox()
+            except StateStoreError as exc:
+                self._store_failed(exc)
+                return
+            term = self._term
+            if term is None or term.epoch != epoch:
+                return
+            for message in raw:
+                try:
+                    self._handle(term, json.loads(message))
+                except (ValueError, TypeError, IndexError) as exc:
+                    # Not from a replica of this version: skip it, keep leading.
+                    logger.warning("fair_sched leader skipped a malformed message: %s", exc)
+
+    def _handle(self, term: _Term, message: list[Any]) -> None:
+        kind, epoch, session, replica, tid = message[:5]
+        if epoch != term.epoch or not term.accepts(replica, session):
+            return  # addressed to an earlier leader: its sender re-sends what still matters
+        key = (replica, session, tid)
+        if kind == "s":
+            try:
+                term.submit(key, Ticket(*message[5:10]))
+            except QueueFull as exc:
+                self._reply(replica, _rejection(term.epoch, key, exc))
+        elif kind == "c":
+            term.cancel(key)
+        elif kind == "b":
+            term.started(key)
+        elif kind == "e":
+            tokens = message[5]
+            term.end(key, None if tokens < 0 else tokens, abandoned=message[6])
+        elif kind == "a":
+            term.adopt(key, Ticket(*message[5:10]), started=message[10])
+        elif kind == "p":
+            # After the grants this batch's messages caused (their callbacks come first).
+            asyncio.get_running_loop().call_soon(
+                self._reply, replica, ("p", term.epoch, session, tid)
+            )
+
+    async def _deliver_loop(self, token: str) -> None:
+        assert self._link is not None
+        while self._token == token and not self._closed:
+            await self._outgoing_ready.wait()
+            self._outgoing_ready.clear()
+            if not self._outgoing:
+                continue
+            batch, self._outgoing = self._outgoing, {}
+            try:
+                fenced = await self._link.deliver(token, batch)
+            except StateStoreError as exc:
+                self._store_failed(exc)
+                return
+            if not fenced:
+                self._step_down("another replica holds the lease")
+                return
+
+    def _document(self) -> str:
+        stats = self._core.statistics()
+        return json.dumps(
+            {
+                "leader": self.replica,
+                "epoch": self._epoch,
+                "replicas": len(self._alive),
+                "scheduler": {
+                    **stats._asdict(),
+                    "queued_by_model_tier": [
+                        [model, tier, count]
+                        for (model, tier), count in stats.queued_by_model_tier.items()
+                    ],
+                    "in_flight_by_model": list(stats.in_flight_by_model.items()),
+                },
+                "gate": [list(row) for row in (self._gate.status() if self._gate else [])],
+            }
+        )
+
+    # ------------------------------------------------------------------ helpers
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise SchedulerClosed("the scheduler is shutting down", retry_after_s=1)
+
+    def _check_tier(self, tier: str) -> None:
+        if tier not in {t.name for t in self.tiers}:
+            names = [t.name for t in self.tiers]
+            raise ValueError(f"unknown tier {tier!r}; tiers are {names}")

@@ -1,0 +1,365 @@
+"""Replicas on a real redis-server: one leader's core decides, followers hand it their tickets.
+
+Heartbeats are short (50 ms, TTL 300 ms) so elections, expiry and recovery happen quickly; every
+wait is bounded.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+from collections.abc import AsyncIterator, Callable
+from typing import Any
+
+import pytest
+
+from fair_sched_plugin.core import FairScheduler, InflightLimitGate, Lease, Ticket, TierLimits
+from fair_sched_plugin.errors import QueueFull, QueueTimeout
+from fair_sched_plugin.state import ReplicaScheduler, open_state
+
+from .conftest import RedisServer, unique_prefix
+
+pytestmark = pytest.mark.redis
+
+TIERS = (TierLimits("interactive", waiting_below=3), TierLimits("batch", waiting_below=1))
+HEARTBEAT_S = 0.05
+TTL_S = 0.3
+
+
+def ticket(user: str, tier: str = "interactive") -> Ticket:
+    return Ticket(model="m", user=user, tier=tier)
+
+
+async def eventually(condition: Callable[[], bool], timeout_s: float = 5.0) -> None:
+    loop = asyncio.get_running_loop()
+    give_up_at = loop.time() + timeout_s
+    while not condition():
+        assert loop.time() < give_up_at, "condition not met in time"
+        await asyncio.sleep(0.005)
+
+
+class Cluster:
+    """Replicas on one Redis prefix, each over its own core with an in-flight cap."""
+
+    def __init__(self, url: str) -> None:
+        self.url = url
+        self.prefix = unique_prefix()
+        self.replicas: list[ReplicaScheduler] = []
+
+    def add(self, cap: int = 1, name: str | None = None, **core: Any) -> ReplicaScheduler:
+        replica = open_state(
+            self.url,
+            FairScheduler(TIERS, InflightLimitGate(cap), **core),
+            prefix=self.prefix,
+            heartbeat_s=HEARTBEAT_S,
+            lease_ttl_s=TTL_S,
+            replica=name or f"r{len(self.replicas)}",
+        )
+        replica.start()
+        self.replicas.append(replica)
+        return replica
+
+    async def leader(self) -> ReplicaScheduler:
+        await eventually(lambda: sum(r.leading for r in self.replicas) == 1)
+        leader = next(r for r in self.replicas if r.leading)
+        await eventually(
+            lambda: all(
+                r.state_statistics().leader == leader.replica
+                for r in self.replicas
+                if r.mode == "shared"
+            )
+        )
+        return leader
+
+    async def aclose(self) -> None:
+        await asyncio.gather(*(asyncio.wait_for(r.aclose(), 10) for r in self.replicas))
+
+
+@pytest.fixture
+async def cluster(redis_server: RedisServer) -> AsyncIterator[Cluster]:
+    opened = Cluster(redis_server.url)
+    yield opened
+    await opened.aclose()
+
+
+async def pair(cluster: Cluster, **core: Any) -> tuple[ReplicaScheduler, ReplicaScheduler]:
+    """A leader (started first) and a follower."""
+    leader = cluster.add(**core)
+    await eventually(lambda: leader.leading)
+    follower = cluster.add(**core)
+    assert await cluster.leader() is leader
+    return leader, follower
+
+
+async def test_memory_is_its_own_leader_with_no_background_task() -> None:
+    replica = open_state("memory://", FairScheduler(TIERS, InflightLimitGate(1)))
+    replica.start()
+    lease = replica.try_acquire(ticket("A"))
+    assert lease is not None
+    parked = asyncio.ensure_future(replica.acquire(ticket("B")))
+    await asyncio.sleep(0)
+    assert replica.statistics().queued == 1
+    lease.release()
+    (await asyncio.wait_for(parked, 5)).release()
+    assert replica.statistics().completed_total == 2
+    assert replica.state_statistics().leader == replica.replica
+    await replica.aclose()
+
+
+async def test_one_leader_decides_round_robin_across_replicas(cluster: Cluster) -> None:
+    leader, follower = await pair(cluster)
+    holder = await leader.acquire(ticket("X"))
+    order: list[str] = []
+
+    async def request(replica: ReplicaScheduler, user: str) -> Lease:
+        lease = await replica.acquire(ticket(user))
+        order.append(user)
+        return lease
+
+    tasks = [asyncio.ensure_future(request(leader, "A")) for _ in range(3)]
+    await follower.barrier()
+    tasks += [asyncio.ensure_future(request(follower, "B")) for _ in range(2)]
+    await follower.barrier()
+    assert leader.statistics().queued == 5
+    holder.release()
+    for expected in range(1, 6):
+        await eventually(lambda n=expected: len(order) == n)  # type: ignore[misc]
+        next(t.result() for t in tasks if t.done() and t.result().active).release()
+    assert order == ["A", "B", "A", "B", "A"]
+    await follower.barrier()
+    assert leader.statistics().in_flight == 0
+    assert leader.core.statistics().completed_total == 6
+
+
+async def test_followers_status_is_the_leaders_document(cluster: Cluster) -> None:
+    leader, follower = await pair(cluster)
+    held = await follower.acquire(ticket("A"))
+    parked = asyncio.ensure_future(follower.acquire(ticket("B")))
+    await follower.barrier()
+    await eventually(
+        lambda: follower.statistics().in_flight == 1 and follower.statistics().queued == 1
+    )
+    stats = follower.state_statistics()
+    assert (stats.mode, stats.leader, stats.replicas_alive) == ("shared", leader.replica, 2)
+    assert follower.statistics().queued_by_model_tier == {("m", "interactive"): 1}
+    held.release()
+    (await asyncio.wait_for(parked, 5)).release()
+
+
+async def test_queue_full_comes_back_from_the_leader(cluster: Cluster) -> None:
+    _, follower = await pair(cluster, max_per_user=1)
+    holder = await follower.acquire(ticket("A"))
+    parked = asyncio.ensure_future(follower.acquire(ticket("A")))
+    await follower.barrier()
+    with pytest.raises(QueueFull):
+        await asyncio.wait_for(follower.acquire(ticket("A")), 5)
+    holder.release()
+    (await asyncio.wait_for(parked, 5)).release()
+
+
+async def test_queue_timeout_comes_back_from_the_leader(cluster: Cluster) -> None:
+    _, follower = await pair(cluster, max_wait_s=0.05)
+    holder = await follower.acquire(ticket("A"))
+    with pytest.raises(QueueTimeout):
+        await asyncio.wait_for(follower.acquire(ticket("B")), 5)
+    holder.release()
+
+
+async def test_cancel_while_parked_leaves_the_leaders_queue(cluster: Cluster) -> None:
+    leader, follower = await pair(cluster)
+    holder = await follower.acquire(ticket("A"))
+    parked = asyncio.ensure_future(follower.acquire(ticket("B")))
+    await follower.barrier()
+    assert leader.statistics().queued == 1
+    parked.cancel()
+    await asyncio.gather(parked, return_exceptions=True)
+    await follower.barrier()
+    assert leader.statistics().queued == 0
+    assert leader.statistics().cancelled_total == 1
+    holder.release()
+    await follower.barrier()
+    assert leader.statistics().in_flight == 0
+
+
+async def test_granted_on_the_leader_while_the_follower_cancels(cluster: Cluster) -> None:
+    """Race: the leader grants B while B's task is being cancelled at the follower (the grant
+    on its way through Redis, the cancel on its way back). The follower hands the grant back
+    unused; C gets the slot; nothing leaks."""
+    leader, follower = await pair(cluster)
+    holder = await follower.acquire(ticket("A"))
+    parked = asyncio.ensure_future(follower.acquire(ticket("B")))
+    waiting = asyncio.ensure_future(follower.acquire(ticket("C")))
+    await follower.barrier()
+    holder.release()  # the leader grants B ...
+    parked.cancel()  # ... while B goes away
+    await asyncio.gather(parked, return_exceptions=True)
+    lease = await asyncio.wait_for(waiting, 5)
+    assert lease.ticket.user == "C"
+    await follower.barrier()
+    stats = leader.statistics()
+    assert (stats.in_flight, stats.queued) == (1, 0)
+    assert stats.abandoned_total + stats.cancelled_total == 1
+    lease.release()
+
+
+async def test_granted_then_cancelled_before_the_task_ran(cluster: Cluster) -> None:
+    """Race: the grant resolves B's future, then B's task is cancelled before it runs. The
+    lease is abandoned (the next request gets the slot), never leaked."""
+    leader, follower = await pair(cluster)
+    holder = await follower.acquire(ticket("A"))
+    parked = asyncio.ensure_future(follower.acquire(ticket("B")))
+    waiting = asyncio.ensure_future(follower.acquire(ticket("C")))
+    await follower.barrier()
+    on_reply = follower._on_reply
+
+    def reply_then_cancel(reply: Any) -> None:
+        on_reply(reply)
+        if reply[0] == "g":
+            parked.cancel()
+
+    follower._on_reply = reply_then_cancel  # type: ignore[method-assign]
+    holder.release()
+    await asyncio.gather(parked, return_exceptions=True)
+    follower._on_reply = on_reply  # type: ignore[method-assign]
+    lease = await asyncio.wait_for(waiting, 5)
+    assert lease.ticket.user == "C"
+    await follower.barrier()
+    assert leader.statistics().abandoned_total == 1
+    lease.release()
+
+
+async def test_a_deposed_leader_cannot_grant(cluster: Cluster, redis_server: RedisServer) -> None:
+    """Fencing: once the lease names another epoch, the old leader's grants are refused by
+    Redis and it steps down."""
+    leader, follower = await pair(cluster)
+    link = leader._link
+    assert link is not None and leader._token is not None
+    token = leader._token
+    # Someone else takes the lease (as after a network partition of the old leader).
+    await link._redis.set(link.leader_key, "999:elsewhere", px=5000)
+    assert not await link.deliver(token, {follower.replica: [json.dumps(["g", 1, 0, 1, 1.0])]})
+    assert await link._redis.llen(link.replies_key(follower.replica)) == 0
+    await eventually(lambda: not leader.leading)
+    await link._redis.delete(link.leader_key)
+    await cluster.leader()
+
+
+async def test_a_stale_grant_of_an_earlier_epoch_is_ignored(cluster: Cluster) -> None:
+    """Race: a grant written by the previous leader reaches the follower after it re-sent its
+    ticket to the new leader. Only the current epoch's grant is used: one lease, never two."""
+    leader, follower = await pair(cluster)
+    holder = await follower.acquire(ticket("A"))
+    parked = asyncio.ensure_future(follower.acquire(ticket("B")))
+    await follower.barrier()
+    tid = max(follower._parked)
+    follower._on_reply(("g", follower._epoch - 1, follower._session, tid, 1.0))
+    assert not parked.done()
+    holder.release()
+    lease = await asyncio.wait_for(parked, 5)
+    await follower.barrier()
+    assert leader.statistics().in_flight == 1
+    lease.release()
+
+
+async def test_leader_killed_new_leader_adopts_leases_and_parked_tickets(
+    cluster: Cluster,
+) -> None:
+    """Failover: the leader dies without a handover; within the TTL another replica leads, the
+    follower's running lease is adopted (still counted) and its parked ticket is granted once."""
+    old, follower = await pair(cluster)
+    third = cluster.add()
+    await cluster.leader()
+    held = await follower.acquire(ticket("A"))
+    parked = asyncio.ensure_future(follower.acquire(ticket("B")))
+    await follower.barrier()
+    await kill(old)
+    loop = asyncio.get_running_loop()
+    killed_at = loop.time()
+    await eventually(lambda: follower.leading or third.leading, timeout_s=5)
+    took = loop.time() - killed_at
+    new = follower if follower.leading else third
+    await eventually(lambda: follower.state_statistics().leader == new.replica)
+    await follower.barrier()
+    assert new.statistics().in_flight == 1  # A's lease, adopted
+    assert new.statistics().queued == 1  # B, re-sent
+    assert not parked.done()
+    held.release()
+    lease = await asyncio.wait_for(parked, 5)
+    await follower.barrier()
+    assert new.statistics().in_flight == 1
+    lease.release()
+    print(f"\nnew leader after {took:.2f} s (ttl {TTL_S} s, heartbeat {HEARTBEAT_S} s)")
+    assert took <= TTL_S + 2 * HEARTBEAT_S + 0.2
+
+
+async def kill(replica: ReplicaScheduler) -> None:
+    """Cut a replica off without any handover: its tasks stop, its connections close."""
+    for task in (*replica._loops, *replica._leading):
+        task.cancel()
+    replica._closed = True
+    link = replica._link
+    assert link is not None
+    replica._link = None
+    replica._loops = []
+    replica._leading = []
+    await link.aclose()
+
+
+async def test_leader_closing_hands_over_at_once(cluster: Cluster) -> None:
+    old, follower = await pair(cluster)
+    lease = await asyncio.wait_for(follower.acquire(ticket("A")), 5)
+    await old.aclose()
+    cluster.replicas.remove(old)
+    await eventually(lambda: follower.leading, timeout_s=5)
+    assert follower.statistics().in_flight == 1
+    lease.release()
+    assert follower.statistics().in_flight == 0
+
+
+async def test_a_silent_followers_leases_are_freed_within_the_ttl(cluster: Cluster) -> None:
+    leader, victim = await pair(cluster)
+    await victim.acquire(ticket("A"))  # holds the only slot, never released
+    parked = asyncio.ensure_future(leader.acquire(ticket("B")))
+    await asyncio.sleep(0)
+    await kill(victim)
+    lease = await asyncio.wait_for(parked, 10 * TTL_S + 5)
+    assert lease.ticket.user == "B"
+    lease.release()
+
+
+async def test_redis_outage_falls_back_locally_then_rejoins(
+    own_redis_server: RedisServer, caplog: pytest.LogCaptureFixture
+) -> None:
+    cluster = Cluster(own_redis_server.url)
+    try:
+        leader, follower = await pair(cluster)
+        holder = await follower.acquire(ticket("A"))
+        parked = asyncio.ensure_future(follower.acquire(ticket("B")))
+        await follower.barrier()
+        with caplog.at_level(logging.WARNING, logger="fair_sched"):
+            own_redis_server.stop()
+            await eventually(lambda: follower.mode == "local" and leader.mode == "local")
+            # The follower's own core now decides: A's lease was adopted (its cap of 1 is
+            # taken), so B waits for it.
+            assert follower.statistics().in_flight == 1
+            assert not parked.done()
+            holder.release()
+            lease = await asyncio.wait_for(parked, 5)
+            assert follower.state_statistics().fallbacks_total == 1
+            assert any("falls back to in-memory" in r.getMessage() for r in caplog.records)
+            own_redis_server.start()
+            await eventually(lambda: follower.mode == "shared" and leader.mode == "shared", 10)
+            await cluster.leader()
+        assert follower.state_statistics().recoveries_total == 1
+        deciding = leader if leader.leading else follower
+        await follower.barrier()
+        await leader.barrier()
+        await eventually(lambda: deciding.statistics().in_flight == 1)  # B's lease, re-counted
+        lease.release()
+        await follower.barrier()
+        assert deciding.statistics().in_flight == 0
+    finally:
+        with contextlib.suppress(Exception):
+            await cluster.aclose()
