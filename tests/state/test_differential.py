@@ -1,0 +1,203 @@
+"""Differential: the same operations through `memory://` and through `redis://` (entering at a
+follower, decided by the leader's core) give the same grants in the same order and the same
+final state. One fake clock per deciding core, advanced identically; quiescence after each
+operation (a barrier through the leader), so the comparison is deterministic.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import AsyncIterator
+from typing import Any
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from fair_sched_plugin.core import (
+    BackendGroup,
+    BackendSnapshot,
+    FairScheduler,
+    FakeClock,
+    Lease,
+    MetricsGate,
+    Ticket,
+    TierLimits,
+)
+from fair_sched_plugin.state import ReplicaScheduler, open_state
+
+from .conftest import RedisServer, unique_prefix
+
+pytestmark = pytest.mark.redis
+
+TIERS = (TierLimits("interactive", waiting_below=2), TierLimits("batch", waiting_below=1))
+URL = "http://engine/metrics"
+
+submit = st.tuples(
+    st.just("submit"),
+    st.sampled_from("abc"),
+    st.sampled_from(["interactive", "batch"]),
+    st.sampled_from([1, 50, 400]),
+)
+cancel = st.tuples(st.just("cancel"), st.integers(0, 7))
+first_byte = st.tuples(st.just("first_byte"), st.integers(0, 7))
+end = st.tuples(st.just("end"), st.integers(0, 7), st.sampled_from([None, 5, 500]))
+abandon = st.tuples(st.just("abandon"), st.integers(0, 7))
+scrape = st.tuples(st.just("scrape"), st.integers(0, 3), st.integers(0, 4), st.booleans())
+advance = st.tuples(st.just("advance"), st.sampled_from([0.2, 0.6, 1.5, 4.0]))
+operations = st.lists(
+    st.one_of(submit, submit, submit, cancel, first_byte, end, abandon, scrape, advance),
+    min_size=10,
+    max_size=40,
+)
+
+
+class Side:
+    """One way of deciding: `entry` is where requests enter, `decider` whose core decides."""
+
+    def __init__(self, entry: ReplicaScheduler, decider: ReplicaScheduler, clocks: list[FakeClock]):
+        self.entry = entry
+        self.decider = decider
+        self.clocks = clocks
+        self.gates = [replica.gate for replica in {id(entry): entry, id(decider): decider}.values()]
+        self.order: list[str] = []
+        self.parked: list[tuple[str, asyncio.Task[Lease]]] = []
+        self.held: list[Lease] = []
+        self.count = 0
+
+    async def play(self, operation: tuple[Any, ...]) -> None:
+        kind = operation[0]
+        if kind == "submit":
+            self.count += 1
+            label = f"{operation[1]}{self.count}"
+            task = asyncio.ensure_future(
+                self._request(label, Ticket("m", operation[1], operation[2], cost=operation[3]))
+            )
+            self.parked.append((label, task))
+        elif kind == "cancel" and self.parked:
+            _, task = self.parked.pop(operation[1] % len(self.parked))
+            task.cancel()
+        elif kind == "first_byte" and self.held:
+            self.held[operation[1] % len(self.held)].mark_started()
+        elif kind == "end" and self.held:
+            self.held.pop(operation[1] % len(self.held)).release(operation[2])
+        elif kind == "abandon" and self.held:
+            self.held.pop(operation[1] % len(self.held)).abandon()
+        elif kind == "scrape":
+            now = self.clocks[0].now()
+            snapshot = BackendSnapshot(URL, now, operation[3], operation[1], operation[2])
+            if not operation[3]:
+                snapshot = BackendSnapshot.failed(URL, now, "refused")
+            for gate in self.gates:
+                gate.update("m", snapshot)
+        elif kind == "advance":
+            for clock in self.clocks:
+                clock.advance(operation[1])
+        await self.quiesce()
+
+    async def _request(self, label: str, ticket: Ticket) -> Lease:
+        try:
+            lease = await self.entry.acquire(ticket)
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:
+            self.order.append(f"{label}:{type(exc).__name__}")
+            self.parked = [(name, task) for name, task in self.parked if name != label]
+            raise
+        self.order.append(label)
+        self.parked = [(name, task) for name, task in self.parked if name != label]
+        self.held.append(lease)
+        return lease
+
+    async def quiesce(self) -> None:
+        for _ in range(5):
+            await asyncio.sleep(0)
+        await self.entry.barrier()
+        for _ in range(5):
+            await asyncio.sleep(0)
+
+    def final_state(self) -> dict[str, Any]:
+        core = self.decider.core
+        return {
+            "statistics": core.statistics(),
+            "backlog": sorted(core.backlog()),
+            "gate": self.decider.gate.status(),
+        }
+
+    async def aclose(self) -> None:
+        for _, task in self.parked:
+            task.cancel()
+        await asyncio.gather(*(task for _, task in self.parked), return_exceptions=True)
+
+
+def deciding_replica(url: str, clock: FakeClock, **options: Any) -> ReplicaScheduler:
+    gate = MetricsGate(
+        [BackendGroup("m", (URL,), arrival_grace_s=0.5, fallback_max_inflight=2)],
+        stale_after_s=1.0,
+        clock=clock,
+    )
+    core = FairScheduler(
+        TIERS, gate, fairness="tokens", max_per_user=3, max_total=8, max_wait_s=5.0, clock=clock
+    )
+    return open_state(url, core, gate, **options)
+
+
+@contextlib.asynccontextmanager
+async def memory_side() -> AsyncIterator[Side]:
+    clock = FakeClock()
+    replica = deciding_replica("memory://", clock)
+    side = Side(replica, replica, [clock])
+    try:
+        yield side
+    finally:
+        await side.aclose()
+        await replica.aclose()
+
+
+@contextlib.asynccontextmanager
+async def redis_side(url: str) -> AsyncIterator[Side]:
+    options = {"prefix": unique_prefix(), "heartbeat_s": 0.05, "lease_ttl_s": 5.0}
+    clocks = [FakeClock(), FakeClock()]
+    leader = deciding_replica(url, clocks[0], replica="leader", **options)
+    follower = deciding_replica(url, clocks[1], replica="follower", **options)
+    leader.start()
+    try:
+        for _ in range(400):
+            if leader.leading:
+                break
+            await asyncio.sleep(0.01)
+        follower.start()
+        for _ in range(400):
+            if follower.state_statistics().leader == "leader":
+                break
+            await asyncio.sleep(0.01)
+        assert leader.leading and follower.state_statistics().leader == "leader"
+        side = Side(follower, leader, clocks)
+        try:
+            yield side
+        finally:
+            await side.aclose()
+    finally:
+        await follower.aclose()
+        await leader.aclose()
+
+
+async def play_both(url: str, ops: list[tuple[Any, ...]]) -> None:
+    async with memory_side() as memory, redis_side(url) as shared:
+        for index, operation in enumerate(ops):
+            await memory.play(operation)
+            await shared.play(operation)
+            assert shared.order == memory.order, (index, operation)
+        assert shared.final_state() == memory.final_state()
+
+
+@settings(
+    max_examples=25,
+    deadline=None,
+    derandomize=True,
+    suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow],
+)
+@given(ops=operations)
+def test_memory_and_redis_grant_the_same(redis_server: RedisServer, ops: list[Any]) -> None:
+    asyncio.run(asyncio.wait_for(play_both(redis_server.url, ops), 60))
