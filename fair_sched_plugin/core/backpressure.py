@@ -124,7 +124,8 @@ class MetricsGate:
     # ------------------------------------------------------------------ inputs
 
     def share_with(self, replicas: int) -> None:
-        """Spend only 1/`replicas` of every threshold and cap (at least 1 each): several
+        """Spend only 1/`replicas` of every threshold, cap and free slot (at least 1 each
+        for thresholds and caps): several
         replicas that each run their own gate against one engine (shared state unreachable)
         must not each spend all of it. 1 restores the whole."""
         if replicas < 1:
@@ -224,9 +225,12 @@ class MetricsGate:
             return "fallback_inflight"
         snapshots = state.latest_ok.values()
         waiting = sum(snapshot.waiting for snapshot in snapshots)
-        queued_in_engine = engine_queue_estimate(
-            waiting, state.pending_count, self._free_slots(state)
-        )
+        # Free running slots are capacity too: replicas sharing one engine split them as well
+        # (whole slots, so the shares never add up to more than the engine has).
+        free_slots = self._free_slots(state)
+        if self._sharers > 1:
+            free_slots = float(int(free_slots) // self._sharers)
+        queued_in_engine = engine_queue_estimate(waiting, state.pending_count, free_slots)
         if queued_in_engine >= self._share(tier.waiting_below * deployments):
             return "waiting"
         if tier.tpot_below_s is not None:

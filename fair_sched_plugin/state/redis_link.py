@@ -155,9 +155,9 @@ class RedisLink:
             await client.aclose()
 
     async def reset_connections(self) -> None:
-        """Drop idle pooled connections (dead after a Redis restart) before trying again."""
+        """Drop every pooled connection (dead after a Redis restart) before trying again."""
         for client in (self._redis, self._inbox_reader, self._reply_reader):
-            await client.connection_pool.disconnect(inuse_connections=False)
+            await client.connection_pool.disconnect()
 
     # ------------------------------------------------------------------ internals
 

@@ -91,6 +91,9 @@ class _Term:
         self._cancelled: set[_Key] = set()
         self._sessions: dict[str, int] = {}
         self.over = False
+        # While holding, tickets wait here (in arrival order) instead of in the core.
+        self.holding = False
+        self._held_back: dict[_Key, Ticket] = {}
 
     # ------------------------------------------------------------------ from replicas
 
@@ -108,17 +111,47 @@ class _Term:
         """Queue a ticket (raises `QueueFull`); a ticket already known is not queued again."""
         if key in self.reservations or key in self.leases:
             return
+        if self.holding:
+            self._held_back[key] = ticket
+            return
         reservation = self.core.enqueue(ticket)
         self.reservations[key] = reservation
         reservation.future.add_done_callback(lambda future: self._resolved(key, future))
 
+    def statistics(self) -> SchedulerStatistics:
+        """The core's, with the tickets held back during a hold counted as queued."""
+        stats = self.core.statistics()
+        if not self._held_back:
+            return stats
+        by_tier = dict(stats.queued_by_model_tier)
+        for ticket in self._held_back.values():
+            by_tier[(ticket.model, ticket.tier)] = by_tier.get((ticket.model, ticket.tier), 0) + 1
+        return stats._replace(
+            queued=stats.queued + len(self._held_back), queued_by_model_tier=by_tier
+        )
+
+    def end_hold(self) -> None:
+        self.holding = False
+        held_back, self._held_back = self._held_back, {}
+        for key, ticket in held_back.items():
+            if self.over:
+                return
+            try:
+                self.submit(key, ticket)
+            except QueueFull as exc:
+                self._reply(key[0], _rejection(self.epoch, key, exc))
+
     def try_acquire(self, key: _Key, ticket: Ticket) -> Lease | None:
+        if self.holding:
+            return None
         lease = self.core.try_acquire(ticket)
         if lease is not None:
             self.leases[key] = lease
         return lease
 
     def cancel(self, key: _Key) -> None:
+        if self._held_back.pop(key, None) is not None:
+            return
         reservation = self.reservations.get(key)
         if reservation is None:
             return  # granted already: the replica hands the grant back unused
@@ -145,6 +178,7 @@ class _Term:
         """A lease granted by an earlier term (or locally) that is still running."""
         if key in self.leases:
             return
+        self._held_back.pop(key, None)
         reservation = self.reservations.pop(key, None)
         if reservation is not None:
             reservation.cancel()
@@ -153,17 +187,20 @@ class _Term:
     # ------------------------------------------------------------------ endings
 
     def replicas(self) -> set[str]:
-        return {key[0] for key in (*self.reservations, *self.leases)}
+        return {key[0] for key in (*self.reservations, *self.leases, *self._held_back)}
 
     def drop_replica(self, replica: str) -> None:
         """A replica that went silent (or restarted its session): its tickets leave the queue,
         its leases end unused, so its capacity comes back."""
+        for key in [key for key in self._held_back if key[0] == replica]:
+            del self._held_back[key]
         self._drop([key for key in self.reservations if key[0] == replica], [
             key for key in self.leases if key[0] == replica
         ])  # fmt: skip
 
     def drain(self) -> None:
         self.over = True
+        self._held_back.clear()
         self._drop(list(self.reservations), list(self.leases))
 
     def _drop(self, reservations: list[_Key], leases: list[_Key]) -> None:
@@ -254,6 +291,8 @@ class ReplicaScheduler:
         self._loops: list[asyncio.Task[Any]] = []
         self._leading: list[asyncio.Task[Any]] = []
         self._counters = dict.fromkeys(("fallbacks", "recoveries", "store_errors"), 0)
+        self._hold: asyncio.TimerHandle | None = None
+        self._epochs_seen = 0
         if link is None:
             self._open_term(LOCAL_EPOCH)
 
@@ -324,7 +363,7 @@ class ReplicaScheduler:
         """The deciding core's statistics: ours while we decide, else the leader's latest
         published document (`state_statistics().leader` names it), else this replica's own."""
         if self._term is not None:
-            return self._core.statistics()
+            return self._term.statistics()
         if self._published is None:
             return self._own_statistics()
         document = self._published["scheduler"]
@@ -569,14 +608,23 @@ class ReplicaScheduler:
 
     # ------------------------------------------------------------------ terms
 
-    def _open_term(self, epoch: int) -> None:
+    def _open_term(self, epoch: int, *, hold: bool = False) -> None:
+        """Decide from now on. `hold`: grant nothing new until a scrape can show what an
+        earlier leader (or the other replicas) released just before; running leases are
+        adopted at once, queued tickets wait for the hold to end."""
         self._term = _Term(self._core, epoch, self._reply)
+        if hold:
+            self._term.holding = True
+            self._hold = asyncio.get_running_loop().call_later(self._hold_s(), self._term.end_hold)
         self._epoch = epoch
         self._leader = self.replica
         self._outbox.clear()  # addressed to another leader: re-sent below
         self._resend()
 
     def _close_term(self) -> None:
+        if self._hold is not None:
+            self._hold.cancel()
+            self._hold = None
         term, self._term = self._term, None
         if term is not None:
             term.drain()
@@ -588,6 +636,12 @@ class ReplicaScheduler:
             task.cancel()
         self._leading = []
 
+    def _hold_s(self) -> float:
+        graces = (
+            [group.arrival_grace_s for group in self._gate.groups().values()] if self._gate else []
+        )
+        return self._heartbeat_s + max(graces, default=0.0)
+
     def _reply(self, replica: str, reply: _Reply) -> None:
         if replica == self.replica:
             self._on_reply(reply)
@@ -597,15 +651,20 @@ class ReplicaScheduler:
 
     def _follow(self, epoch: int, leader: str) -> None:
         """A new leader (not us): re-send everything to it."""
+        self._epochs_seen += 1
         self._epoch = epoch
         self._leader = leader
         self._outbox.clear()
         self._resend()
 
     def _lead(self, token: str, epoch: int) -> None:
+        # The first leader of a fresh cluster has nothing to wait for; a later one waits for
+        # the others' running leases (and a scrape) before granting.
+        hold = self._epochs_seen > 0 or self._counters["recoveries"] > 0
         self._close_term()
         self._token = token
-        self._open_term(epoch)
+        self._epochs_seen += 1
+        self._open_term(epoch, hold=hold)
         logger.info("fair_sched replica %s leads (epoch %d)", self.replica, epoch)
         loop = asyncio.get_running_loop()
         self._leading = [
@@ -667,7 +726,11 @@ class ReplicaScheduler:
     async def _tick(self) -> None:
         # Not only cancellation: redis-py may turn a cancel into its own timeout error.
         while not self._closed:
-            await self._beat()
+            try:
+                await self._beat()
+            except Exception:
+                # A bug must not stop the heartbeat (the lease would lapse for good).
+                logger.exception("fair_sched replica %s: heartbeat failed", self.replica)
             await asyncio.sleep(self._heartbeat_s)
 
     async def _beat(self) -> None:
@@ -738,7 +801,7 @@ class ReplicaScheduler:
         self._close_term()
         if self._gate is not None:
             self._gate.share_with(sharers)
-        self._open_term(LOCAL_EPOCH)
+        self._open_term(LOCAL_EPOCH, hold=True)
 
     # ------------------------------------------------------------------ Redis: the leader
 
@@ -803,7 +866,7 @@ class ReplicaScheduler:
                 return
 
     def _document(self) -> str:
-        stats = self._core.statistics()
+        stats = self.statistics()
         return json.dumps(
             {
                 "leader": self.replica,

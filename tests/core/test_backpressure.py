@@ -360,6 +360,25 @@ async def test_a_shared_gate_spends_only_its_share_of_the_threshold() -> None:
     await drain(scheduler)
 
 
+async def test_shared_replicas_split_the_free_running_slots_too() -> None:
+    """Three replicas each filling every free slot the scrape shows would put 3x the free
+    slots into one engine: a shared gate spends its share of them."""
+    clock = FakeClock()
+    gate, _, _ = make_gate(clock)
+    scheduler = FairScheduler([INTERACTIVE, BATCH], gate, clock=clock)
+    gate.update("m", scrape(clock, waiting=0, running=6))  # learns 6 slots
+    clock.advance(0.1)
+    gate.update("m", scrape(clock, waiting=0, running=0))  # 6 free
+    gate.share_with(3)  # a third of the 6 free slots and of the threshold 3: 2 + 1 released
+    tasks = [asyncio.create_task(scheduler.acquire(ticket(f"u{i}"))) for i in range(10)]
+    await settle()
+    assert sum(task.done() for task in tasks) == 3
+    gate.share_with(1)  # all 6 free slots and the whole threshold: 6 + 3
+    await settle()
+    assert sum(task.done() for task in tasks) == 9
+    await drain(scheduler)
+
+
 async def test_a_shared_fallback_cap_is_at_least_one() -> None:
     clock = FakeClock()
     gate, _, _ = make_gate(clock)  # fallback cap 2, no scrape yet

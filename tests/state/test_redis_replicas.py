@@ -1,0 +1,339 @@
+"""Three replicas (three SchedulingServices, or three `fair-sched proxy` apps) on one real
+redis-server in front of one emulated engine: one leader's core decides for all of them."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import AsyncIterator, Sequence
+from typing import Any
+
+import httpx
+import pytest
+
+from fair_sched_plugin.emulator.server import RunningEmulator
+from fair_sched_plugin.identity import Credentials
+from fair_sched_plugin.proxy import build_proxy_app
+from fair_sched_plugin.service import SchedulingService
+
+from ..integrations.conftest import MODEL, chat_body, emulator, fair_config, serve, wait_until
+from .conftest import RedisServer, unique_prefix
+
+pytestmark = pytest.mark.redis
+
+FLOOD_SIZE = 30
+WAITING_BELOW = 2
+REPLICAS = 3
+HEARTBEAT_S = 0.1
+TTL_S = 1.0
+
+
+def shared(url: str, **overrides: Any) -> dict[str, Any]:
+    return {
+        "state": url,
+        "state_prefix": unique_prefix(),
+        "state_heartbeat_s": HEARTBEAT_S,
+        "state_lease_ttl_s": TTL_S,
+        **overrides,
+    }
+
+
+@contextlib.asynccontextmanager
+async def replicas(configs: list[dict[str, Any]]) -> AsyncIterator[list[SchedulingService]]:
+    services = [SchedulingService(config) for config in configs]
+    try:
+        for service in services:
+            service.start()
+        yield services
+    finally:
+        await asyncio.gather(*(asyncio.wait_for(s.aclose(), 10) for s in services))
+
+
+def leader_of(services: Sequence[SchedulingService]) -> SchedulingService | None:
+    leading = [s for s in services if s.scheduler.leading]
+    return leading[0] if len(leading) == 1 else None
+
+
+async def settled(services: Sequence[SchedulingService]) -> SchedulingService:
+    """One leader, every replica following it and seeing all alive, every gate on fresh
+    metrics."""
+
+    def ready() -> bool:
+        leader = leader_of(services)
+        return leader is not None and all(
+            s.scheduler.state_statistics().leader == leader.scheduler.replica
+            and s.scheduler.state_statistics().replicas_alive == len(services)
+            and all(group.mode == "metrics" for group in s.gate.status())
+            for s in services
+        )
+
+    await wait_until(ready, timeout_s=15)
+    leader = leader_of(services)
+    assert leader is not None
+    return leader
+
+
+class Flood:
+    """A floods (spread over `entries`); once A is parked, B and C send one request each."""
+
+    def __init__(self, emu: RunningEmulator, entries: Sequence[SchedulingService]) -> None:
+        self.emu = emu
+        self.entries = entries
+        self.order: list[str] = []
+        self.answers: dict[int, int] = {}
+        self.errors: list[BaseException] = []
+
+    async def request(self, index: int, service: SchedulingService, user: str) -> None:
+        principal = service.identify(Credentials(api_key=f"sk-{user.lower()}"))
+        body = chat_body(max_tokens=16, stream=True)
+        admission = await service.admit(principal, MODEL, body)
+        lease = admission.lease
+        try:
+            async with self.client.stream(
+                "POST", f"{self.emu.base_url}/v1/chat/completions", json=body
+            ) as response:
+                async for _ in response.aiter_raw():
+                    lease.mark_started()
+        finally:
+            service.finish(lease)
+        self.order.append(user)
+        self.answers[index] = self.answers.get(index, 0) + 1
+
+    async def run(
+        self, parked: Any, during: Any = None, light_at: Sequence[SchedulingService] = ()
+    ) -> dict[str, int]:
+        limits = httpx.Limits(max_connections=200, max_keepalive_connections=200)
+        async with httpx.AsyncClient(limits=limits, timeout=60, trust_env=False) as self.client:
+            entries = self.entries
+            flood = [
+                asyncio.ensure_future(self.request(i, entries[i % len(entries)], "A"))
+                for i in range(FLOOD_SIZE)
+            ]
+            try:
+                await wait_until(parked, timeout_s=15)
+                if during is not None:
+                    await during()
+                light_entries = light_at or entries
+                light = [
+                    asyncio.ensure_future(self.request(FLOOD_SIZE, light_entries[-1], "B")),
+                    asyncio.ensure_future(self.request(FLOOD_SIZE + 1, light_entries[0], "C")),
+                ]
+                await asyncio.wait_for(asyncio.gather(*flood, *light), timeout=90)
+            finally:
+                for task in flood:
+                    task.cancel()
+                await asyncio.gather(*flood, return_exceptions=True)
+        return {user: self.order[: self.order.index(user)].count("A") for user in "BC"}
+
+
+def parked_at(leader: SchedulingService) -> Any:
+    def parked() -> bool:
+        stats = leader.scheduler.statistics()
+        return stats.queued + stats.released_total >= FLOOD_SIZE and stats.queued > 0
+
+    return parked
+
+
+@pytest.mark.slow
+async def test_three_replicas_share_the_engines_threshold(redis_server: RedisServer) -> None:
+    """With Redis, 3 replicas keep the engine's queue within one threshold and the light users'
+    result is that of one replica; with per-replica memory the queue overshoots (~3x)."""
+    results: dict[str, tuple[dict[str, int], int]] = {}
+    for label in ("one replica", "redis", "memory"):
+        async with emulator(max_num_seqs=4) as emu:
+            state = shared(redis_server.url) if label == "redis" else {"state": "memory://"}
+            count = 1 if label == "one replica" else REPLICAS
+            configs = [fair_config(emu, waiting_below=WAITING_BELOW, **state)] * count
+            async with replicas(configs) as services:
+                if label == "redis":
+                    leader = await settled(services)
+                    parked = parked_at(leader)
+                else:
+                    await wait_until(
+                        lambda s=services: all(
+                            g.mode == "metrics" for svc in s for g in svc.gate.status()
+                        )
+                    )
+
+                    def parked(s: list[SchedulingService] = services) -> bool:
+                        stats = [svc.scheduler.statistics() for svc in s]
+                        return sum(x.queued + x.released_total for x in stats) >= FLOOD_SIZE
+
+                ranks = await Flood(emu, services).run(parked)
+                results[label] = (ranks, emu.engine.statistics().max_waiting_seen)
+                if label == "redis":
+                    await services[0].scheduler.barrier()
+                    await wait_until(
+                        lambda d=leader.scheduler: d.statistics().in_flight == 0  # type: ignore[misc]
+                    )
+    print(
+        f"\n3 replicas, flood of {FLOOD_SIZE}: A's requests done before B/C and engine max "
+        f"waiting: {results}"
+    )
+    one_ranks, _ = results["one replica"]
+    redis_ranks, redis_waiting = results["redis"]
+    _, memory_waiting = results["memory"]
+    for user in "BC":
+        assert redis_ranks[user] <= 0.3 * FLOOD_SIZE
+        assert one_ranks[user] <= 0.3 * FLOOD_SIZE
+    assert redis_waiting <= WAITING_BELOW
+    # Separate replicas each spend the whole threshold; the shared leader spends it once.
+    assert memory_waiting >= WAITING_BELOW + 2
+    assert memory_waiting > redis_waiting
+
+
+@pytest.mark.slow
+async def test_leader_cut_off_mid_flood_a_new_leader_takes_over(
+    redis_server: RedisServer, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Failover mid-flood: the leader is cut off without a handover (tasks cancelled, Redis
+    connections closed). Another replica leads within the TTL, re-counts the running requests
+    it adopts, grants every parked request exactly once, and the engine's queue stays within
+    threshold + 1 throughout."""
+    async with emulator(max_num_seqs=4) as emu:
+        config = fair_config(emu, waiting_below=WAITING_BELOW, **shared(redis_server.url))
+        async with replicas([config] * REPLICAS) as services:
+            leader = await settled(services)
+            followers = [s for s in services if s is not leader]
+            took: list[float] = []
+
+            async def cut_off_leader() -> None:
+                loop = asyncio.get_running_loop()
+                cut_at = loop.time()
+                await cut_off(leader)
+                await wait_until(lambda: leader_of(followers) is not None, timeout_s=10)
+                took.append(loop.time() - cut_at)
+
+            flood = Flood(emu, followers)
+            with caplog.at_level(logging.INFO, logger="fair_sched"):
+                ranks = await flood.run(parked_at(leader), during=cut_off_leader)
+            max_waiting = emu.engine.statistics().max_waiting_seen
+            new = leader_of(followers)
+            assert new is not None
+            await wait_until(lambda: new.scheduler.statistics().in_flight == 0)
+    print(
+        f"\nleader cut off mid-flood: new leader after {took[0]:.2f} s (ttl {TTL_S} s), "
+        f"A's requests before B/C {ranks}, engine max waiting {max_waiting}"
+    )
+    assert took[0] <= TTL_S + 2 * HEARTBEAT_S + 0.5
+    assert sorted(flood.answers) == list(range(FLOOD_SIZE + 2))
+    assert set(flood.answers.values()) == {1}  # every request answered exactly once
+    assert max_waiting <= WAITING_BELOW + 1
+    assert any("leads (epoch" in r.getMessage() for r in caplog.records)
+
+
+async def cut_off(service: SchedulingService) -> None:
+    """The replica vanishes without a handover: its state tasks stop, its Redis connections
+    close, its watchers stop (nothing is resigned, nothing is sent)."""
+    scheduler = service.scheduler
+    for task in (*scheduler._loops, *scheduler._leading):
+        task.cancel()
+    scheduler._closed = True
+    link = scheduler._link
+    assert link is not None
+    scheduler._link = None
+    scheduler._loops = []
+    scheduler._leading = []
+    await link.aclose()
+    for group in service.watchers().values():
+        for watcher in group:
+            await watcher.aclose()
+
+
+@pytest.mark.slow
+async def test_redis_stopped_mid_flood_each_replica_spends_its_share(
+    own_redis_server: RedisServer, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Redis stops mid-flood: every replica falls back to its own core with 1/3 of the
+    threshold (the engine's queue stays within it), then all rejoin one leader when Redis is
+    back; every request is answered exactly once."""
+    waiting_below = REPLICAS  # a share of at least one each: the sum is the threshold
+    async with emulator(max_num_seqs=4) as emu:
+        config = fair_config(emu, waiting_below=waiting_below, **shared(own_redis_server.url))
+        async with replicas([config] * REPLICAS) as services:
+            leader = await settled(services)
+
+            async def outage() -> None:
+                own_redis_server.stop()
+                await wait_until(
+                    lambda: all(s.scheduler.mode == "local" for s in services), timeout_s=10
+                )
+                await asyncio.sleep(3.0)  # local scheduling for a while
+                own_redis_server.start()
+                await wait_until(
+                    lambda: (
+                        all(s.scheduler.mode == "shared" for s in services)
+                        and leader_of(services) is not None
+                    ),
+                    timeout_s=15,
+                )
+
+            flood = Flood(emu, services)
+            with caplog.at_level(logging.WARNING, logger="fair_sched"):
+                await flood.run(parked_at(leader), during=outage)
+            max_waiting = emu.engine.statistics().max_waiting_seen
+            stats = [s.scheduler.state_statistics() for s in services]
+    print(
+        f"\nredis stopped mid-flood: engine max waiting {max_waiting} (threshold {waiting_below})"
+    )
+    assert max_waiting <= waiting_below
+    assert all(s.fallbacks_total == 1 and s.recoveries_total == 1 for s in stats)
+    assert any("1/3 of each engine threshold" in r.getMessage() for r in caplog.records)
+    assert sorted(flood.answers) == list(range(FLOOD_SIZE + 2))
+    assert set(flood.answers.values()) == {1}
+
+
+@pytest.mark.slow
+async def test_three_proxy_replicas_behind_a_load_balancer(redis_server: RedisServer) -> None:
+    """Three `fair-sched proxy` apps served by uvicorn, requests spread over them round-robin as
+    a load balancer would: the light users still overtake the flood and the engine's queue stays
+    within one threshold."""
+    async with emulator(max_num_seqs=4) as emu:
+        config = fair_config(emu, waiting_below=WAITING_BELOW, **shared(redis_server.url))
+        apps = [build_proxy_app(config) for _ in range(REPLICAS)]
+        async with contextlib.AsyncExitStack() as stack:
+            urls = [await stack.enter_async_context(serve(app)) for app in apps]
+            services: list[SchedulingService] = [app.state.fair_sched for app in apps]
+            leader = await settled(services)
+            order: list[str] = []
+            limits = httpx.Limits(max_connections=200, max_keepalive_connections=200)
+            client = await stack.enter_async_context(
+                httpx.AsyncClient(limits=limits, timeout=60, trust_env=False)
+            )
+
+            async def request(replica: int, user: str) -> None:
+                response = await client.post(
+                    f"{urls[replica % REPLICAS]}/v1/chat/completions",
+                    json=chat_body(max_tokens=16),
+                    headers={"authorization": f"Bearer sk-{user.lower()}"},
+                )
+                assert response.status_code == 200, response.text
+                order.append(user)
+
+            flood = [asyncio.ensure_future(request(i, "A")) for i in range(FLOOD_SIZE)]
+            try:
+                await wait_until(
+                    lambda: (
+                        emu.engine.statistics().requests_received >= 1
+                        and leader.scheduler.statistics().queued > 0
+                    ),
+                    timeout_s=15,
+                )
+                light = [
+                    asyncio.ensure_future(request(1, "B")),
+                    asyncio.ensure_future(request(2, "C")),
+                ]
+                await asyncio.wait_for(asyncio.gather(*flood, *light), timeout=60)
+            finally:
+                for task in flood:
+                    task.cancel()
+                await asyncio.gather(*flood, return_exceptions=True)
+    ranks = {user: order[: order.index(user)].count("A") for user in "BC"}
+    max_waiting = emu.engine.statistics().max_waiting_seen
+    print(
+        f"\n3 proxy replicas: A's requests done before B/C {ranks}, engine max waiting {max_waiting}"
+    )
+    for user in "BC":
+        assert ranks[user] <= 0.3 * FLOOD_SIZE
+    assert max_waiting <= WAITING_BELOW + 1
