@@ -221,7 +221,8 @@ class ServiceMetrics:
         scheduler = self._service.scheduler
         statistics = scheduler.statistics()
         backlog = scheduler.backlog()
-        gate = self._service.gate.status() if on_loop else None
+        # The deciding gate's: ours while this replica decides, else the leader's document.
+        gate = scheduler.gate_status() if on_loop else None
         now = asyncio.get_running_loop().time() if on_loop else None
         watchers = [
             _watcher_state(model, watcher, now)
@@ -351,6 +352,16 @@ class ServiceMetrics:
             "Times a model group's engine metrics became unavailable (switch to fallback).",
             labels=("model",),
         )
+        state_fallbacks = CounterMetricFamily(
+            "fair_sched_state_fallbacks",
+            "Times shared state (Redis) became unreachable and this replica scheduled alone.",
+            labels=("replica",),
+        )
+        state_local = GaugeMetricFamily(
+            "fair_sched_state_local",
+            "1 while this replica schedules alone (Redis unreachable), 0 while shared.",
+            labels=("replica", "leader"),
+        )
         all_families: list[Metric] = [
             queued,
             backlogged,
@@ -366,6 +377,8 @@ class ServiceMetrics:
             scrape_failures,
             transitions,
             unavailable,
+            state_fallbacks,
+            state_local,
         ]
         if describe_only:
             return all_families
@@ -465,6 +478,11 @@ class ServiceMetrics:
                 unavailable_values[model] = unavailable_values.get(model, 0) + count
         for model, count in sorted(unavailable_values.items()):
             unavailable.add_metric([model], count)
+        if self._service.scheduler.coordinated:
+            shared = self._service.scheduler.state_statistics()
+            state_fallbacks.add_metric([shared.replica], shared.fallbacks_total)
+            local = 1.0 if shared.mode == "local" else 0.0
+            state_local.add_metric([shared.replica, shared.leader or ""], local)
         return all_families
 
     # ------------------------------------------------------------------ status document
@@ -569,6 +587,8 @@ class ServiceMetrics:
                 "rejected": rejected_totals,
             },
             "models": document_models,
+            # Which replica these numbers describe: the leader's core decides while shared.
+            "state": service.scheduler.state_statistics()._asdict(),
             "transitions": [
                 {"model": t.model, "from": t.old, "to": t.new, "reason": redact(t.reason)}
                 for t in service.transitions[-STATUS_TRANSITIONS:]

@@ -315,6 +315,11 @@ class ReplicaScheduler:
         return self._mode
 
     @property
+    def coordinated(self) -> bool:
+        """True when replicas coordinate through Redis (`redis://`), False for `memory://`."""
+        return self._link is not None
+
+    @property
     def leading(self) -> bool:
         """True while this replica's core decides for every replica on its Redis."""
         return self._token is not None and self._term is not None

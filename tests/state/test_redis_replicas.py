@@ -337,3 +337,35 @@ async def test_three_proxy_replicas_behind_a_load_balancer(redis_server: RedisSe
     for user in "BC":
         assert ranks[user] <= 0.3 * FLOOD_SIZE
     assert max_waiting <= WAITING_BELOW + 1
+
+
+async def test_a_followers_status_and_metrics_show_the_leaders_truth(
+    redis_server: RedisServer,
+) -> None:
+    """/fair-sched/status and the metrics on a follower show the deciding core's queues and
+    in-flight requests (every replica's), and name the leader they come from."""
+    async with emulator(max_num_seqs=4) as emu:
+        config = fair_config(emu, **shared(redis_server.url, unknown_model_max_inflight=1))
+        async with replicas([config] * 2) as services:
+            leader = await settled(services)
+            follower = next(s for s in services if s is not leader)
+            principal = leader.identify(Credentials(api_key="sk-a"))
+            held = await leader.admit(principal, "other", {})
+            parked = asyncio.ensure_future(leader.admit(principal, "other", {}))
+
+            def published() -> bool:
+                totals = follower.observability.status()["totals"]
+                return (totals["queued"], totals["in_flight"]) == (1, 1)
+
+            await wait_until(published, timeout_s=10)
+            status = follower.observability.status()
+            assert status["state"]["leader"] == leader.scheduler.replica
+            assert status["state"]["replica"] == follower.scheduler.replica
+            assert status["models"]["other"]["in_flight"] == 1
+            text = follower.observability.render().decode()
+            assert (
+                f'fair_sched_state_local{{leader="{leader.scheduler.replica}",'
+                f'replica="{follower.scheduler.replica}"}} 0.0' in text
+            )
+            leader.finish(held.lease)
+            leader.finish((await asyncio.wait_for(parked, 10)).lease)
