@@ -18,11 +18,12 @@ from typing import Any
 
 import httpx
 
-from fair_sched_plugin.core.scheduler import MAX_IDLE_USERS_REMEMBERED, FairScheduler
+from fair_sched_plugin.core.scheduler import MAX_IDLE_USERS_REMEMBERED
 from fair_sched_plugin.errors import QueueFull
 from fair_sched_plugin.identity import Credentials
 from fair_sched_plugin.proxy import build_proxy_app
 from fair_sched_plugin.service import ClientDisconnected, SchedulingService
+from fair_sched_plugin.state import ReplicaScheduler
 
 from ..integrations.conftest import (
     assert_idle,
@@ -74,13 +75,20 @@ def make_service(**queue: Any) -> SchedulingService:
 
 def scheduler_internals(scheduler: object) -> dict[str, int]:
     """Sizes of every structure that could grow (tests may look inside; the code may not)."""
-    assert isinstance(scheduler, FairScheduler)  # the in-memory one (no Redis here)
-    tiers = [tier for queues in scheduler._models.values() for tier in queues.tiers]
+    assert isinstance(scheduler, ReplicaScheduler) and not scheduler.coordinated  # memory://
+    core = scheduler.core
+    tiers = [tier for queues in core._models.values() for tier in queues.tiers]
+    term = scheduler._term
+    assert term is not None
     return {
-        "models": len(scheduler._models),
+        "models": len(core._models),
         "users": sum(len(tier.users) for tier in tiers),
         "heap": sum(len(tier.heap) for tier in tiers),
-        "deadlines": len(scheduler._deadlines),
+        "deadlines": len(core._deadlines),
+        # The replica's own requests and its term's view of them.
+        "parked": len(scheduler._parked),
+        "held": len(scheduler._held),
+        "term": len(term.reservations) + len(term.leases),
     }
 
 
