@@ -27,13 +27,16 @@ import json
 import logging
 import uuid
 from collections.abc import Callable
-from typing import Any, Literal, NamedTuple
+from typing import TYPE_CHECKING, Any, Literal, NamedTuple
 
 from ..core.backpressure import GroupStatus, MetricsGate
+from ..core.gate import AdmissionGate
 from ..core.scheduler import FairScheduler, Reservation, SchedulerStatistics, UserBacklog
 from ..core.ticket import Lease, Ticket, TierLimits
 from ..errors import QueueFull, QueueTimeout, Rejected, SchedulerClosed, StateStoreError
-from .redis_link import Beat, RedisLink
+
+if TYPE_CHECKING:  # redis is an optional extra: imported only by `open_state` for redis://
+    from .redis_link import Beat, RedisLink
 
 logger = logging.getLogger("fair_sched")
 
@@ -194,9 +197,8 @@ class _Term:
         its leases end unused, so its capacity comes back."""
         for key in [key for key in self._held_back if key[0] == replica]:
             del self._held_back[key]
-        self._drop([key for key in self.reservations if key[0] == replica], [
-            key for key in self.leases if key[0] == replica
-        ])  # fmt: skip
+        reservations = [key for key in self.reservations if key[0] == replica]
+        self._drop(reservations, [key for key in self.leases if key[0] == replica])
 
     def drain(self) -> None:
         self.over = True
@@ -292,7 +294,6 @@ class ReplicaScheduler:
         self._leading: list[asyncio.Task[Any]] = []
         self._counters = dict.fromkeys(("fallbacks", "recoveries", "store_errors"), 0)
         self._hold: asyncio.TimerHandle | None = None
-        self._epochs_seen = 0
         if link is None:
             self._open_term(LOCAL_EPOCH)
 
@@ -303,7 +304,7 @@ class ReplicaScheduler:
         return self._core.tiers
 
     @property
-    def gate(self) -> Any:
+    def gate(self) -> AdmissionGate:
         return self._core.gate
 
     @property
@@ -656,20 +657,17 @@ class ReplicaScheduler:
 
     def _follow(self, epoch: int, leader: str) -> None:
         """A new leader (not us): re-send everything to it."""
-        self._epochs_seen += 1
         self._epoch = epoch
         self._leader = leader
         self._outbox.clear()
         self._resend()
 
     def _lead(self, token: str, epoch: int) -> None:
-        # The first leader of a fresh cluster has nothing to wait for; a later one waits for
-        # the others' running leases (and a scrape) before granting.
-        hold = self._epochs_seen > 0 or self._counters["recoveries"] > 0
+        # The first leader on this Redis prefix (epoch 1) has nothing to wait for; a later one
+        # waits for the others' running leases (and a scrape) before granting.
         self._close_term()
         self._token = token
-        self._epochs_seen += 1
-        self._open_term(epoch, hold=hold)
+        self._open_term(epoch, hold=epoch > 1)
         logger.info("fair_sched replica %s leads (epoch %d)", self.replica, epoch)
         loop = asyncio.get_running_loop()
         self._leading = [

@@ -60,7 +60,9 @@ class Side:
         self.entry = entry
         self.decider = decider
         self.clocks = clocks
-        self.gates = [replica.gate for replica in {id(entry): entry, id(decider): decider}.values()]
+        self.gates: list[Any] = [
+            replica.gate for replica in {id(entry): entry, id(decider): decider}.values()
+        ]
         self.order: list[str] = []
         self.parked: list[tuple[str, asyncio.Task[Lease]]] = []
         self.held: list[Lease] = []
@@ -122,7 +124,7 @@ class Side:
         return {
             "statistics": core.statistics(),
             "backlog": sorted(core.backlog()),
-            "gate": self.decider.gate.status(),
+            "gate": self.decider.gate_status(),
         }
 
     async def aclose(self) -> None:

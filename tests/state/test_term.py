@@ -4,6 +4,8 @@ Redis (the same code runs for memory:// and for a Redis leader)."""
 from __future__ import annotations
 
 import asyncio
+import subprocess
+import sys
 from typing import Any
 
 from fair_sched_plugin.core import FairScheduler, InflightLimitGate, Ticket, TierLimits
@@ -116,3 +118,15 @@ async def test_a_reply_of_an_earlier_session_is_ignored() -> None:
     assert replica.statistics().in_flight == 1
     lease.release()
     await replica.aclose()
+
+
+def test_memory_state_never_imports_redis() -> None:
+    """redis is an optional extra: a memory:// service runs without it."""
+    code = (
+        "import sys; from fair_sched_plugin.service import SchedulingService; "
+        "SchedulingService({}); print('redis' in sys.modules)"
+    )
+    result = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, check=True
+    )
+    assert result.stdout.strip() == "False"
