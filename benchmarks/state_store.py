@@ -7,6 +7,7 @@ Without --redis-url a throw-away redis-server (no persistence) is started on a f
 
 One request at a time through `acquire()` + `release()`, open gate, 10 users:
 
+- the core alone (`FairScheduler.acquire()`, no replica layer), for reference;
 - `memory://`: the replica is its own leader (the core decides in-process);
 - `redis://` leader: a request entering at the replica that leads (still in-process);
 - `redis://` follower: a request entering at another replica: ticket to the leader's inbox,
@@ -68,7 +69,7 @@ def core() -> FairScheduler:
     return FairScheduler(TIERS, InflightLimitGate(10**6), max_per_user=10**6, max_total=10**8)
 
 
-async def request_latency(replica: ReplicaScheduler, requests: int) -> list[float]:
+async def request_latency(replica: ReplicaScheduler | FairScheduler, requests: int) -> list[float]:
     latencies = []
     for index in range(requests):
         begin = time.perf_counter()
@@ -99,11 +100,13 @@ async def main(args: argparse.Namespace, url: str) -> None:
     print(f"== acquire latency, one request at a time, open gate, {args.requests} requests")
     print(f"{'scheduler':28} {'p50 ms':>8} {'p95 ms':>8} {'p99 ms':>8}")
     results = {}
-    for name, replica in (
+    candidates: tuple[tuple[str, ReplicaScheduler | FairScheduler], ...] = (
+        ("FairScheduler alone", core()),
         ("memory://", memory),
         ("redis:// at the leader", leader),
         ("redis:// at a follower", follower),
-    ):
+    )
+    for name, replica in candidates:
         await request_latency(replica, 100)  # warm up (scripts, connections)
         values = await request_latency(replica, args.requests)
         results[name] = values
