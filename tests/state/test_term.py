@@ -130,3 +130,18 @@ def test_memory_state_never_imports_redis() -> None:
         [sys.executable, "-c", code], capture_output=True, text=True, check=True
     )
     assert result.stdout.strip() == "False"
+
+
+async def test_a_second_grant_for_a_lease_already_held_is_ignored() -> None:
+    """Race: after an outage a grant for a ticket the replica already holds (granted locally,
+    adopted by the leader) arrives late; it is neither used again nor handed back (the lease
+    running under that id must stay counted)."""
+    replica = open_state("memory://", FairScheduler(TIERS, InflightLimitGate(2)))
+    lease = await replica.acquire(ticket("A"))
+    replica._on_reply(("g", replica._epoch, replica._session, lease.lease_id, 1.0))
+    await settle()
+    assert replica.statistics().in_flight == 1
+    assert lease.active
+    lease.release()
+    assert replica.statistics().in_flight == 0
+    await replica.aclose()
