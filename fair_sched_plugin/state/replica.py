@@ -97,6 +97,7 @@ class _Term:
         # While holding, tickets wait here (in arrival order) instead of in the core.
         self.holding = False
         self._held_back: dict[_Key, Ticket] = {}
+        self._callbacks_pending = 0
 
     # ------------------------------------------------------------------ from replicas
 
@@ -119,7 +120,13 @@ class _Term:
             return
         reservation = self.core.enqueue(ticket)
         self.reservations[key] = reservation
-        reservation.future.add_done_callback(lambda future: self._resolved(key, future))
+        if reservation.future.done() and not self._callbacks_pending:
+            # Granted (or refused) at once and nothing granted earlier is still on its way:
+            # answer now, in order, without a loop hop.
+            self._resolved(key, reservation.future)
+            return
+        self._callbacks_pending += 1
+        reservation.future.add_done_callback(lambda future: self._on_done(key, future))
 
     def statistics(self) -> SchedulerStatistics:
         """The core's, with the tickets held back during a hold counted as queued."""
@@ -211,6 +218,10 @@ class _Term:
             self.reservations.pop(key).cancel()
         for key in leases:
             self.leases.pop(key).abandon()
+
+    def _on_done(self, key: _Key, future: asyncio.Future[Lease]) -> None:
+        self._callbacks_pending -= 1
+        self._resolved(key, future)
 
     def _resolved(self, key: _Key, future: asyncio.Future[Lease]) -> None:
         reservation = self.reservations.pop(key, None)

@@ -52,10 +52,12 @@ async def test_a_term_drained_while_a_grant_callback_is_pending() -> None:
     the grant's callback ran: the lease ends unused and nothing is replied (the replica
     re-sends the ticket to the next leader)."""
     current, replies = term()
-    current.submit(("f", 0, 1), ticket("A"))  # granted at once, callback pending
+    current.submit(("f", 0, 1), ticket("A"))  # granted at once
+    current.submit(("f", 0, 2), ticket("B"))
+    current.end(("f", 0, 1), None, abandoned=False)  # the core grants B, callback pending
     current.drain()
     await settle()
-    assert replies == []
+    assert [reply[3] for _, reply in replies] == [1]
     stats = current.core.statistics()
     assert (stats.in_flight, stats.queued) == (0, 0)
 
