@@ -396,9 +396,9 @@ class ReplicaScheduler:
 
     def gate_status(self) -> list[GroupStatus]:
         """The deciding gate's status: ours while we decide, else the leader's published one."""
-        if self._term is not None or self._published is None or self._gate is None:
-            return self._gate.status() if self._gate is not None else []
-        return [GroupStatus(*row) for row in self._published["gate"]]
+        if self._term is None and self._published is not None:
+            return [GroupStatus(*row) for row in self._published["gate"]]
+        return self._gate.status() if self._gate is not None else []
 
     def backlog(self, model: str | None = None) -> list[UserBacklog]:
         """Backlogged users with their virtual times while we decide; a follower lists its own
