@@ -10,7 +10,8 @@ Imported only when `state:` names Redis (the `redis` extra). Keys, all under the
 - `stats`: the leader's statistics document, expiring.
 
 Five short Lua scripts (`lua/*.lua`, keys passed explicitly) make the lease and its fencing
-atomic; everything else is plain commands. Redis 7 or later (BLMPOP), standalone or a primary.
+atomic; everything else is plain commands. Redis 6 or later (7 saves a round trip per wake-up
+with BLMPOP), standalone or a primary.
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ from typing import Any, NamedTuple
 import redis.asyncio as redis_asyncio
 from redis.asyncio.retry import Retry
 from redis.backoff import NoBackoff
-from redis.exceptions import RedisError
+from redis.exceptions import RedisError, ResponseError
 
 from ..errors import StateStoreError
 
@@ -66,6 +67,7 @@ class RedisLink:
         self.prefix = prefix
         self._ttl_ms = str(max(1, int(ttl_s * 1000)))
         self._block_s = block_s
+        self._blmpop = True
         self.leader_key = f"{prefix}leader"
         self.epoch_key = f"{prefix}epoch"
         self.inbox_key = f"{prefix}inbox"
@@ -162,12 +164,27 @@ class RedisLink:
     # ------------------------------------------------------------------ internals
 
     async def _pop(self, client: redis_asyncio.Redis, key: str) -> list[str]:
-        # BLMPOP (Redis 7): block for the first message and take what else is there at once.
         try:
-            reply = await client.blmpop(self._block_s, 1, key, direction="LEFT", count=_BATCH)
+            if self._blmpop:
+                # Redis 7: block for the first message and take what else is there, at once.
+                try:
+                    reply = await client.blmpop(
+                        self._block_s, 1, key, direction="LEFT", count=_BATCH
+                    )
+                except ResponseError:
+                    self._blmpop = False  # Redis 6: BLPOP, then the rest in one transaction
+                    return []
+                return [str(message) for message in reply[1]] if reply else []
+            first = await client.blpop([key], timeout=self._block_s)
+            if first is None:
+                return []
+            async with client.pipeline(transaction=True) as pipe:
+                pipe.lrange(key, 0, _BATCH - 1)
+                pipe.ltrim(key, _BATCH, -1)
+                rest, _ = await pipe.execute()
         except RedisError as exc:
             raise self._error(f"reading {key}", exc) from exc
-        return [str(message) for message in reply[1]] if reply else []
+        return [str(first[1]), *(str(message) for message in rest)]
 
     async def _run(
         self, name: str, keys: list[str], args: list[str], *, with_ttl: bool = True

@@ -133,6 +133,23 @@ async def test_one_leader_decides_round_robin_across_replicas(cluster: Cluster) 
     assert leader.core.statistics().completed_total == 6
 
 
+async def test_without_blmpop_as_on_redis_6(cluster: Cluster) -> None:
+    """Redis 6 has no BLMPOP: BLPOP, then the rest of the list in one transaction."""
+    leader, follower = await pair(cluster)
+    for replica in (leader, follower):
+        assert replica._link is not None
+        replica._link._blmpop = False
+    holder = await follower.acquire(ticket("A"))
+    parked = [asyncio.ensure_future(follower.acquire(ticket(user))) for user in "BCD"]
+    await follower.barrier()
+    assert leader.statistics().queued == 3
+    holder.release()
+    for task in parked:
+        (await asyncio.wait_for(task, 5)).release()
+    await follower.barrier()
+    assert leader.statistics().completed_total == 4
+
+
 async def test_followers_status_is_the_leaders_document(cluster: Cluster) -> None:
     leader, follower = await pair(cluster)
     held = await follower.acquire(ticket("A"))
