@@ -19,12 +19,12 @@ import tracemalloc
 from fair_sched_plugin.core import (
     FairnessPolicy,
     FairScheduler,
-    FakeClock,
     InflightLimitGate,
     Lease,
     Ticket,
     TierLimits,
 )
+from fair_sched_plugin.testing import FakeClock
 
 TIERS = (TierLimits("interactive", waiting_below=3), TierLimits("batch", waiting_below=1))
 

@@ -21,9 +21,11 @@ from .config import BackendSettings, FairSchedSettings, default_metrics_url, loa
 from .core import (
     BackendGroup,
     BackendSnapshot,
+    Clock,
     FairScheduler,
     GateTransition,
     Lease,
+    LoopClock,
     MetricsGate,
     Ticket,
     TierLimits,
@@ -98,7 +100,9 @@ class SchedulingService:
     Construct anywhere (nothing touches an event loop); `start()` from a running loop starts the
     metrics watchers; `aclose()` stops them and fails whatever still waits.
     `deployments` maps a model name to the `api_base` of each deployment behind it (LiteLLM's
-    `model_list`), used where `backends` gives no metrics URL.
+    `model_list`), used where `backends` gives no metrics URL. `clock` is the one time base of
+    the gate, the scheduler, the metrics watchers and the rejection-log limiter (the running
+    loop's by default; `fair_sched_plugin.testing.FakeClock` in tests).
     """
 
     def __init__(
@@ -107,7 +111,9 @@ class SchedulingService:
         *,
         deployments: Mapping[str, Iterable[str]] | None = None,
         http_client: httpx.AsyncClient | None = None,
+        clock: Clock | None = None,
     ) -> None:
+        self.clock: Clock = clock or LoopClock()
         self.settings = load_settings(settings)
         self.directory = PrincipalDirectory(self.settings)
         self.backends = _resolve_backends(self.settings, deployments or {})
@@ -130,6 +136,7 @@ class SchedulingService:
             unknown_model_max_inflight=self.settings.unknown_model_max_inflight,
             on_transition=self._log_transition,
             request_scrape=self._request_scrape,
+            clock=self.clock,
         )
         queue = self.settings.queue
         tier_limits = tuple(
@@ -155,6 +162,7 @@ class SchedulingService:
                 max_per_user=queue.max_per_user,
                 max_total=queue.max_total,
                 max_wait_s=queue.max_wait_s,
+                clock=self.clock,
             ),
             fairness=settings.fairness,
             stale_after_s=settings.effective_stale_after_ms / 1000,
@@ -174,7 +182,7 @@ class SchedulingService:
         self.transitions: list[GateTransition] = []
         self._transition_listeners: list[Callable[[GateTransition], None]] = []
         self._admission_observers: list[AdmissionObserver] = []
-        self._rejection_log = RejectionLogLimiter()
+        self._rejection_log = RejectionLogLimiter(clock=self.clock.now)
         # Created now so the wait histogram sees every admission; reads happen at scrape time.
         self._observability = ServiceMetrics(self)
 
@@ -204,6 +212,7 @@ class SchedulingService:
                     timeout_s=settings.effective_metrics_timeout_ms / 1000,
                     on_snapshot=self._snapshot_listener(model),
                     client=self._http_client,
+                    clock=self.clock.now,
                 )
                 watcher.start()
                 self._watchers.setdefault(model, []).append(watcher)

@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 from .backpressure import BackendGroup, GateTransition, GroupStatus, MetricsGate
-from .clock import Clock, FakeClock, LoopClock
-from .gate import AdmissionGate, InflightLimitGate, ManualGate
+from .clock import Clock, LoopClock
+from .gate import AdmissionGate, InflightLimitGate
 from .scheduler import (
     FairnessPolicy,
     FairScheduler,
@@ -22,14 +22,12 @@ __all__ = [
     "Clock",
     "FairScheduler",
     "FairnessPolicy",
-    "FakeClock",
     "GateTransition",
     "GroupStatus",
     "InflightLimitGate",
     "Lease",
     "LeaseOwner",
     "LoopClock",
-    "ManualGate",
     "MetricsGate",
     "Reservation",
     "SchedulerStatistics",
