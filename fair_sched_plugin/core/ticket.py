@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from types import TracebackType
 from typing import NamedTuple, Protocol
 
@@ -16,25 +15,34 @@ class TierLimits(NamedTuple):
     kv_usage_below: float | None = None
 
 
-@dataclass(frozen=True, slots=True)
-class Ticket:
-    """One request waiting for its turn.
-
-    `cost` is the estimated number of tokens (prompt + max output); the token-fair policy charges
-    it at release and corrects it with the actual count when the lease ends.
-    """
-
+class _TicketFields(NamedTuple):
     model: str
     user: str
     tier: str
     weight: float = 1.0
     cost: int = 1
 
-    def __post_init__(self) -> None:
-        if self.weight <= 0:
-            raise ValueError(f"weight must be > 0 (got {self.weight!r})")
-        if self.cost < 0:
-            raise ValueError(f"cost must be >= 0 (got {self.cost!r})")
+
+class Ticket(_TicketFields):
+    """One request waiting for its turn (immutable).
+
+    `cost` is the estimated number of tokens (prompt + max output); the token-fair policy charges
+    it at release and corrects it with the actual count when the lease ends.
+
+    A named tuple rather than a frozen dataclass: one is built per request on the hot path, and
+    a frozen dataclass's `__init__` costs twice as much.
+    """
+
+    __slots__ = ()
+
+    def __new__(
+        cls, model: str, user: str, tier: str, weight: float = 1.0, cost: int = 1
+    ) -> Ticket:
+        if weight <= 0:
+            raise ValueError(f"weight must be > 0 (got {weight!r})")
+        if cost < 0:
+            raise ValueError(f"cost must be >= 0 (got {cost!r})")
+        return tuple.__new__(cls, (model, user, tier, weight, cost))
 
 
 class LeaseOwner(Protocol):
@@ -60,6 +68,7 @@ class Lease:
         "_started",
         "enqueued_at",
         "lease_id",
+        "owner_ref",
         "released_at",
         "ticket",
     )
@@ -72,8 +81,11 @@ class Lease:
         enqueued_at: float,
         released_at: float,
         charged: float,
+        owner_ref: object = None,
     ) -> None:
         self._owner = owner
+        # Whatever the owner needs to find its bookkeeping for this lease without a lookup.
+        self.owner_ref = owner_ref
         self.ticket = ticket
         self.lease_id = lease_id
         self.enqueued_at = enqueued_at
