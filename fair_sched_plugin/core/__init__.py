@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 from .backpressure import BackendGroup, GateTransition, GroupStatus, MetricsGate
+from .budget import BudgetAction, BudgetBook, BudgetRule, BudgetUnit, BudgetVerdict
 from .clock import Clock, LoopClock
 from .gate import AdmissionGate, InflightLimitGate
 from .scheduler import (
     FairnessPolicy,
     FairScheduler,
+    QueueOrder,
     Reservation,
     SchedulerStatistics,
     UserBacklog,
@@ -19,6 +21,11 @@ __all__ = [
     "AdmissionGate",
     "BackendGroup",
     "BackendSnapshot",
+    "BudgetAction",
+    "BudgetBook",
+    "BudgetRule",
+    "BudgetUnit",
+    "BudgetVerdict",
     "Clock",
     "FairScheduler",
     "FairnessPolicy",
@@ -29,6 +36,7 @@ __all__ = [
     "LeaseOwner",
     "LoopClock",
     "MetricsGate",
+    "QueueOrder",
     "Reservation",
     "SchedulerStatistics",
     "Ticket",

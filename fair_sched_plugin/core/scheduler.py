@@ -24,7 +24,8 @@ from .clock import Clock, LoopClock, TimerHandle
 from .gate import AdmissionGate
 from .ticket import Lease, Ticket, TierLimits
 
-FairnessPolicy = Literal["round_robin", "weighted", "tokens"]
+FairnessPolicy = Literal["round_robin", "weighted", "tokens", "cost"]
+QueueOrder = Literal["fifo", "shortest_first"]
 
 _QUEUED, _GRANTED, _CANCELLED, _EXPIRED, _CLOSED = range(5)
 
@@ -59,12 +60,13 @@ class SchedulerStatistics(NamedTuple):
 class _Waiter(asyncio.Future[Lease]):
     """A parked ticket: its own future (one object per parked ticket, not two)."""
 
-    __slots__ = ("enqueued_at", "state", "ticket", "user_queue")
+    __slots__ = ("enqueued_at", "state", "ticket", "tier_since", "user_queue")
 
     ticket: Ticket
     enqueued_at: float
     state: int
     user_queue: _UserQueue
+    tier_since: float  # when it entered its current tier (promotion counts from here)
 
 
 class Reservation:
@@ -108,6 +110,7 @@ class _UserQueue:
         "heap_generation",
         "in_flight",
         "in_heap",
+        "sized",
         "tier_queue",
         "user",
         "virtual_time",
@@ -120,6 +123,9 @@ class _UserQueue:
         # Arrival order. A cancelled reservation stays in the deque, marked, until it reaches
         # the head or the deque is compacted (O(1) cancellation); `depth` counts the live ones.
         self.waiters: deque[_Waiter] = deque()
+        # `queue.order: shortest_first`: a heap keyed (estimated tokens, arrival) instead, with
+        # the same lazy cancellation.
+        self.sized: list[tuple[int, int, _Waiter]] = []
         self.depth = 0
         self.virtual_time = virtual_time
         self.in_flight = 0
@@ -136,17 +142,32 @@ class _TierQueue:
         "limits",
         "model",
         "model_queues",
+        "position",
+        "promote_timer",
+        "promoting",
         "queued",
         "scheduler",
+        "share_vtime",
         "stale_entries",
         "users",
         "virtual_time",
     )
 
     def __init__(
-        self, scheduler: FairScheduler, model_queues: _ModelQueues, limits: TierLimits
+        self,
+        scheduler: FairScheduler,
+        model_queues: _ModelQueues,
+        limits: TierLimits,
+        position: int,
     ) -> None:
         self.scheduler = scheduler
+        self.position = position
+        # Weighted fair queuing between share tiers: virtual finish time of this tier's service.
+        self.share_vtime = 0.0
+        # `promote_after_s`: this tier's waiters in the order they entered it, one timer for the
+        # head (every waiter of a tier has the same promotion delay).
+        self.promoting: deque[_Waiter] = deque()
+        self.promote_timer: TimerHandle | None = None
         self.model_queues = model_queues
         self.model = model_queues.model
         self.limits = limits
@@ -160,11 +181,24 @@ class _TierQueue:
 
 
 class _ModelQueues:
-    __slots__ = ("dispatching", "in_flight", "model", "queued", "redispatch", "tiers")
+    __slots__ = (
+        "dispatching",
+        "in_flight",
+        "model",
+        "queued",
+        "redispatch",
+        "share_clock",
+        "tiers",
+    )
 
     def __init__(self, scheduler: FairScheduler, model: str, tiers: Iterable[TierLimits]) -> None:
         self.model = model
-        self.tiers = [_TierQueue(scheduler, self, limits) for limits in tiers]
+        self.tiers = [
+            _TierQueue(scheduler, self, limits, position) for position, limits in enumerate(tiers)
+        ]
+        # Per group of share tiers: the start tag of the latest release (a tier that comes
+        # back to the group is lifted to it, so idleness is not banked).
+        self.share_clock: dict[int, float] = {}
         self.queued = 0
         self.in_flight = 0
         # Re-entrancy guard: a gate may notify us from inside a release decision.
@@ -189,6 +223,7 @@ class FairScheduler:
         max_per_user: int = 1000,
         max_total: int = 100_000,
         max_wait_s: float = 600.0,
+        order: QueueOrder = "fifo",
         clock: Clock | None = None,
     ) -> None:
         self._tiers = tuple(tiers)
@@ -197,8 +232,27 @@ class FairScheduler:
         self._tier_index = {tier.name: index for index, tier in enumerate(self._tiers)}
         if len(self._tier_index) != len(self._tiers):
             raise ValueError("tier names must be unique")
-        if fairness not in ("round_robin", "weighted", "tokens"):
+        if fairness not in ("round_robin", "weighted", "tokens", "cost"):
             raise ValueError(f"unknown fairness policy {fairness!r}")
+        if order not in ("fifo", "shortest_first"):
+            raise ValueError(f"unknown queue order {order!r}")
+        self._shortest_first = order == "shortest_first"
+        # Groups of adjacent tiers that share by weight; a tier without a share is a group of
+        # its own and keeps strict priority over every tier below it.
+        self._tier_groups: list[tuple[int, ...]] = []
+        for index, limits in enumerate(self._tiers):
+            if limits.share is not None and limits.share <= 0:
+                raise ValueError(f"tier {limits.name!r}: share must be > 0")
+            previous = self._tier_groups[-1] if self._tier_groups else None
+            if (
+                limits.share is not None
+                and previous is not None
+                and self._tiers[previous[-1]].share is not None
+            ):
+                self._tier_groups[-1] = (*previous, index)
+            else:
+                self._tier_groups.append((index,))
+        self._shared_tiers = any(len(group) > 1 for group in self._tier_groups)
         self._fairness: FairnessPolicy = fairness
         self._gate = gate
         self._max_per_user = max_per_user
@@ -319,7 +373,7 @@ class FairScheduler:
                 for user_queue in tier.users.values():
                     if not user_queue.depth:
                         continue
-                    oldest = next(r for r in user_queue.waiters if r.state == _QUEUED)
+                    oldest = min(self._live_waiters(user_queue), key=_arrival)
                     result.append(
                         UserBacklog(
                             model=queues.model,
@@ -345,10 +399,12 @@ class FairScheduler:
             self._deadline_timer = None
         for queues in self._models.values():
             for tier in queues.tiers:
+                if tier.promote_timer is not None:
+                    tier.promote_timer.cancel()
+                    tier.promote_timer = None
+                tier.promoting.clear()
                 for user_queue in list(tier.users.values()):
-                    for waiter in list(user_queue.waiters):
-                        if waiter.state != _QUEUED:
-                            continue
+                    for waiter in self._live_waiters(user_queue):
                         self._remove_waiter(waiter, _CLOSED)
                         if not waiter.done():
                             waiter.set_exception(
@@ -412,14 +468,19 @@ class FairScheduler:
             user_queue = self._user_queue(tier, ticket.user)
         waiter = _Waiter(loop=asyncio.get_running_loop())
         waiter.ticket = ticket
-        waiter.enqueued_at = self._clock.now()
+        waiter.enqueued_at = waiter.tier_since = self._clock.now()
         waiter.state = _QUEUED
         waiter.user_queue = user_queue
         if not user_queue.depth:
             self._lift(user_queue)
             self._push(tier, user_queue)
-        user_queue.waiters.append(waiter)
+        if self._shortest_first:
+            heapq.heappush(user_queue.sized, (ticket.cost, next(self._arrivals), waiter))
+        else:
+            user_queue.waiters.append(waiter)
         user_queue.depth += 1
+        if tier.limits.promote_after_s is not None and tier.position:
+            self._track_promotion(tier, waiter)
         tier.queued += 1
         queues.queued += 1
         self._queued_total += 1
@@ -444,13 +505,26 @@ class FairScheduler:
         self._queued_total -= 1
         if not user_queue.depth:
             user_queue.waiters.clear()
+            user_queue.sized.clear()
             self._unpush(tier, user_queue)
             self._forget_if_idle(tier, user_queue)
-        elif len(user_queue.waiters) > 2 * user_queue.depth + 16:
+        elif len(user_queue.waiters) + len(user_queue.sized) > 2 * user_queue.depth + 16:
             # Marked entries outnumber the live ones: rebuild, so submit-and-cancel abuse
-            # cannot grow the deque (amortised O(1) per cancellation).
-            user_queue.waiters = deque(r for r in user_queue.waiters if r.state == _QUEUED)
+            # cannot grow the queue (amortised O(1) per cancellation).
+            self._rebuild(user_queue)
         self._compact_deadlines()
+
+    def _live_waiters(self, user_queue: _UserQueue) -> list[_Waiter]:
+        if self._shortest_first:
+            return [entry[2] for entry in user_queue.sized if entry[2].state == _QUEUED]
+        return [waiter for waiter in user_queue.waiters if waiter.state == _QUEUED]
+
+    def _rebuild(self, user_queue: _UserQueue) -> None:
+        if self._shortest_first:
+            user_queue.sized = [e for e in user_queue.sized if e[2].state == _QUEUED]
+            heapq.heapify(user_queue.sized)
+        else:
+            user_queue.waiters = deque(w for w in user_queue.waiters if w.state == _QUEUED)
 
     # ------------------------------------------------------------------ releasing
 
@@ -481,6 +555,12 @@ class FairScheduler:
                 queues.redispatch = False
                 # Release while some tier, most urgent first, has a request the gate lets go.
                 while queues.queued:
+                    if self._shared_tiers:
+                        chosen = self._next_shared_tier(queues)
+                        if chosen is None:
+                            break
+                        self._release_next(queues, chosen)
+                        continue
                     for tier in queues.tiers:
                         if tier.queued and may_release(model, tier.limits):
                             self._release_next(queues, tier)
@@ -492,15 +572,46 @@ class FairScheduler:
         finally:
             queues.dispatching = False
 
+    def _next_shared_tier(self, queues: _ModelQueues) -> _TierQueue | None:
+        """The tier to release from when some tiers share: groups in priority order; inside a
+        group of share tiers, the releasable one with the smallest virtual finish time (start-time
+        fair queuing between tiers, by request)."""
+        may_release = self._gate.may_release
+        tiers = queues.tiers
+        for group_id, group in enumerate(self._tier_groups):
+            best: _TierQueue | None = None
+            best_start = 0.0
+            group_clock = queues.share_clock.get(group_id, 0.0)
+            for index in group:
+                tier = tiers[index]
+                if not tier.queued or not may_release(queues.model, tier.limits):
+                    continue
+                start = max(tier.share_vtime, group_clock)
+                if best is None or start < best_start:
+                    best, best_start = tier, start
+            if best is not None:
+                if best.limits.share is not None:
+                    queues.share_clock[group_id] = best_start
+                    best.share_vtime = best_start + 1.0 / best.limits.share
+                return best
+        return None
+
     def _release_next(self, queues: _ModelQueues, tier: _TierQueue) -> None:
         user_queue = self._peek_user(tier)
-        waiters = user_queue.waiters
-        waiter = waiters.popleft()
-        while waiter.state != _QUEUED:
+        if self._shortest_first:
+            sized = user_queue.sized
+            waiter = heapq.heappop(sized)[2]
+            while waiter.state != _QUEUED:
+                waiter = heapq.heappop(sized)[2]
+        else:
+            waiters = user_queue.waiters
             waiter = waiters.popleft()
+            while waiter.state != _QUEUED:
+                waiter = waiters.popleft()
         user_queue.depth -= 1
         if not user_queue.depth:
-            waiters.clear()
+            user_queue.waiters.clear()
+            user_queue.sized.clear()
         tier.queued -= 1
         queues.queued -= 1
         self._queued_total -= 1
@@ -574,10 +685,13 @@ class FairScheduler:
                 self._correct(tier, user_queue, -lease.charged)
         else:
             self._completed_total += 1
+            correction = 0.0
             if tokens_used is not None and self._fairness == "tokens":
                 correction = self._charge(lease.ticket, tokens_used) - lease.charged
-                if correction:
-                    self._correct(tier, user_queue, correction)
+            elif lease.cost_used is not None and self._fairness == "cost":
+                correction = _money_charge(lease.cost_used, lease.ticket) - lease.charged
+            if correction:
+                self._correct(tier, user_queue, correction)
         if not user_queue.depth:
             self._forget_if_idle(tier, user_queue)
         if self._end_listeners:
@@ -593,6 +707,8 @@ class FairScheduler:
             return 1.0
         if self._fairness == "weighted":
             return 1.0 / ticket.weight
+        if self._fairness == "cost":
+            return _money_charge(ticket.price, ticket)
         return max(tokens, 1) / ticket.weight
 
     def _lift(self, user_queue: _UserQueue) -> None:
@@ -662,6 +778,88 @@ class FairScheduler:
             _, oldest = tier.idle.popitem(last=False)
             if not oldest.depth and not oldest.in_flight and tier.users.get(oldest.user) is oldest:
                 del tier.users[oldest.user]
+
+    # ------------------------------------------------------------------ promotion
+
+    def _track_promotion(self, tier: _TierQueue, waiter: _Waiter) -> None:
+        tier.promoting.append(waiter)
+        if tier.promote_timer is None:
+            self._arm_promotion(tier)
+        elif len(tier.promoting) > 2 * tier.queued + 64:
+            # Granted and cancelled waiters are dropped lazily; rebuild before they pile up.
+            tier.promoting = deque(w for w in tier.promoting if _still_in(w, tier))
+
+    def _arm_promotion(self, tier: _TierQueue) -> None:
+        promoting = tier.promoting
+        while promoting and not _still_in(promoting[0], tier):
+            promoting.popleft()
+        delay = tier.limits.promote_after_s
+        if not promoting or delay is None:
+            tier.promote_timer = None
+            return
+        tier.promote_timer = self._clock.call_at(
+            promoting[0].tier_since + delay, lambda: self._promote_due(tier)
+        )
+
+    def _promote_due(self, tier: _TierQueue) -> None:
+        tier.promote_timer = None
+        delay = tier.limits.promote_after_s
+        if self._closed or delay is None:
+            return
+        now = self._clock.now()
+        promoting = tier.promoting
+        moved = False
+        while promoting:
+            waiter = promoting[0]
+            if not _still_in(waiter, tier):
+                promoting.popleft()
+                continue
+            if waiter.tier_since + delay > now:
+                break
+            promoting.popleft()
+            self._move_up(waiter, now)
+            moved = True
+        self._arm_promotion(tier)
+        if moved:
+            self._dispatch_queues(tier.model_queues)
+
+    def _move_up(self, waiter: _Waiter, now: float) -> None:
+        """Move a waiter that waited `promote_after_s` into the same user's queue one tier up,
+        in arrival order there (O(depth) of that user's queues, bounded by `max_per_user`)."""
+        old_queue = waiter.user_queue
+        tier = old_queue.tier_queue
+        if self._shortest_first:
+            old_queue.sized = [entry for entry in old_queue.sized if entry[2] is not waiter]
+            heapq.heapify(old_queue.sized)
+        else:
+            old_queue.waiters.remove(waiter)
+        old_queue.depth -= 1
+        tier.queued -= 1
+        if not old_queue.depth:
+            old_queue.waiters.clear()
+            old_queue.sized.clear()
+            self._unpush(tier, old_queue)
+            self._forget_if_idle(tier, old_queue)
+        upper = tier.model_queues.tiers[tier.position - 1]
+        new_queue = self._user_queue(upper, waiter.ticket.user)
+        if not new_queue.depth:
+            self._lift(new_queue)
+            self._push(upper, new_queue)
+        waiter.ticket = waiter.ticket._replace(tier=upper.limits.name)
+        waiter.user_queue = new_queue
+        waiter.tier_since = now
+        if self._shortest_first:
+            heapq.heappush(new_queue.sized, (waiter.ticket.cost, next(self._arrivals), waiter))
+        else:
+            waiters = new_queue.waiters
+            index = len(waiters)
+            while index and waiters[index - 1].enqueued_at > waiter.enqueued_at:
+                index -= 1
+            waiters.insert(index, waiter)
+        new_queue.depth += 1
+        upper.queued += 1
+        if upper.limits.promote_after_s is not None and upper.position:
+            self._track_promotion(upper, waiter)
 
     # ------------------------------------------------------------------ deadlines
 
@@ -738,3 +936,17 @@ class FairScheduler:
     def _retry_hint(self, queues: _ModelQueues) -> float:
         # A rough hint: a second per queued request per in-flight slot, between 1 s and 60 s.
         return min(60.0, max(1.0, queues.queued / max(queues.in_flight, 1)))
+
+
+def _arrival(waiter: _Waiter) -> float:
+    return waiter.enqueued_at
+
+
+def _money_charge(money: float, ticket: Ticket) -> float:
+    # A request priced at nothing (a model without prices) still takes a turn's worth of a
+    # microdollar, so zero-priced users are served round robin, not ahead of everybody forever.
+    return max(money, 1e-6) / ticket.weight
+
+
+def _still_in(waiter: _Waiter, tier: _TierQueue) -> bool:
+    return waiter.state == _QUEUED and waiter.user_queue.tier_queue is tier
