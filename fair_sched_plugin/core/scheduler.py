@@ -688,8 +688,14 @@ class FairScheduler:
             correction = 0.0
             if tokens_used is not None and self._fairness == "tokens":
                 correction = self._charge(lease.ticket, tokens_used) - lease.charged
-            elif lease.cost_used is not None and self._fairness == "cost":
-                correction = _money_charge(lease.cost_used, lease.ticket) - lease.charged
+            elif self._fairness == "cost":
+                spent = lease.cost_used
+                if spent is None and tokens_used is not None:
+                    # Only the token count came back: scale the estimate by it.
+                    ticket = lease.ticket
+                    spent = ticket.price * max(tokens_used, 1) / max(ticket.cost, 1)
+                if spent is not None:
+                    correction = _money_charge(spent, lease.ticket) - lease.charged
             if correction:
                 self._correct(tier, user_queue, correction)
         if not user_queue.depth:

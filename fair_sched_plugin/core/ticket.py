@@ -88,6 +88,7 @@ class Lease:
         "owner_ref",
         "released_at",
         "ticket",
+        "tokens_used",
     )
 
     def __init__(
@@ -112,6 +113,7 @@ class Lease:
         self._ended = False
         # The actual money cost, when the caller reported it at release (`fairness: cost`).
         self.cost_used: float | None = None
+        self.tokens_used: int | None = None
 
     @property
     def active(self) -> bool:
@@ -147,6 +149,7 @@ class Lease:
             return False
         self._ended = True
         self.cost_used = cost_used
+        self.tokens_used = tokens_used
         self._owner.lease_ended(self, tokens_used, abandoned=False)
         return True
 
