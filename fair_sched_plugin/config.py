@@ -48,6 +48,11 @@ class TierSettings(_Frozen):
     tpot_below_ms: Annotated[float, Field(gt=0)] | None = None
     kv_usage_below: Annotated[float, Field(gt=0, le=1)] | None = None
     vllm_priority: int = 0
+    # Weighted sharing with the adjacent tiers that also have a share (e.g. 0.8 / 0.2); a tier
+    # without one keeps strict priority over every tier below it.
+    share: Annotated[float, Field(gt=0)] | None = None
+    # A request parked this long in this tier moves one tier up (not on the first tier).
+    promote_after_s: Annotated[float, Field(gt=0)] | None = None
 
     @field_validator("name")
     @classmethod
@@ -71,6 +76,28 @@ class PrincipalMatch(_Frozen):
         return self
 
 
+BUDGET_WINDOWS_S = {"minute": 60.0, "hour": 3600.0, "day": 86400.0}
+
+
+class BudgetSettings(_Frozen):
+    """A spending budget: `usd` (money, in the unit of `backends.<model>.price`) or `tokens`
+    per window; over it, `demote` to the tier `demote_to` or `reject` until the window ends."""
+
+    usd: Annotated[float, Field(ge=0)] | None = None
+    tokens: Annotated[int, Field(ge=0)] | None = None
+    per: Literal["minute", "hour", "day"]
+    action: Literal["demote", "reject"] = "reject"
+    demote_to: str | None = None
+
+    @model_validator(mode="after")
+    def _one_unit(self) -> BudgetSettings:
+        if (self.usd is None) == (self.tokens is None):
+            raise ValueError("needs exactly one of `usd` or `tokens`")
+        if self.action == "demote" and self.demote_to is None:
+            raise ValueError("action demote needs `demote_to` (a lower tier)")
+        return self
+
+
 class PrincipalSettings(_Frozen):
     """A named caller: which keys or LiteLLM identities it owns, its tier and weight."""
 
@@ -79,6 +106,7 @@ class PrincipalSettings(_Frozen):
     match: PrincipalMatch | None = None
     tier: str | None = None
     weight: Annotated[float, Field(gt=0, le=1_000_000)] = 1.0
+    budget: BudgetSettings | None = None
 
     @field_validator("name")
     @classmethod
@@ -113,6 +141,26 @@ class MetricsUnavailableSettings(_Frozen):
     max_inflight: Annotated[int, Field(gt=0)] = 4
 
 
+class PriceSettings(_Frozen):
+    """Money per million tokens (`fairness: cost` and `usd` budgets); cached prompt tokens cost
+    `cached_input_per_mtok`, or the input price when it is not given."""
+
+    input_per_mtok: Annotated[float, Field(ge=0)]
+    cached_input_per_mtok: Annotated[float, Field(ge=0)] | None = None
+    output_per_mtok: Annotated[float, Field(ge=0)]
+
+    def cost(self, prompt_tokens: int, output_tokens: int, cached_tokens: int = 0) -> float:
+        cached = min(max(cached_tokens, 0), prompt_tokens)
+        cached_price = self.input_per_mtok
+        if self.cached_input_per_mtok is not None:
+            cached_price = self.cached_input_per_mtok
+        return (
+            (prompt_tokens - cached) * self.input_per_mtok
+            + cached * cached_price
+            + output_tokens * self.output_per_mtok
+        ) / 1_000_000
+
+
 class BackendSettings(_Frozen):
     """One model group (a LiteLLM `model_name`): where its engine metrics are, what it supports."""
 
@@ -135,6 +183,7 @@ class BackendSettings(_Frozen):
     # A LiteLLM proxy on a busy host can take several hundred ms to forward a request.
     arrival_grace_ms: Annotated[float, Field(ge=0)] = 1000.0
     on_metrics_unavailable: MetricsUnavailableSettings | None = None
+    price: PriceSettings | None = None
 
     @field_validator("metric_names")
     @classmethod
@@ -171,6 +220,9 @@ class QueueSettings(_Frozen):
     max_per_user: Annotated[int, Field(gt=0)] = 1000
     max_total: Annotated[int, Field(gt=0)] = 100_000
     max_wait_s: Annotated[float, Field(gt=0)] = 600.0
+    # Inside one user's queue: arrival order, or the smallest expected work (prompt estimate +
+    # requested output tokens) first.
+    order: Literal["fifo", "shortest_first"] = "fifo"
 
 
 class IdentitySettings(_Frozen):
@@ -230,7 +282,7 @@ class FairSchedSettings(_Frozen):
         TierSettings(name="batch", waiting_below=1, vllm_priority=10),
     )
     default_tier: str | None = None
-    fairness: Literal["round_robin", "weighted", "tokens"] = "round_robin"
+    fairness: Literal["round_robin", "weighted", "tokens", "cost"] = "round_robin"
     principals: tuple[PrincipalSettings, ...] = ()
     identity: IdentitySettings = IdentitySettings()
     backends: dict[str, BackendSettings] = Field(default_factory=dict)
@@ -276,6 +328,11 @@ class FairSchedSettings(_Frozen):
                 f"({self.state_heartbeat_s:g}) (got {self.state_lease_ttl_s:g})"
             )
         tier_names = {tier.name for tier in self.tiers}
+        if self.tiers[0].promote_after_s is not None:
+            raise ValueError("tiers[0].promote_after_s: the first tier has no tier above it")
+        priced = [model for model, backend in self.backends.items() if backend.price is not None]
+        if self.fairness == "cost" and not priced:
+            raise ValueError("fairness: cost needs a price in at least one backends.<model>.price")
         if self.default_tier is not None and self.default_tier not in tier_names:
             raise ValueError(
                 f"default_tier: unknown tier {self.default_tier!r}; tiers are {sorted(tier_names)}"
@@ -288,6 +345,22 @@ class FairSchedSettings(_Frozen):
                 raise ValueError(
                     f"{where}.tier: unknown tier {principal.tier!r}; tiers are {sorted(tier_names)}"
                 )
+            budget = principal.budget
+            if budget is not None and budget.demote_to is not None:
+                order = [tier.name for tier in self.tiers]
+                own = principal.tier or self.default_tier_name
+                if budget.demote_to not in tier_names:
+                    raise ValueError(
+                        f"{where}.budget.demote_to: unknown tier {budget.demote_to!r}; "
+                        f"tiers are {sorted(tier_names)}"
+                    )
+                if own in tier_names and order.index(budget.demote_to) <= order.index(own):
+                    raise ValueError(
+                        f"{where}.budget.demote_to: {budget.demote_to!r} is not below the "
+                        f"principal's tier {own!r}"
+                    )
+            if budget is not None and budget.usd is not None and not priced:
+                raise ValueError(f"{where}.budget.usd: needs prices in backends.<model>.price")
             if principal.name in seen_names:
                 raise ValueError(f"{where}.name: duplicate principal name {principal.name!r}")
             seen_names.add(principal.name)

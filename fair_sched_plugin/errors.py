@@ -5,6 +5,7 @@
     ├── Rejected                      a request the scheduler will not run; carries `retry_after_s`
     │   ├── QueueFull                 per-user or total queue cap reached       -> HTTP 429
     │   ├── QueueTimeout              waited longer than `queue.max_wait_s`     -> HTTP 429
+    │   ├── BudgetExceeded            the principal spent its budget (reject)   -> HTTP 429
     │   └── SchedulerClosed           the scheduler is shutting down            -> HTTP 503
     └── StateStoreError               the shared state store (Redis) failed; wraps the cause
 
@@ -56,6 +57,13 @@ class QueueTimeout(Rejected):
     """A request waited longer than `queue.max_wait_s` without being released."""
 
     reason = "timeout"
+
+
+class BudgetExceeded(Rejected):
+    """The principal spent its budget for the current window (`budget.action: reject`);
+    `retry_after_s` points at the window's end."""
+
+    reason = "budget"
 
 
 class SchedulerClosed(Rejected):

@@ -13,22 +13,33 @@ import time
 from collections import OrderedDict
 from collections.abc import Callable, Hashable, Iterable, Mapping, MutableMapping
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any, Literal, Protocol
 
 import httpx
 
-from .config import BackendSettings, FairSchedSettings, default_metrics_url, load_settings
+from .config import (
+    BUDGET_WINDOWS_S,
+    BackendSettings,
+    FairSchedSettings,
+    PriceSettings,
+    default_metrics_url,
+    load_settings,
+)
 from .core import (
     BackendGroup,
     BackendSnapshot,
+    BudgetBook,
+    BudgetRule,
+    Clock,
     FairScheduler,
     GateTransition,
     Lease,
+    LoopClock,
     MetricsGate,
     Ticket,
     TierLimits,
 )
-from .errors import FairSchedError, Rejected, SchedulerClosed
+from .errors import BudgetExceeded, FairSchedError, Rejected, SchedulerClosed
 from .identity import Credentials, Principal, PrincipalDirectory
 from .metrics.profiles import profile_for
 from .metrics.watcher import MetricsWatcher
@@ -98,7 +109,9 @@ class SchedulingService:
     Construct anywhere (nothing touches an event loop); `start()` from a running loop starts the
     metrics watchers; `aclose()` stops them and fails whatever still waits.
     `deployments` maps a model name to the `api_base` of each deployment behind it (LiteLLM's
-    `model_list`), used where `backends` gives no metrics URL.
+    `model_list`), used where `backends` gives no metrics URL. `clock` is the one time base of
+    the gate, the scheduler, the metrics watchers and the rejection-log limiter (the running
+    loop's by default; `fair_sched_plugin.testing.FakeClock` in tests).
     """
 
     def __init__(
@@ -107,7 +120,9 @@ class SchedulingService:
         *,
         deployments: Mapping[str, Iterable[str]] | None = None,
         http_client: httpx.AsyncClient | None = None,
+        clock: Clock | None = None,
     ) -> None:
+        self.clock: Clock = clock or LoopClock()
         self.settings = load_settings(settings)
         self.directory = PrincipalDirectory(self.settings)
         self.backends = _resolve_backends(self.settings, deployments or {})
@@ -130,6 +145,7 @@ class SchedulingService:
             unknown_model_max_inflight=self.settings.unknown_model_max_inflight,
             on_transition=self._log_transition,
             request_scrape=self._request_scrape,
+            clock=self.clock,
         )
         queue = self.settings.queue
         tier_limits = tuple(
@@ -138,6 +154,8 @@ class SchedulingService:
                 waiting_below=tier.waiting_below,
                 tpot_below_s=tier.tpot_below_ms / 1000 if tier.tpot_below_ms else None,
                 kv_usage_below=tier.kv_usage_below,
+                share=tier.share,
+                promote_after_s=tier.promote_after_s,
             )
             for tier in self.settings.tiers
         )
@@ -153,6 +171,8 @@ class SchedulingService:
                 max_per_user=queue.max_per_user,
                 max_total=queue.max_total,
                 max_wait_s=queue.max_wait_s,
+                order=queue.order,
+                clock=self.clock,
             ),
             self.gate,
             prefix=settings.state_prefix,
@@ -166,7 +186,16 @@ class SchedulingService:
         self.transitions: list[GateTransition] = []
         self._transition_listeners: list[Callable[[GateTransition], None]] = []
         self._admission_observers: list[AdmissionObserver] = []
-        self._rejection_log = RejectionLogLimiter()
+        self._rejection_log = RejectionLogLimiter(clock=self.clock.now)
+        self._prices = {
+            model: backend.price for model, backend in self.backends.items() if backend.price
+        }
+        # Models without a price are charged as the dearest priced one (never free).
+        self._fallback_price = max(
+            self._prices.values(), key=lambda price: price.cost(1000, 1000), default=None
+        )
+        self.budgets = BudgetBook(_budget_rules(self.settings), clock=self.clock)
+        self.scheduler.add_end_listener(self._count_spend)
         # Created now so the wait histogram sees every admission; reads happen at scrape time.
         self._observability = ServiceMetrics(self)
 
@@ -196,6 +225,7 @@ class SchedulingService:
                     timeout_s=settings.effective_metrics_timeout_ms / 1000,
                     on_snapshot=self._snapshot_listener(model),
                     client=self._http_client,
+                    clock=self.clock.now,
                 )
                 watcher.start()
                 self._watchers.setdefault(model, []).append(watcher)
@@ -234,14 +264,46 @@ class SchedulingService:
         return self.directory.resolve(credentials)
 
     def ticket_for(self, principal: Principal, model: str, body: Mapping[str, Any]) -> Ticket:
-        cost = estimate_prompt_tokens(body) + requested_max_tokens(body)
+        prompt_tokens = estimate_prompt_tokens(body)
+        output_tokens = requested_max_tokens(body)
+        price = self.price_of(model)
         return Ticket(
             model=model,
             user=principal.name,
             tier=principal.tier,
             weight=principal.weight,
-            cost=cost,
+            cost=prompt_tokens + output_tokens,
+            price=price.cost(prompt_tokens, output_tokens) if price is not None else 0.0,
         )
+
+    def price_of(self, model: str) -> PriceSettings | None:
+        """`backends.<model>.price`, else the dearest configured price, else None."""
+        return self._prices.get(model, self._fallback_price)
+
+    def _apply_budget(self, ticket: Ticket) -> Ticket:
+        """Over budget: the ticket in the `demote_to` tier, or `BudgetExceeded` until the
+        window ends."""
+        verdict = self.budgets.verdict(ticket.user)
+        if verdict is None or not verdict.over:
+            return ticket
+        rule = verdict.rule
+        if rule.action == "reject" or rule.demote_to is None:
+            raise BudgetExceeded(
+                f"the {rule.unit} budget of {ticket.user!r} is spent until the window ends",
+                retry_after_s=verdict.resets_in_s,
+            )
+        return ticket._replace(tier=rule.demote_to)
+
+    def _count_spend(self, lease: Lease, abandoned: bool) -> None:
+        if abandoned:
+            return
+        ticket = lease.ticket
+        tokens = lease.tokens_used if lease.tokens_used is not None else ticket.cost
+        usd = lease.cost_used
+        if usd is None:
+            # Only the token count is known: scale the estimated price by it.
+            usd = ticket.price * tokens / max(ticket.cost, 1)
+        self.budgets.spend(ticket.user, usd=usd, tokens=tokens)
 
     async def admit(
         self,
@@ -259,13 +321,14 @@ class SchedulingService:
             self.start()
         ticket = self.ticket_for(principal, model, body)
         try:
+            ticket = self._apply_budget(ticket)
             lease = self.scheduler.try_acquire(ticket)
             if lease is None:
                 lease = await self._wait(ticket, disconnected)
         except Rejected as exc:
             self._rejected(principal, ticket, exc)
             raise
-        admission = Admission(lease, principal, self.engine_priority(model, principal.tier))
+        admission = Admission(lease, principal, self.engine_priority(model, ticket.tier))
         for observer in self._admission_observers:
             observer.admitted(admission)
         return admission
@@ -427,6 +490,20 @@ def _resolve_backends(
         elif not backend.all_metrics_urls() and urls:
             resolved[model] = backend.model_copy(update={"metrics_urls": urls})
     return resolved
+
+
+def _budget_rules(settings: FairSchedSettings) -> dict[str, BudgetRule]:
+    rules = {}
+    for principal in settings.principals:
+        budget = principal.budget
+        if budget is None:
+            continue
+        unit: Literal["usd", "tokens"] = "usd" if budget.usd is not None else "tokens"
+        limit = float(budget.usd if budget.usd is not None else budget.tokens or 0)
+        rules[principal.name] = BudgetRule(
+            limit, unit, BUDGET_WINDOWS_S[budget.per], budget.action, budget.demote_to
+        )
+    return rules
 
 
 class RejectionLogLimiter:

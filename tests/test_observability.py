@@ -40,6 +40,7 @@ from fair_sched_plugin.observability import (
     register_in_default_registry,
 )
 from fair_sched_plugin.service import SchedulingService
+from fair_sched_plugin.testing import FakeClock
 
 ALICE_KEY = "sk-secret-alice-0123456789"
 BOB_KEY = "sk-secret-bob-0123456789"
@@ -107,7 +108,8 @@ async def cancel(tasks: list[asyncio.Task[Any]]) -> None:
 
 
 def snapshot(url: str = METRICS_URL, **fields: Any) -> BackendSnapshot:
-    return BackendSnapshot(url=url, started_at=asyncio.get_running_loop().time(), ok=True, **fields)
+    fields.setdefault("started_at", asyncio.get_running_loop().time())
+    return BackendSnapshot(url=url, ok=True, **fields)
 
 
 @pytest.fixture
@@ -355,11 +357,17 @@ async def test_gate_and_engine_readings_per_backend() -> None:
 
 
 async def test_metrics_unavailable_transitions_are_counted() -> None:
-    service = make_service(
-        backends={"big": {"metrics_url": METRICS_URL}}, metrics_poll_ms=10, stale_after_ms=1
+    clock = FakeClock()
+    service = SchedulingService(
+        {
+            "backends": {"big": {"metrics_url": METRICS_URL}},
+            "metrics_poll_ms": 10,
+            "stale_after_ms": 1,
+        },
+        clock=clock,
     )
-    service.gate.update("big", snapshot())
-    await asyncio.sleep(0.01)  # older than stale_after_ms
+    service.gate.update("big", snapshot(started_at=clock.now()))
+    clock.advance(1.0)  # older than stale_after_ms
     service.gate.update("big", BackendSnapshot.failed(METRICS_URL, 0.0, "connection refused"))
     text = scrape(service)
     assert value(text, "fair_sched_gate_mode", model="big", mode="fallback") == 1

@@ -5,7 +5,10 @@ from __future__ import annotations
 import subprocess
 import sys
 
+import pytest
+
 import fair_sched_plugin
+import fair_sched_plugin.testing
 
 PUBLIC = {
     "__version__",
@@ -34,9 +37,14 @@ def test_all_is_pinned_and_every_name_resolves() -> None:
         assert getattr(fair_sched_plugin, name) is not None
 
 
-def test_the_core_imports_without_the_http_stack() -> None:
+def test_the_testing_module_is_pinned() -> None:
+    assert set(fair_sched_plugin.testing.__all__) == {"FakeClock", "ManualGate"}
+
+
+@pytest.mark.parametrize("module", ["fair_sched_plugin.core", "fair_sched_plugin.testing"])
+def test_the_core_and_its_doubles_import_without_the_http_stack(module: str) -> None:
     code = (
-        "import sys, fair_sched_plugin.core; "
+        f"import sys, {module}; "
         "heavy = [m for m in ('httpx', 'starlette', 'litellm', 'redis', 'prometheus_client') "
         "if m in sys.modules]; print(heavy)"
     )

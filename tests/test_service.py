@@ -7,7 +7,8 @@ from typing import Any
 
 import pytest
 
-from fair_sched_plugin.errors import QueueFull
+from fair_sched_plugin.core import BackendSnapshot
+from fair_sched_plugin.errors import QueueFull, QueueTimeout
 from fair_sched_plugin.identity import Credentials
 from fair_sched_plugin.service import (
     ClientDisconnected,
@@ -16,6 +17,7 @@ from fair_sched_plugin.service import (
     estimate_prompt_tokens,
     requested_max_tokens,
 )
+from fair_sched_plugin.testing import FakeClock
 
 
 async def settle() -> None:
@@ -180,3 +182,45 @@ def test_rejection_log_lines_are_limited_per_key_and_count_what_was_skipped() ->
     # A third key evicts the least recently logged one (bob), which starts afresh.
     assert limiter.allow("carol") == 0
     assert limiter.allow("bob") == 0
+
+
+async def test_one_injected_clock_drives_the_gate_the_queue_and_the_rejection_log(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    clock = FakeClock()
+    svc = SchedulingService(
+        {
+            "unknown_model_max_inflight": 1,
+            "queue": {"max_per_user": 1, "max_wait_s": 30},
+            "backends": {"big": {"metrics_url": "http://127.0.0.1:9/metrics"}},
+            "stale_after_ms": 500,
+        },
+        clock=clock,
+    )
+    principal = svc.identify(Credentials(api_key="sk-a"))
+    # The gate: a scrape's age is read on the fake clock.
+    url = "http://127.0.0.1:9/metrics"
+    svc.gate.update("big", BackendSnapshot(url=url, started_at=clock.now(), ok=True, waiting=0))
+    clock.advance(0.25)
+    assert [status.last_scrape_age_s for status in svc.gate.status()] == [0.25]
+    # The scheduler: a parked request times out when the fake clock passes max_wait_s.
+    holder = await svc.admit(principal, "m", BODY)
+    parked = asyncio.create_task(svc.admit(principal, "m", BODY))
+    await settle()
+    with caplog.at_level("WARNING", logger="fair_sched"):
+        for _ in range(2):  # the second line within the minute is skipped
+            with pytest.raises(QueueFull):
+                await svc.admit(principal, "m", BODY)
+        clock.advance(30.0)
+        with pytest.raises(QueueTimeout):
+            await parked
+        clock.advance(60.0)  # the log limiter's minute is over: the next line is logged
+        parked = asyncio.create_task(svc.admit(principal, "m", BODY))
+        await settle()
+        with pytest.raises(QueueFull):
+            await svc.admit(principal, "m", BODY)
+    lines = [r.getMessage() for r in caplog.records if "reason=queue_full" in r.getMessage()]
+    assert len(lines) == 2
+    holder.lease.release()
+    (await asyncio.wait_for(parked, 5)).lease.release()
+    await svc.aclose()

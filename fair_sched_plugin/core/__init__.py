@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 from .backpressure import BackendGroup, GateTransition, GroupStatus, MetricsGate
-from .clock import Clock, FakeClock, LoopClock
-from .gate import AdmissionGate, InflightLimitGate, ManualGate
+from .budget import BudgetAction, BudgetBook, BudgetRule, BudgetUnit, BudgetVerdict
+from .clock import Clock, LoopClock
+from .gate import AdmissionGate, InflightLimitGate
 from .scheduler import (
     FairnessPolicy,
     FairScheduler,
+    QueueOrder,
     Reservation,
     SchedulerStatistics,
     UserBacklog,
@@ -19,18 +21,22 @@ __all__ = [
     "AdmissionGate",
     "BackendGroup",
     "BackendSnapshot",
+    "BudgetAction",
+    "BudgetBook",
+    "BudgetRule",
+    "BudgetUnit",
+    "BudgetVerdict",
     "Clock",
     "FairScheduler",
     "FairnessPolicy",
-    "FakeClock",
     "GateTransition",
     "GroupStatus",
     "InflightLimitGate",
     "Lease",
     "LeaseOwner",
     "LoopClock",
-    "ManualGate",
     "MetricsGate",
+    "QueueOrder",
     "Reservation",
     "SchedulerStatistics",
     "Ticket",

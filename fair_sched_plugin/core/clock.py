@@ -1,10 +1,9 @@
-"""Time for the core: injectable, so tests advance a fake clock instead of sleeping."""
+"""Time for the core: injectable, so tests advance a fake clock instead of sleeping
+(`fair_sched_plugin.testing.FakeClock`)."""
 
 from __future__ import annotations
 
 import asyncio
-import heapq
-import itertools
 from collections.abc import Callable
 from typing import Protocol
 
@@ -30,39 +29,3 @@ class LoopClock:
 
     def call_at(self, when: float, callback: Callable[[], None]) -> TimerHandle:
         return asyncio.get_running_loop().call_at(when, callback)
-
-
-class _FakeTimer:
-    __slots__ = ("cancelled",)
-
-    def __init__(self) -> None:
-        self.cancelled = False
-
-    def cancel(self) -> None:
-        self.cancelled = True
-
-
-class FakeClock:
-    """A clock that moves only when told to; `advance()` runs the timers that fall due."""
-
-    def __init__(self, start: float = 1000.0) -> None:
-        self._now = start
-        self._timers: list[tuple[float, int, _FakeTimer, Callable[[], None]]] = []
-        self._order = itertools.count()
-
-    def now(self) -> float:
-        return self._now
-
-    def call_at(self, when: float, callback: Callable[[], None]) -> TimerHandle:
-        timer = _FakeTimer()
-        heapq.heappush(self._timers, (when, next(self._order), timer, callback))
-        return timer
-
-    def advance(self, seconds: float) -> None:
-        target = self._now + seconds
-        while self._timers and self._timers[0][0] <= target:
-            when, _, timer, callback = heapq.heappop(self._timers)
-            self._now = max(self._now, when)
-            if not timer.cancelled:
-                callback()
-        self._now = target

@@ -72,39 +72,3 @@ class InflightLimitGate(_ListenerMixin):
     def on_ended(self, lease: Lease) -> None:
         # No notification: the scheduler re-runs its decisions after every lease end itself.
         self._in_flight[lease.ticket.model] -= 1
-
-
-class ManualGate(_ListenerMixin):
-    """A gate tests open and close by hand; `allow(n)` lets exactly n more through."""
-
-    def __init__(self, *, is_open: bool = False) -> None:
-        super().__init__()
-        self._open = is_open
-        self._budget = 0
-        self.released: list[Lease] = []
-        self.ended: list[Lease] = []
-
-    def open(self) -> None:
-        self._open = True
-        self._notify(None)
-
-    def close(self) -> None:
-        self._open = False
-
-    def allow(self, count: int = 1) -> None:
-        self._budget += count
-        self._notify(None)
-
-    def may_release(self, model: str, tier: TierLimits) -> bool:
-        return self._open or self._budget > 0
-
-    def on_released(self, lease: Lease) -> None:
-        if not self._open:
-            self._budget -= 1
-        self.released.append(lease)
-
-    def on_started(self, lease: Lease) -> None:
-        pass
-
-    def on_ended(self, lease: Lease) -> None:
-        self.ended.append(lease)

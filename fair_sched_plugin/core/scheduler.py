@@ -24,7 +24,8 @@ from .clock import Clock, LoopClock, TimerHandle
 from .gate import AdmissionGate
 from .ticket import Lease, Ticket, TierLimits
 
-FairnessPolicy = Literal["round_robin", "weighted", "tokens"]
+FairnessPolicy = Literal["round_robin", "weighted", "tokens", "cost"]
+QueueOrder = Literal["fifo", "shortest_first"]
 
 _QUEUED, _GRANTED, _CANCELLED, _EXPIRED, _CLOSED = range(5)
 
@@ -56,23 +57,16 @@ class SchedulerStatistics(NamedTuple):
     in_flight_by_model: Mapping[str, int]
 
 
-class _Waiter:
-    __slots__ = ("enqueued_at", "future", "seq", "state", "ticket", "user_queue")
+class _Waiter(asyncio.Future[Lease]):
+    """A parked ticket: its own future (one object per parked ticket, not two)."""
 
-    def __init__(
-        self,
-        ticket: Ticket,
-        seq: int,
-        enqueued_at: float,
-        future: asyncio.Future[Lease],
-        user_queue: _UserQueue,
-    ) -> None:
-        self.ticket = ticket
-        self.seq = seq
-        self.enqueued_at = enqueued_at
-        self.future = future
-        self.user_queue = user_queue
-        self.state = _QUEUED
+    __slots__ = ("enqueued_at", "state", "ticket", "tier_since", "user_queue")
+
+    ticket: Ticket
+    enqueued_at: float
+    state: int
+    user_queue: _UserQueue
+    tier_since: float  # when it entered its current tier (promotion counts from here)
 
 
 class Reservation:
@@ -83,10 +77,9 @@ class Reservation:
     many replicas' tickets at once); `FairScheduler.acquire()` is built on it.
     """
 
-    __slots__ = ("_scheduler", "_waiter")
+    __slots__ = ("_waiter",)
 
-    def __init__(self, scheduler: FairScheduler, waiter: _Waiter) -> None:
-        self._scheduler = scheduler
+    def __init__(self, waiter: _Waiter) -> None:
         self._waiter = waiter
 
     @property
@@ -95,7 +88,7 @@ class Reservation:
 
     @property
     def future(self) -> asyncio.Future[Lease]:
-        return self._waiter.future
+        return self._waiter
 
     @property
     def enqueued_at(self) -> float:
@@ -107,14 +100,17 @@ class Reservation:
         False once it was granted, timed out or failed: a granted lease is the caller's to
         `abandon()` (or use).
         """
-        return self._scheduler._cancel_waiter(self._waiter)
+        waiter = self._waiter
+        return waiter.user_queue.tier_queue.scheduler._cancel_waiter(waiter)
 
 
 class _UserQueue:
     __slots__ = (
+        "depth",
         "heap_generation",
         "in_flight",
         "in_heap",
+        "sized",
         "tier_queue",
         "user",
         "virtual_time",
@@ -124,7 +120,13 @@ class _UserQueue:
     def __init__(self, user: str, tier_queue: _TierQueue, virtual_time: float) -> None:
         self.user = user
         self.tier_queue = tier_queue
-        self.waiters: OrderedDict[int, _Waiter] = OrderedDict()
+        # Arrival order. A cancelled reservation stays in the deque, marked, until it reaches
+        # the head or the deque is compacted (O(1) cancellation); `depth` counts the live ones.
+        self.waiters: deque[_Waiter] = deque()
+        # `queue.order: shortest_first`: a heap keyed (estimated tokens, arrival) instead, with
+        # the same lazy cancellation.
+        self.sized: list[tuple[int, int, _Waiter]] = []
+        self.depth = 0
         self.virtual_time = virtual_time
         self.in_flight = 0
         # Heap entries carry the generation they were pushed with; bumping it invalidates them
@@ -139,14 +141,35 @@ class _TierQueue:
         "idle",
         "limits",
         "model",
+        "model_queues",
+        "position",
+        "promote_timer",
+        "promoting",
         "queued",
+        "scheduler",
+        "share_vtime",
         "stale_entries",
         "users",
         "virtual_time",
     )
 
-    def __init__(self, model: str, limits: TierLimits) -> None:
-        self.model = model
+    def __init__(
+        self,
+        scheduler: FairScheduler,
+        model_queues: _ModelQueues,
+        limits: TierLimits,
+        position: int,
+    ) -> None:
+        self.scheduler = scheduler
+        self.position = position
+        # Weighted fair queuing between share tiers: virtual finish time of this tier's service.
+        self.share_vtime = 0.0
+        # `promote_after_s`: this tier's waiters in the order they entered it, one timer for the
+        # head (every waiter of a tier has the same promotion delay).
+        self.promoting: deque[_Waiter] = deque()
+        self.promote_timer: TimerHandle | None = None
+        self.model_queues = model_queues
+        self.model = model_queues.model
         self.limits = limits
         self.users: dict[str, _UserQueue] = {}
         # Users kept only for their virtual time, longest idle first (bounded).
@@ -158,11 +181,24 @@ class _TierQueue:
 
 
 class _ModelQueues:
-    __slots__ = ("dispatching", "in_flight", "model", "queued", "redispatch", "tiers")
+    __slots__ = (
+        "dispatching",
+        "in_flight",
+        "model",
+        "queued",
+        "redispatch",
+        "share_clock",
+        "tiers",
+    )
 
-    def __init__(self, model: str, tiers: Iterable[TierLimits]) -> None:
+    def __init__(self, scheduler: FairScheduler, model: str, tiers: Iterable[TierLimits]) -> None:
         self.model = model
-        self.tiers = [_TierQueue(model, limits) for limits in tiers]
+        self.tiers = [
+            _TierQueue(scheduler, self, limits, position) for position, limits in enumerate(tiers)
+        ]
+        # Per group of share tiers: the start tag of the latest release (a tier that comes
+        # back to the group is lifted to it, so idleness is not banked).
+        self.share_clock: dict[int, float] = {}
         self.queued = 0
         self.in_flight = 0
         # Re-entrancy guard: a gate may notify us from inside a release decision.
@@ -187,6 +223,7 @@ class FairScheduler:
         max_per_user: int = 1000,
         max_total: int = 100_000,
         max_wait_s: float = 600.0,
+        order: QueueOrder = "fifo",
         clock: Clock | None = None,
     ) -> None:
         self._tiers = tuple(tiers)
@@ -195,8 +232,27 @@ class FairScheduler:
         self._tier_index = {tier.name: index for index, tier in enumerate(self._tiers)}
         if len(self._tier_index) != len(self._tiers):
             raise ValueError("tier names must be unique")
-        if fairness not in ("round_robin", "weighted", "tokens"):
+        if fairness not in ("round_robin", "weighted", "tokens", "cost"):
             raise ValueError(f"unknown fairness policy {fairness!r}")
+        if order not in ("fifo", "shortest_first"):
+            raise ValueError(f"unknown queue order {order!r}")
+        self._shortest_first = order == "shortest_first"
+        # Groups of adjacent tiers that share by weight; a tier without a share is a group of
+        # its own and keeps strict priority over every tier below it.
+        self._tier_groups: list[tuple[int, ...]] = []
+        for index, limits in enumerate(self._tiers):
+            if limits.share is not None and limits.share <= 0:
+                raise ValueError(f"tier {limits.name!r}: share must be > 0")
+            previous = self._tier_groups[-1] if self._tier_groups else None
+            if (
+                limits.share is not None
+                and previous is not None
+                and self._tiers[previous[-1]].share is not None
+            ):
+                self._tier_groups[-1] = (*previous, index)
+            else:
+                self._tier_groups.append((index,))
+        self._shared_tiers = any(len(group) > 1 for group in self._tier_groups)
         self._fairness: FairnessPolicy = fairness
         self._gate = gate
         self._max_per_user = max_per_user
@@ -214,14 +270,12 @@ class FairScheduler:
         self._deadline_timer: TimerHandle | None = None
         self._deadline_timer_at: float | None = None
         self._closed = False
-        self._counters = {
-            "released": 0,
-            "completed": 0,
-            "cancelled": 0,
-            "abandoned": 0,
-            "rejected_full": 0,
-            "timed_out": 0,
-        }
+        self._released_total = 0
+        self._completed_total = 0
+        self._cancelled_total = 0
+        self._abandoned_total = 0
+        self._rejected_full_total = 0
+        self._timed_out_total = 0
         self._end_listeners: list[Callable[[Lease, bool], None]] = []
         gate.set_listener(self._on_capacity)
 
@@ -265,10 +319,11 @@ class FairScheduler:
     def enqueue(self, ticket: Ticket) -> Reservation:
         """Queue `ticket` and run the release decision; its `Reservation.future` resolves to
         the lease. Raises `QueueFull` at once when a cap is reached."""
-        self._check_open()
+        if self._closed:
+            self._check_open()
         waiter = self._enqueue(ticket)
-        self._dispatch(ticket.model)
-        return Reservation(self, waiter)
+        self._dispatch_queues(waiter.user_queue.tier_queue.model_queues)
+        return Reservation(waiter)
 
     def adopt(self, ticket: Ticket, *, started: bool) -> Lease:
         """A lease for a request already in the engine that this scheduler did not grant (a
@@ -295,16 +350,15 @@ class FairScheduler:
             if tier.queued
         }
         by_model = {model: q.in_flight for model, q in self._models.items() if q.in_flight}
-        c = self._counters
         return SchedulerStatistics(
             queued=self._queued_total,
             in_flight=self._in_flight_total,
-            released_total=c["released"],
-            completed_total=c["completed"],
-            cancelled_total=c["cancelled"],
-            abandoned_total=c["abandoned"],
-            rejected_full_total=c["rejected_full"],
-            timed_out_total=c["timed_out"],
+            released_total=self._released_total,
+            completed_total=self._completed_total,
+            cancelled_total=self._cancelled_total,
+            abandoned_total=self._abandoned_total,
+            rejected_full_total=self._rejected_full_total,
+            timed_out_total=self._timed_out_total,
             queued_by_model_tier=by_tier,
             in_flight_by_model=by_model,
         )
@@ -317,15 +371,15 @@ class FairScheduler:
                 continue
             for tier in queues.tiers:
                 for user_queue in tier.users.values():
-                    if not user_queue.waiters:
+                    if not user_queue.depth:
                         continue
-                    oldest = next(iter(user_queue.waiters.values()))
+                    oldest = min(self._live_waiters(user_queue), key=_arrival)
                     result.append(
                         UserBacklog(
                             model=queues.model,
                             tier=tier.limits.name,
                             user=user_queue.user,
-                            depth=len(user_queue.waiters),
+                            depth=user_queue.depth,
                             oldest_enqueued_at=oldest.enqueued_at,
                             virtual_time=user_queue.virtual_time,
                         )
@@ -345,11 +399,15 @@ class FairScheduler:
             self._deadline_timer = None
         for queues in self._models.values():
             for tier in queues.tiers:
+                if tier.promote_timer is not None:
+                    tier.promote_timer.cancel()
+                    tier.promote_timer = None
+                tier.promoting.clear()
                 for user_queue in list(tier.users.values()):
-                    for waiter in list(user_queue.waiters.values()):
+                    for waiter in self._live_waiters(user_queue):
                         self._remove_waiter(waiter, _CLOSED)
-                        if not waiter.future.done():
-                            waiter.future.set_exception(
+                        if not waiter.done():
+                            waiter.set_exception(
                                 SchedulerClosed("the scheduler is shutting down", retry_after_s=1)
                             )
         self._deadlines.clear()
@@ -381,7 +439,7 @@ class FairScheduler:
         if waiter.state != _QUEUED:
             return False
         self._remove_waiter(waiter, _CANCELLED)
-        self._counters["cancelled"] += 1
+        self._cancelled_total += 1
         return True
 
     def _enqueue(self, ticket: Ticket) -> _Waiter:
@@ -391,8 +449,8 @@ class FairScheduler:
         queues = self._models.get(ticket.model) or self._model_queues(ticket.model)
         tier = queues.tiers[tier_index]
         user_queue = tier.users.get(ticket.user)
-        if user_queue is not None and len(user_queue.waiters) >= self._max_per_user:
-            self._counters["rejected_full"] += 1
+        if user_queue is not None and user_queue.depth >= self._max_per_user:
+            self._rejected_full_total += 1
             raise QueueFull(
                 f"too many queued requests for this caller on model {ticket.model!r} "
                 f"(limit {self._max_per_user})",
@@ -400,7 +458,7 @@ class FairScheduler:
                 scope="user",
             )
         if self._queued_total >= self._max_total:
-            self._counters["rejected_full"] += 1
+            self._rejected_full_total += 1
             raise QueueFull(
                 f"the scheduler queue is full (limit {self._max_total})",
                 retry_after_s=self._retry_hint(queues),
@@ -408,18 +466,29 @@ class FairScheduler:
             )
         if user_queue is None:
             user_queue = self._user_queue(tier, ticket.user)
-        now = self._clock.now()
-        future: asyncio.Future[Lease] = asyncio.get_running_loop().create_future()
-        waiter = _Waiter(ticket, next(self._arrivals), now, future, user_queue)
-        if not user_queue.waiters:
+        waiter = _Waiter(loop=asyncio.get_running_loop())
+        waiter.ticket = ticket
+        waiter.enqueued_at = waiter.tier_since = self._clock.now()
+        waiter.state = _QUEUED
+        waiter.user_queue = user_queue
+        if not user_queue.depth:
             self._lift(user_queue)
             self._push(tier, user_queue)
-        user_queue.waiters[waiter.seq] = waiter
+        if self._shortest_first:
+            heapq.heappush(user_queue.sized, (ticket.cost, next(self._arrivals), waiter))
+        else:
+            user_queue.waiters.append(waiter)
+        user_queue.depth += 1
+        if tier.limits.promote_after_s is not None and tier.position:
+            self._track_promotion(tier, waiter)
         tier.queued += 1
         queues.queued += 1
         self._queued_total += 1
         self._deadlines.append(waiter)
-        self._arm_deadline_timer()
+        if self._deadline_timer is None:
+            # An armed timer is due no later than this waiter's deadline (same max wait, later
+            # arrival): only an unarmed one needs arming.
+            self._arm_deadline_timer()
         return waiter
 
     def _remove_waiter(self, waiter: _Waiter, new_state: int) -> None:
@@ -429,15 +498,33 @@ class FairScheduler:
         waiter.state = new_state
         user_queue = waiter.user_queue
         tier = user_queue.tier_queue
-        del user_queue.waiters[waiter.seq]
+        user_queue.depth -= 1
         tier.queued -= 1
         queues = self._models[tier.model]
         queues.queued -= 1
         self._queued_total -= 1
-        if not user_queue.waiters:
+        if not user_queue.depth:
+            user_queue.waiters.clear()
+            user_queue.sized.clear()
             self._unpush(tier, user_queue)
             self._forget_if_idle(tier, user_queue)
+        elif len(user_queue.waiters) + len(user_queue.sized) > 2 * user_queue.depth + 16:
+            # Marked entries outnumber the live ones: rebuild, so submit-and-cancel abuse
+            # cannot grow the queue (amortised O(1) per cancellation).
+            self._rebuild(user_queue)
         self._compact_deadlines()
+
+    def _live_waiters(self, user_queue: _UserQueue) -> list[_Waiter]:
+        if self._shortest_first:
+            return [entry[2] for entry in user_queue.sized if entry[2].state == _QUEUED]
+        return [waiter for waiter in user_queue.waiters if waiter.state == _QUEUED]
+
+    def _rebuild(self, user_queue: _UserQueue) -> None:
+        if self._shortest_first:
+            user_queue.sized = [e for e in user_queue.sized if e[2].state == _QUEUED]
+            heapq.heapify(user_queue.sized)
+        else:
+            user_queue.waiters = deque(w for w in user_queue.waiters if w.state == _QUEUED)
 
     # ------------------------------------------------------------------ releasing
 
@@ -450,51 +537,100 @@ class FairScheduler:
 
     def _dispatch(self, model: str) -> None:
         queues = self._models.get(model)
-        if queues is None or not queues.queued:
+        if queues is not None:
+            self._dispatch_queues(queues)
+
+    def _dispatch_queues(self, queues: _ModelQueues) -> None:
+        if not queues.queued:
             return
         if queues.dispatching:
             # Called back from inside a release (a gate notified us): run once more afterwards.
             queues.redispatch = True
             return
         queues.dispatching = True
+        may_release = self._gate.may_release
+        model = queues.model
         try:
             while True:
                 queues.redispatch = False
-                self._release_while_possible(queues)
+                # Release while some tier, most urgent first, has a request the gate lets go.
+                while queues.queued:
+                    if self._shared_tiers:
+                        chosen = self._next_shared_tier(queues)
+                        if chosen is None:
+                            break
+                        self._release_next(queues, chosen)
+                        continue
+                    for tier in queues.tiers:
+                        if tier.queued and may_release(model, tier.limits):
+                            self._release_next(queues, tier)
+                            break
+                    else:
+                        break
                 if not queues.redispatch:
                     break
         finally:
             queues.dispatching = False
 
-    def _release_while_possible(self, queues: _ModelQueues) -> None:
-        while queues.queued:
-            for tier in queues.tiers:
-                if tier.queued and self._gate.may_release(queues.model, tier.limits):
-                    self._release_next(queues, tier)
-                    break
-            else:
-                return
+    def _next_shared_tier(self, queues: _ModelQueues) -> _TierQueue | None:
+        """The tier to release from when some tiers share: groups in priority order; inside a
+        group of share tiers, the releasable one with the smallest virtual finish time (start-time
+        fair queuing between tiers, by request)."""
+        may_release = self._gate.may_release
+        tiers = queues.tiers
+        for group_id, group in enumerate(self._tier_groups):
+            best: _TierQueue | None = None
+            best_start = 0.0
+            group_clock = queues.share_clock.get(group_id, 0.0)
+            for index in group:
+                tier = tiers[index]
+                if not tier.queued or not may_release(queues.model, tier.limits):
+                    continue
+                start = max(tier.share_vtime, group_clock)
+                if best is None or start < best_start:
+                    best, best_start = tier, start
+            if best is not None:
+                if best.limits.share is not None:
+                    queues.share_clock[group_id] = best_start
+                    best.share_vtime = best_start + 1.0 / best.limits.share
+                return best
+        return None
 
     def _release_next(self, queues: _ModelQueues, tier: _TierQueue) -> None:
         user_queue = self._peek_user(tier)
-        _, waiter = user_queue.waiters.popitem(last=False)
+        if self._shortest_first:
+            sized = user_queue.sized
+            waiter = heapq.heappop(sized)[2]
+            while waiter.state != _QUEUED:
+                waiter = heapq.heappop(sized)[2]
+        else:
+            waiters = user_queue.waiters
+            waiter = waiters.popleft()
+            while waiter.state != _QUEUED:
+                waiter = waiters.popleft()
+        user_queue.depth -= 1
+        if not user_queue.depth:
+            user_queue.waiters.clear()
+            user_queue.sized.clear()
         tier.queued -= 1
         queues.queued -= 1
         self._queued_total -= 1
-        if waiter.future.done():
+        future = waiter
+        if future.done():
             # Its task was cancelled and has not run its cleanup yet: nothing to grant. The
             # user's position is unchanged: its heap entry stays if it still has requests.
             waiter.state = _CANCELLED
-            self._counters["cancelled"] += 1
-            if not user_queue.waiters:
+            self._cancelled_total += 1
+            if not user_queue.depth:
                 self._pop_top(tier, user_queue)
                 self._forget_if_idle(tier, user_queue)
             return
         waiter.state = _GRANTED
         # The start tag of the request now in service is the tier's virtual time.
-        tier.virtual_time = max(tier.virtual_time, user_queue.virtual_time)
+        if user_queue.virtual_time > tier.virtual_time:
+            tier.virtual_time = user_queue.virtual_time
         lease = self._make_lease(queues, user_queue, waiter.ticket, enqueued_at=waiter.enqueued_at)
-        if user_queue.waiters:
+        if user_queue.depth:
             # Back in line at its new virtual time: one sift instead of a pop and a push.
             user_queue.heap_generation += 1
             heapq.heapreplace(
@@ -508,7 +644,7 @@ class FairScheduler:
             )
         else:
             self._pop_top(tier, user_queue)
-        waiter.future.set_result(lease)
+        future.set_result(lease)
 
     def _make_lease(
         self,
@@ -520,19 +656,14 @@ class FairScheduler:
         charge: float | None = None,
     ) -> Lease:
         if charge is None:
-            charge = self._charge(ticket, ticket.cost)
+            charge = 1.0 if self._fairness == "round_robin" else self._charge(ticket, ticket.cost)
         user_queue.virtual_time += charge
         user_queue.in_flight += 1
         queues.in_flight += 1
         self._in_flight_total += 1
-        self._counters["released"] += 1
+        self._released_total += 1
         lease = Lease(
-            self,
-            ticket,
-            next(self._lease_ids),
-            enqueued_at=enqueued_at,
-            released_at=self._clock.now(),
-            charged=charge,
+            self, ticket, next(self._lease_ids), enqueued_at, self._clock.now(), charge, user_queue
         )
         self._gate.on_released(lease)
         return lease
@@ -541,29 +672,39 @@ class FairScheduler:
         self._gate.on_started(lease)
 
     def lease_ended(self, lease: Lease, tokens_used: int | None, *, abandoned: bool) -> None:
-        ticket = lease.ticket
-        queues = self._models[ticket.model]
-        tier = queues.tiers[self._tier_index[ticket.tier]]
-        user_queue = tier.users.get(ticket.user)
+        # Never forgotten while it has a lease in flight, so the reference is still its queue.
+        user_queue: _UserQueue = lease.owner_ref  # type: ignore[assignment]
+        tier = user_queue.tier_queue
+        queues = tier.model_queues
         queues.in_flight -= 1
         self._in_flight_total -= 1
-        self._counters["abandoned" if abandoned else "completed"] += 1
-        if user_queue is not None:
-            user_queue.in_flight -= 1
-            if abandoned:
-                correction = -lease.charged
-            elif tokens_used is not None and self._fairness == "tokens":
-                correction = self._charge(ticket, tokens_used) - lease.charged
-            else:
-                correction = 0.0
+        user_queue.in_flight -= 1
+        if abandoned:
+            self._abandoned_total += 1
+            if lease.charged:
+                self._correct(tier, user_queue, -lease.charged)
+        else:
+            self._completed_total += 1
+            correction = 0.0
+            if tokens_used is not None and self._fairness == "tokens":
+                correction = self._charge(lease.ticket, tokens_used) - lease.charged
+            elif self._fairness == "cost":
+                spent = lease.cost_used
+                if spent is None and tokens_used is not None:
+                    # Only the token count came back: scale the estimate by it.
+                    ticket = lease.ticket
+                    spent = ticket.price * max(tokens_used, 1) / max(ticket.cost, 1)
+                if spent is not None:
+                    correction = _money_charge(spent, lease.ticket) - lease.charged
             if correction:
                 self._correct(tier, user_queue, correction)
-            if not user_queue.waiters:
-                self._forget_if_idle(tier, user_queue)
-        for listener in self._end_listeners:
-            listener(lease, abandoned)
+        if not user_queue.depth:
+            self._forget_if_idle(tier, user_queue)
+        if self._end_listeners:
+            for listener in self._end_listeners:
+                listener(lease, abandoned)
         self._gate.on_ended(lease)
-        self._dispatch(ticket.model)
+        self._dispatch_queues(queues)
 
     # ------------------------------------------------------------------ fairness bookkeeping
 
@@ -572,6 +713,8 @@ class FairScheduler:
             return 1.0
         if self._fairness == "weighted":
             return 1.0 / ticket.weight
+        if self._fairness == "cost":
+            return _money_charge(ticket.price, ticket)
         return max(tokens, 1) / ticket.weight
 
     def _lift(self, user_queue: _UserQueue) -> None:
@@ -629,7 +772,7 @@ class FairScheduler:
         # carries no information (it would be lifted anyway): drop it so memory follows load.
         # One still ahead is remembered, but only the most recently idle of them (bounded).
         name = user_queue.user
-        if user_queue.waiters or user_queue.in_flight or tier.users.get(name) is not user_queue:
+        if user_queue.depth or user_queue.in_flight or tier.users.get(name) is not user_queue:
             return
         if user_queue.virtual_time <= tier.virtual_time:
             del tier.users[name]
@@ -639,12 +782,90 @@ class FairScheduler:
         tier.idle.move_to_end(name)
         while len(tier.idle) > MAX_IDLE_USERS_REMEMBERED:
             _, oldest = tier.idle.popitem(last=False)
-            if (
-                not oldest.waiters
-                and not oldest.in_flight
-                and tier.users.get(oldest.user) is oldest
-            ):
+            if not oldest.depth and not oldest.in_flight and tier.users.get(oldest.user) is oldest:
                 del tier.users[oldest.user]
+
+    # ------------------------------------------------------------------ promotion
+
+    def _track_promotion(self, tier: _TierQueue, waiter: _Waiter) -> None:
+        tier.promoting.append(waiter)
+        if tier.promote_timer is None:
+            self._arm_promotion(tier)
+        elif len(tier.promoting) > 2 * tier.queued + 64:
+            # Granted and cancelled waiters are dropped lazily; rebuild before they pile up.
+            tier.promoting = deque(w for w in tier.promoting if _still_in(w, tier))
+
+    def _arm_promotion(self, tier: _TierQueue) -> None:
+        promoting = tier.promoting
+        while promoting and not _still_in(promoting[0], tier):
+            promoting.popleft()
+        delay = tier.limits.promote_after_s
+        if not promoting or delay is None:
+            tier.promote_timer = None
+            return
+        tier.promote_timer = self._clock.call_at(
+            promoting[0].tier_since + delay, lambda: self._promote_due(tier)
+        )
+
+    def _promote_due(self, tier: _TierQueue) -> None:
+        tier.promote_timer = None
+        delay = tier.limits.promote_after_s
+        if self._closed or delay is None:
+            return
+        now = self._clock.now()
+        promoting = tier.promoting
+        moved = False
+        while promoting:
+            waiter = promoting[0]
+            if not _still_in(waiter, tier):
+                promoting.popleft()
+                continue
+            if waiter.tier_since + delay > now:
+                break
+            promoting.popleft()
+            self._move_up(waiter, now)
+            moved = True
+        self._arm_promotion(tier)
+        if moved:
+            self._dispatch_queues(tier.model_queues)
+
+    def _move_up(self, waiter: _Waiter, now: float) -> None:
+        """Move a waiter that waited `promote_after_s` into the same user's queue one tier up,
+        in arrival order there (O(depth) of that user's queues, bounded by `max_per_user`)."""
+        old_queue = waiter.user_queue
+        tier = old_queue.tier_queue
+        if self._shortest_first:
+            old_queue.sized = [entry for entry in old_queue.sized if entry[2] is not waiter]
+            heapq.heapify(old_queue.sized)
+        else:
+            old_queue.waiters.remove(waiter)
+        old_queue.depth -= 1
+        tier.queued -= 1
+        if not old_queue.depth:
+            old_queue.waiters.clear()
+            old_queue.sized.clear()
+            self._unpush(tier, old_queue)
+            self._forget_if_idle(tier, old_queue)
+        upper = tier.model_queues.tiers[tier.position - 1]
+        new_queue = self._user_queue(upper, waiter.ticket.user)
+        if not new_queue.depth:
+            self._lift(new_queue)
+            self._push(upper, new_queue)
+        waiter.ticket = waiter.ticket._replace(tier=upper.limits.name)
+        waiter.user_queue = new_queue
+        waiter.tier_since = now
+        if self._shortest_first:
+            heapq.heappush(new_queue.sized, (waiter.ticket.cost, next(self._arrivals), waiter))
+        else:
+            waiters = new_queue.waiters
+            index = len(waiters)
+            while index and waiters[index - 1].enqueued_at > waiter.enqueued_at:
+                index -= 1
+            waiters.insert(index, waiter)
+        new_queue.depth += 1
+        upper.queued += 1
+        if upper.limits.promote_after_s is not None and upper.position:
+            self._track_promotion(upper, waiter)
 
     # ------------------------------------------------------------------ deadlines
 
@@ -677,9 +898,9 @@ class FairScheduler:
                 break
             self._deadlines.popleft()
             self._remove_waiter(waiter, _EXPIRED)
-            self._counters["timed_out"] += 1
-            if not waiter.future.done():
-                waiter.future.set_exception(
+            self._timed_out_total += 1
+            if not waiter.done():
+                waiter.set_exception(
                     QueueTimeout(
                         f"waited {self._max_wait_s:g} s without being scheduled on model "
                         f"{waiter.ticket.model!r}; the engine is saturated",
@@ -709,7 +930,7 @@ class FairScheduler:
     def _model_queues(self, model: str) -> _ModelQueues:
         queues = self._models.get(model)
         if queues is None:
-            queues = self._models[model] = _ModelQueues(model, self._tiers)
+            queues = self._models[model] = _ModelQueues(self, model, self._tiers)
         return queues
 
     def _user_queue(self, tier: _TierQueue, user: str) -> _UserQueue:
@@ -721,3 +942,17 @@ class FairScheduler:
     def _retry_hint(self, queues: _ModelQueues) -> float:
         # A rough hint: a second per queued request per in-flight slot, between 1 s and 60 s.
         return min(60.0, max(1.0, queues.queued / max(queues.in_flight, 1)))
+
+
+def _arrival(waiter: _Waiter) -> float:
+    return waiter.enqueued_at
+
+
+def _money_charge(money: float, ticket: Ticket) -> float:
+    # A request priced at nothing (a model without prices) still takes a turn's worth of a
+    # microdollar, so zero-priced users are served round robin, not ahead of everybody forever.
+    return max(money, 1e-6) / ticket.weight
+
+
+def _still_in(waiter: _Waiter, tier: _TierQueue) -> bool:
+    return waiter.state == _QUEUED and waiter.user_queue.tier_queue is tier

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from types import TracebackType
 from typing import NamedTuple, Protocol
 
@@ -14,27 +13,52 @@ class TierLimits(NamedTuple):
     waiting_below: int = 3
     tpot_below_s: float | None = None
     kv_usage_below: float | None = None
+    # Weighted sharing with the neighbouring tiers that also have a share (None: strict priority
+    # over every lower tier).
+    share: float | None = None
+    # A request parked this long in this tier moves one tier up (None: never).
+    promote_after_s: float | None = None
 
 
-@dataclass(frozen=True, slots=True)
-class Ticket:
-    """One request waiting for its turn.
-
-    `cost` is the estimated number of tokens (prompt + max output); the token-fair policy charges
-    it at release and corrects it with the actual count when the lease ends.
-    """
-
+class _TicketFields(NamedTuple):
     model: str
     user: str
     tier: str
     weight: float = 1.0
     cost: int = 1
+    price: float = 0.0
 
-    def __post_init__(self) -> None:
-        if self.weight <= 0:
-            raise ValueError(f"weight must be > 0 (got {self.weight!r})")
-        if self.cost < 0:
-            raise ValueError(f"cost must be >= 0 (got {self.cost!r})")
+
+class Ticket(_TicketFields):
+    """One request waiting for its turn (immutable).
+
+    `cost` is the estimated number of tokens (prompt + max output); the token-fair policy charges
+    it at release and corrects it with the actual count when the lease ends, and
+    `queue.order: shortest_first` releases a user's smallest first. `price` is the estimated
+    money cost (`fairness: cost` charges it, corrected by `Lease.release(cost_used=...)`).
+
+    A named tuple rather than a frozen dataclass: one is built per request on the hot path, and
+    a frozen dataclass's `__init__` costs twice as much.
+    """
+
+    __slots__ = ()
+
+    def __new__(
+        cls,
+        model: str,
+        user: str,
+        tier: str,
+        weight: float = 1.0,
+        cost: int = 1,
+        price: float = 0.0,
+    ) -> Ticket:
+        if weight <= 0:
+            raise ValueError(f"weight must be > 0 (got {weight!r})")
+        if cost < 0:
+            raise ValueError(f"cost must be >= 0 (got {cost!r})")
+        if price < 0:
+            raise ValueError(f"price must be >= 0 (got {price!r})")
+        return tuple.__new__(cls, (model, user, tier, weight, cost, price))
 
 
 class LeaseOwner(Protocol):
@@ -58,10 +82,13 @@ class Lease:
         "_ended",
         "_owner",
         "_started",
+        "cost_used",
         "enqueued_at",
         "lease_id",
+        "owner_ref",
         "released_at",
         "ticket",
+        "tokens_used",
     )
 
     def __init__(
@@ -72,8 +99,11 @@ class Lease:
         enqueued_at: float,
         released_at: float,
         charged: float,
+        owner_ref: object = None,
     ) -> None:
         self._owner = owner
+        # Whatever the owner needs to find its bookkeeping for this lease without a lookup.
+        self.owner_ref = owner_ref
         self.ticket = ticket
         self.lease_id = lease_id
         self.enqueued_at = enqueued_at
@@ -81,6 +111,9 @@ class Lease:
         self._charged = charged
         self._started = False
         self._ended = False
+        # The actual money cost, when the caller reported it at release (`fairness: cost`).
+        self.cost_used: float | None = None
+        self.tokens_used: int | None = None
 
     @property
     def active(self) -> bool:
@@ -106,14 +139,17 @@ class Lease:
         self._started = True
         self._owner.lease_started(self)
 
-    def release(self, tokens_used: int | None = None) -> bool:
-        """End the lease; `tokens_used` (prompt + output) corrects the token-fair estimate.
+    def release(self, tokens_used: int | None = None, *, cost_used: float | None = None) -> bool:
+        """End the lease; `tokens_used` (prompt + output) corrects the token-fair estimate and
+        `cost_used` (money) the cost-fair one.
 
         Returns True for the call that ended it, False for every later call.
         """
         if self._ended:
             return False
         self._ended = True
+        self.cost_used = cost_used
+        self.tokens_used = tokens_used
         self._owner.lease_ended(self, tokens_used, abandoned=False)
         return True
 

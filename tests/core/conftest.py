@@ -5,7 +5,8 @@ from collections.abc import Iterable
 
 import pytest
 
-from fair_sched_plugin.core import FairScheduler, FakeClock, ManualGate, Ticket, TierLimits
+from fair_sched_plugin.core import FairScheduler, Ticket, TierLimits
+from fair_sched_plugin.testing import FakeClock, ManualGate
 
 TIERS = (TierLimits("interactive", waiting_below=3), TierLimits("batch", waiting_below=1))
 

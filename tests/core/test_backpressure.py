@@ -8,12 +8,12 @@ from fair_sched_plugin.core import (
     BackendGroup,
     BackendSnapshot,
     FairScheduler,
-    FakeClock,
     GateTransition,
     Lease,
     MetricsGate,
     TierLimits,
 )
+from fair_sched_plugin.testing import FakeClock
 
 from .conftest import drain, settle, ticket
 

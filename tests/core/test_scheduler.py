@@ -9,13 +9,12 @@ import pytest
 
 from fair_sched_plugin.core import (
     FairScheduler,
-    FakeClock,
     InflightLimitGate,
     Lease,
-    ManualGate,
     TierLimits,
 )
 from fair_sched_plugin.errors import QueueFull, QueueTimeout, SchedulerClosed
+from fair_sched_plugin.testing import FakeClock, ManualGate
 
 from .conftest import TIERS, drain, make_scheduler, settle, ticket
 

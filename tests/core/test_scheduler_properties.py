@@ -8,8 +8,9 @@ import asyncio
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from fair_sched_plugin.core import FairScheduler, FakeClock, InflightLimitGate, Lease
+from fair_sched_plugin.core import FairScheduler, InflightLimitGate, Lease
 from fair_sched_plugin.errors import QueueFull, QueueTimeout, SchedulerClosed
+from fair_sched_plugin.testing import FakeClock
 
 from .conftest import TIERS, ticket
 
