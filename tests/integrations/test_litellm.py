@@ -47,6 +47,7 @@ from .litellm_harness import (
 
 pytestmark = [
     pytest.mark.litellm,
+    pytest.mark.litellm_range,
     pytest.mark.asyncio(loop_scope="module"),
     pytest.mark.skipif(
         importlib.util.find_spec("litellm") is None, reason="needs the litellm extra"
