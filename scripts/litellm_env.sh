@@ -27,24 +27,21 @@ fi
 
 mkdir -p "$CACHE"
 started=$SECONDS
-pip_quiet() {
-    # pip's warnings about this machine's missing extra index folders are noise; pip's own exit
-    # status is kept (grep's "nothing left to print" is not a failure).
-    local status=0
-    "$VENV/bin/python" -m pip "$@" > "$CACHE/litellm-pip.log" 2>&1 || status=$?
-    grep -v "is ignored: it is neither a file nor a directory" "$CACHE/litellm-pip.log" >&2 || true
-    return "$status"
-}
+source "$ROOT/scripts/pip_install.sh"
 if [ ! -f "$STAMP" ] || [ "$(cut -d' ' -f1 "$STAMP")" != "$LITELLM_VERSION" ]; then
     # A half-finished venv (interrupted install) is rebuilt from scratch rather than patched.
     rm -rf "$VENV"
-    echo "installing litellm[proxy]==$LITELLM_VERSION into $VENV ..." >&2
+    echo "installing litellm[proxy]==$LITELLM_VERSION into $VENV (~2 min, cached after) ..." >&2
     "$PYTHON_BIN" -m venv "$VENV"
-    pip_quiet install -q --disable-pip-version-check --upgrade pip
+    "$VENV/bin/python" -m pip install -q --disable-pip-version-check --upgrade pip \
+        >/dev/null 2>&1 || true
+else
+    echo "updating the project in $VENV (pyproject.toml or the checkout moved) ..." >&2
 fi
 # The project (editable, with its test tools) and the pinned LiteLLM in one resolve, so pip cannot
 # move LiteLLM to another release to satisfy something else.
-pip_quiet install -q --disable-pip-version-check -e "$ROOT[dev]" "litellm[proxy]==$LITELLM_VERSION"
+pip_install "$VENV/bin/python" "$CACHE/litellm-pip-$LITELLM_VERSION.log" \
+    -e "$ROOT[dev]" "litellm[proxy]==$LITELLM_VERSION"
 if ! LITELLM_LOCAL_MODEL_COST_MAP=True "$VENV/bin/python" -c "import litellm.proxy.proxy_server, fair_sched_plugin" >&2; then
     echo "LiteLLM $LITELLM_VERSION in $VENV does not import" >&2
     exit 1
