@@ -17,9 +17,11 @@ pip_install() {
                 else { print "  " text > "/dev/stderr" }
                 fflush("/dev/stderr")
             }
-            /^(Collecting|Requirement already satisfied:) / {
+            /^(Collecting|Processing|Requirement already satisfied:) / {
                 seen++
-                name = ($1 == "Collecting") ? $2 : $4
+                name = ($1 == "Requirement") ? $4 : $2
+                sub(/.*\//, "", name)          # a local wheel: its file name
+                sub(/[-<>=!~;\[(].*/, "", name)  # the bare project name
                 if (tty || seen % 25 == 0) show(sprintf("resolving: %d packages (%s)", seen, name))
             }
             /^Building (editable|wheel)/ { show("building the project ...") }
