@@ -75,8 +75,8 @@ def check_litellm(
             problems.append(f"{AUTH_MODULE} does not call custom_auth as `{CUSTOM_AUTH_CALL}`")
     if problems:
         raise UnsupportedLiteLLM(
-            f"fair_sched: LiteLLM {version} is not supported (tested: {OLDEST_SUPPORTED} to "
-            f"{NEWEST_SUPPORTED}); its internals differ from what the plugin hooks into, so "
+            f"fair_sched: cannot attach to LiteLLM {version} (supported: {OLDEST_SUPPORTED} to "
+            f"{NEWEST_SUPPORTED}): its internals differ from what the plugin hooks into, and "
             "requests would run unscheduled:\n  - " + "\n  - ".join(problems)
         )
     if not _within_tested_range(version):

@@ -90,7 +90,7 @@ def test_a_missing_hook_stops_start_up_naming_the_version(
     with pytest.raises(UnsupportedLiteLLM) as caught:
         compat.check_litellm(logger_without(base, "async_pre_call_hook"), ours, None, None, "9.9.9")
     message = str(caught.value)
-    assert "LiteLLM 9.9.9 is not supported" in message
+    assert "cannot attach to LiteLLM 9.9.9" in message
     assert "CustomLogger.async_pre_call_hook does not exist" in message
     assert "run unscheduled" in message
 
@@ -194,5 +194,5 @@ def test_attaching_the_callback_runs_the_check() -> None:
         env={**os.environ, "LITELLM_LOCAL_MODEL_COST_MAP": "True"},
     )
     assert result.returncode != 0
-    assert "UnsupportedLiteLLM: fair_sched: LiteLLM 1." in result.stderr
+    assert "UnsupportedLiteLLM: fair_sched: cannot attach to LiteLLM 1." in result.stderr
     assert "async_post_call_streaming_iterator_hook does not exist" in result.stderr
