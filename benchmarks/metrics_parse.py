@@ -2,7 +2,7 @@
 
     .venv/bin/python benchmarks/metrics_parse.py [--repeat 500]
 
-Parses each capture in ../shared/fixtures (vLLM 0.32, about 600 lines) with the vLLM profile,
+Parses each capture in tests/fixtures (vLLM 0.32, about 600 lines) with the vLLM profile,
 as the watcher does every `metrics_poll_ms`, and prints milliseconds per parse and the share of
 one core that takes at the default 100 ms poll. For comparison it also times prometheus_client's
 parser over the whole page, which is what the watcher did before it kept only the lines that can
@@ -25,7 +25,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from fair_sched_plugin.metrics.parser import parse_metrics
 from fair_sched_plugin.metrics.profiles import VLLM_PROFILE
 
-FIXTURES = Path(__file__).resolve().parents[2] / "shared" / "fixtures"
+FIXTURES = Path(__file__).resolve().parents[1] / "tests" / "fixtures"
 POLLS_PER_SECOND = 10  # metrics_poll_ms: 100
 
 

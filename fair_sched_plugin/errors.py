@@ -7,7 +7,9 @@
     │   ├── QueueTimeout              waited longer than `queue.max_wait_s`     -> HTTP 429
     │   ├── BudgetExceeded            the principal spent its budget (reject)   -> HTTP 429
     │   └── SchedulerClosed           the scheduler is shutting down            -> HTTP 503
-    └── StateStoreError               the shared state store (Redis) failed; wraps the cause
+    ├── StateStoreError               the shared state store (Redis) failed; wraps the cause
+    └── UnsupportedLiteLLM            the installed LiteLLM's internals differ from what the
+                                      LiteLLM adapter hooks into (raised at start-up)
 
 Integrations translate `Rejected` into HTTP responses; nothing third-party leaks through the API.
 """
@@ -75,3 +77,7 @@ class SchedulerClosed(Rejected):
 
 class StateStoreError(FairSchedError):
     """The shared state store failed; the original exception is the `__cause__`."""
+
+
+class UnsupportedLiteLLM(FairSchedError, RuntimeError):
+    """The installed LiteLLM lacks a hook or internal the adapter relies on; names the version."""

@@ -20,9 +20,11 @@ import hmac
 from typing import Any
 
 from fastapi import HTTPException, Request
+from litellm.integrations.custom_logger import CustomLogger
 from litellm.proxy._types import LitellmUserRoles, UserAPIKeyAuth
 
 from ._callback import LEASE_KEY, PRINCIPAL_KEY, FairSchedCallback
+from ._compat import auth_module_source, check_litellm, installed_litellm_version
 from ._disconnect import DisconnectWatch, current_disconnect_event
 from ._proxy import build_proxy_service, install_disconnect_watch, running_proxy
 
@@ -37,8 +39,16 @@ __all__ = [
 
 
 def _attach() -> FairSchedCallback:
-    callback = FairSchedCallback(build_proxy_service)
     proxy_server = running_proxy()
+    # Before anything attaches: a LiteLLM with other internals would run requests unscheduled.
+    check_litellm(
+        CustomLogger,
+        FairSchedCallback,
+        proxy_server,
+        auth_module_source() if proxy_server is not None else None,
+        installed_litellm_version(),
+    )
+    callback = FairSchedCallback(build_proxy_service)
     if proxy_server is not None:
         # Inside the proxy: validate now (start-up fails on a bad section) and start watching.
         service = callback.service

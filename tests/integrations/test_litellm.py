@@ -47,6 +47,7 @@ from .litellm_harness import (
 
 pytestmark = [
     pytest.mark.litellm,
+    pytest.mark.litellm_range,
     pytest.mark.asyncio(loop_scope="module"),
     pytest.mark.skipif(
         importlib.util.find_spec("litellm") is None, reason="needs the litellm extra"
@@ -353,7 +354,9 @@ async def test_queue_cap_is_429_with_retry_after(stack: Stack) -> None:
         parked = []
         for tag in (55, 56):
             parked.append(asyncio.create_task(carol.post(CHAT, json=body(tag, "tiny-capped"))))
-            await asyncio.sleep(SETTLE_S)
+            # Both must be queued before the third, else the third is queued in their place and
+            # waits for ever; on a loaded machine reaching the queue can take longer than SETTLE_S.
+            await wait_queued(stack.strict, "tiny-capped", len(parked))
         try:
             for extra in ({}, {"stream": True}):
                 rejected = await carol.post(CHAT, json=body(57, "tiny-capped", **extra))
@@ -537,6 +540,20 @@ async def test_nothing_in_flight_or_queued_at_the_end(stack: Stack) -> None:
         if status.status_code == 200:  # the plugin's status document, where it is installed
             counts = dict(counters(status.json(), ("in_flight", "queued")))
             assert all(value == 0 for value in counts.values()), counts
+
+
+async def wait_queued(proxy: ProxyProcess, model: str, count: int, timeout_s: float = 30) -> None:
+    """Until the plugin's status document shows at least `count` requests queued on `model`."""
+    async with open_client(proxy.base_url, MASTER_KEY) as admin:
+        give_up_at = time.monotonic() + timeout_s
+        while True:
+            response = await admin.get("/fair-sched/status")
+            assert response.status_code == 200, response.text
+            queued = response.json()["models"].get(model, {}).get("queued", {})
+            if sum(queued.values()) >= count:
+                return
+            assert time.monotonic() < give_up_at, f"{count} not queued on {model}: {queued}"
+            await asyncio.sleep(0.05)
 
 
 def counters(document: Any, names: tuple[str, ...], path: str = "") -> list[tuple[str, int]]:

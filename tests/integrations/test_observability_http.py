@@ -192,6 +192,7 @@ async def test_middleware_app_serves_the_endpoints_when_asked() -> None:
 
 
 @pytest.mark.litellm
+@pytest.mark.litellm_range
 @pytest.mark.slow
 @pytest.mark.skipif(importlib.util.find_spec("litellm") is None, reason="needs the litellm extra")
 async def test_litellm_proxy_serves_the_routes_to_the_master_key_only(tmp_path: Path) -> None:

@@ -15,7 +15,7 @@ from starlette.requests import Request
 from starlette.responses import PlainTextResponse, Response
 from starlette.routing import Route
 
-FIXTURES = Path(__file__).resolve().parents[3] / "shared" / "fixtures"
+FIXTURES = Path(__file__).resolve().parents[1] / "fixtures"
 MIDBURST = "vllm-0.32-cpu-metrics-midburst.txt"
 KVFULL = "vllm-0.32-cpu-metrics-kvfull.txt"
 
@@ -25,10 +25,7 @@ SLOW_RESPONSE_S = 10.0
 
 
 def fixture_text(name: str) -> str:
-    path = FIXTURES / name
-    if not path.is_file():
-        pytest.skip(f"vLLM metrics capture {path} not found (shared/ must sit beside the repo)")
-    return path.read_text(encoding="utf-8")
+    return (FIXTURES / name).read_text(encoding="utf-8")
 
 
 def vllm_text(

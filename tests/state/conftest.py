@@ -33,7 +33,7 @@ def require_redis_server() -> str:
     binary = shutil.which("redis-server")
     if binary is None:
         if os.environ.get("CI", "").lower() == "true":
-            pytest.fail("redis-server is missing in CI (scripts/bootstrap.sh installs it as root)")
+            pytest.fail("redis-server is missing in CI (scripts/test installs it as root)")
         pytest.skip("redis-server is not installed (apt-get install redis-server)")
     return binary
 
