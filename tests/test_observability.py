@@ -36,7 +36,6 @@ from fair_sched_plugin.observability import (
     METRICS_PATH,
     STATUS_PATH,
     admin_app,
-    install_litellm_routes,
     register_in_default_registry,
 )
 from fair_sched_plugin.service import SchedulingService
@@ -648,11 +647,13 @@ async def test_middleware_serves_admin_endpoints_only_when_asked() -> None:
 async def test_litellm_routes_need_the_master_key_and_join_the_default_registry(
     no_default_registry_leak: None,
 ) -> None:
+    pytest.importorskip("litellm")
+    from fair_sched_plugin.litellm._routes import install_litellm_routes
+
     service = make_service()
     proxy_server = SimpleNamespace(app=FastAPI(), master_key=None)
-    callback = SimpleNamespace(service=service)
-    install_litellm_routes(proxy_server, callback)
-    install_litellm_routes(proxy_server, callback)  # a second import adds nothing
+    install_litellm_routes(proxy_server, service)
+    install_litellm_routes(proxy_server, service)  # a second import adds nothing
     paths = [getattr(route, "path", None) for route in proxy_server.app.routes]
     assert paths.count(METRICS_PATH) == 1 and paths.count(STATUS_PATH) == 1
     async with asgi_client(proxy_server.app) as client:
