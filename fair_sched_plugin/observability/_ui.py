@@ -69,6 +69,10 @@ td.num, th.num { text-align:right; }
 .spark figure { margin:0; }
 .spark figcaption { color:var(--mute); font-size:12px; }
 .spark svg { display:block; background:var(--bg); border-radius:6px; }
+.spark .line { fill:none; stroke:var(--bar); stroke-width:1.5; }
+.spark .area { fill:var(--bar); opacity:.18; stroke:none; }
+.scroll { overflow-x:auto; }
+td.url { white-space:normal; word-break:break-all; max-width:220px; }
 .muted { color:var(--mute); }
 .err { color:var(--bad); }
 #conn { color:var(--bad); font-size:12px; }
@@ -100,6 +104,8 @@ const num = (v, digits = 0) => (v === null || v === undefined ? DASH : Number(v)
 const ms = (s) => (s === null || s === undefined ? DASH : (s * 1000).toFixed(0) + " ms");
 const pct = (r) => (r === null || r === undefined ? DASH : (r * 100).toFixed(0) + " %");
 
+const shortUrl = (url) => url.replace(/^https?:\/\//, "").replace(/\/metrics$/, "");
+
 function meter(ratio) {
   const bar = h("i");
   bar.style.width = Math.max(0, Math.min(1, ratio || 0)) * 100 + "%";
@@ -112,20 +118,25 @@ function sparkline(points, field, label) {
   svg.setAttribute("width", W); svg.setAttribute("height", H);
   svg.setAttribute("viewBox", `0 0 ${W} ${H}`);
   const now = Date.now() / 1000;
-  const values = points.map((p) => p[field]).filter((v) => v !== null);
+  const known = points.filter((p) => p[field] !== null);
+  const values = known.map((p) => p[field]);
   const max = Math.max(1, ...values);
-  const line = document.createElementNS(NS, "polyline");
-  line.setAttribute("fill", "none"); line.setAttribute("stroke", "currentColor");
-  line.setAttribute("stroke-width", "1.5");
-  line.setAttribute("points", points.filter((p) => p[field] !== null).map((p) => {
-    const x = W - ((now - p.t) / HISTORY_S) * W;
-    const y = H - 3 - (p[field] / max) * (H - 8);
-    return `${x.toFixed(1)},${y.toFixed(1)}`;
-  }).join(" "));
-  svg.append(line);
+  // The x axis spans what this tab has seen (at least 10 s), up to HISTORY_S.
+  const span = Math.max(10, Math.min(HISTORY_S, known.length ? now - known[0].t : 0));
+  const xy = known.map((p) => [W - ((now - p.t) / span) * W, H - 2 - (p[field] / max) * (H - 6)]);
+  if (xy.length) {
+    const area = document.createElementNS(NS, "polygon");
+    area.setAttribute("class", "area");
+    area.setAttribute("points", [[xy[0][0], H], ...xy, [xy[xy.length - 1][0], H]]
+      .map(([x, y]) => `${x.toFixed(1)},${y.toFixed(1)}`).join(" "));
+    const line = document.createElementNS(NS, "polyline");
+    line.setAttribute("class", "line");
+    line.setAttribute("points", xy.map(([x, y]) => `${x.toFixed(1)},${y.toFixed(1)}`).join(" "));
+    svg.append(area, line);
+  }
   const last = values.length ? values[values.length - 1] : null;
-  return h("figure", { "data-spark": field },
-    svg, h("figcaption", {}, `${label}: now ${num(last)}, max ${num(max)} (last ${HISTORY_S} s)`));
+  return h("figure", { "data-spark": field }, svg, h("figcaption", {},
+    `${label}: now ${num(last)}, max ${num(max)} (last ${span.toFixed(0)} s)`));
 }
 
 function remember(model, doc) {
@@ -196,7 +207,7 @@ function deploymentsTable(doc) {
   if (!deps.length) return h("p", { class: "muted" }, "No engine metrics for this model.");
   const anyPrefix = deps.some(
     (d) => d.last_snapshot && d.last_snapshot.prefix_cache_hit_rate != null);
-  return h("table", { class: "deployments" },
+  return h("div", { class: "scroll" }, h("table", { class: "deployments" },
     h("thead", {}, h("tr", {}, h("th", {}, "deployment"), h("th", { class: "num" }, "waiting"),
       h("th", { class: "num" }, "running"), h("th", { class: "num" }, "TPOT"),
       h("th", {}, "KV cache"),
@@ -205,7 +216,8 @@ function deploymentsTable(doc) {
     h("tbody", {}, deps.map((d) => {
       const s = d.last_snapshot || {};
       return h("tr", { "data-deployment": d.url },
-        h("td", {}, d.url), h("td", { class: "num waiting" }, num(s.waiting)),
+        h("td", { class: "url", title: d.url }, shortUrl(d.url)),
+        h("td", { class: "num waiting" }, num(s.waiting)),
         h("td", { class: "num running" }, num(s.running)),
         h("td", { class: "num tpot" }, ms(s.tpot_s)),
         h("td", { class: "kv" }, s.kv_usage == null ? DASH : [meter(s.kv_usage), pct(s.kv_usage)]),
@@ -214,7 +226,7 @@ function deploymentsTable(doc) {
         h("td", { class: s.ok === false ? "err" : "muted" },
           s.ok === false ? "failing: " + (s.error || "")
             : `${d.scrapes_total} (${d.failures_total} failed)`));
-    })));
+    }))));
 }
 
 function modelCard(name, doc) {
