@@ -2,16 +2,17 @@
 
 Debian's ``chromium`` package driven by playwright's Python client, which ships its own driver
 and needs no browser download (``playwright install`` is never run: we point it at the system
-binary). Both are optional: `screenshot_ui` says plainly what is missing instead of failing.
+binary). Both are optional: `screenshot_while` says plainly what is missing instead of failing.
 """
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import os
 import shutil
 import tempfile
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -88,10 +89,19 @@ async def log_in(page: Page, base_url: str, admin_key: str) -> None:
     await page.locator("#dashboard .model").first.wait_for(timeout=DASHBOARD_TIMEOUT_MS)
 
 
-async def screenshot_ui(base_url: str, admin_key: str, path: Path, *, settle_s: float) -> str:
-    """Log in to `base_url`'s page, let it poll for `settle_s`, save a PNG at `path`.
+async def screenshot_while(
+    base_url: str,
+    admin_key: str,
+    path: Path,
+    load: Callable[[], Awaitable[object]],
+    *,
+    after_s: float,
+) -> str:
+    """Log in to `base_url`'s page, start `load()`, save a PNG at `path` `after_s` later, and
+    wait for the load to end.
 
-    Returns a sentence for the report: what was captured, or why nothing was.
+    Returns a sentence for the report: what was captured, or why nothing was (a missing
+    browser or a browser failure is a note in the report, never a failed benchmark).
     """
     missing = missing_browser_parts()
     if missing is not None:
@@ -100,8 +110,12 @@ async def screenshot_ui(base_url: str, admin_key: str, path: Path, *, settle_s: 
         with tempfile.TemporaryDirectory(prefix="fair-sched-chromium-") as profile:
             async with chromium_page(Path(profile)) as page:
                 await log_in(page, base_url, admin_key)
-                await page.wait_for_timeout(settle_s * 1000)
-                await page.screenshot(path=str(path), full_page=True)
-    except Exception as exc:  # a report line, never a failed benchmark
+                running = asyncio.ensure_future(load())
+                try:
+                    await asyncio.sleep(after_s)
+                    await page.screenshot(path=str(path), full_page=True)
+                finally:
+                    await running
+    except Exception as exc:
         return f"No screenshot of {UI_PATH}: Chromium failed ({type(exc).__name__}: {exc})."
-    return f"{UI_PATH} during the flood, taken with headless Chromium:"
+    return f"{UI_PATH} during the flood, taken with headless Chromium ({Path(path).name})."
