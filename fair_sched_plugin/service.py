@@ -363,7 +363,8 @@ class SchedulingService:
 
     def in_flight_by_user(self) -> Mapping[tuple[str, str, str], int]:
         counts: dict[tuple[str, str, str], int] = {}
-        for key in self._running.values():
+        # A copy first: a scrape that timed out waiting for the loop reads from another thread.
+        for key in list(self._running.values()):
             counts[key] = counts.get(key, 0) + 1
         return counts
 
