@@ -23,14 +23,6 @@ from fair_sched_plugin.observability import STATUS_PATH, UI_PATH
 
 from .conftest import MODEL, chat_body, emulator
 
-pytestmark = [
-    pytest.mark.litellm,
-    pytest.mark.slow,
-    pytest.mark.skipif(
-        importlib.util.find_spec("litellm") is None, reason="needs the litellm extra"
-    ),
-]
-
 FLOODER_KEY = "sk-secret-flooder-ui-1"
 LIGHT_KEY = "sk-secret-light-ui-2"
 FLOOD_SIZE = 30
@@ -43,14 +35,31 @@ def in_ci() -> bool:
     return os.environ.get("CI", "").strip().lower() in {"1", "true", "yes"}
 
 
-@pytest.fixture
-def browser_ready() -> Iterator[None]:
+def require_browser() -> None:
+    """Skip without Chromium or playwright on a developer's machine; fail under CI."""
     missing = missing_browser_parts()
     if missing is not None:
         if in_ci():
             pytest.fail(f"the UI browser test cannot run under CI: {missing}", pytrace=False)
         pytest.skip(missing)
+
+
+@pytest.fixture
+def browser_ready() -> Iterator[None]:
+    require_browser()
     yield
+
+
+def test_a_missing_browser_fails_under_ci_and_skips_elsewhere(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    monkeypatch.setenv("FAIR_SCHED_CHROMIUM", str(tmp_path / "no-chromium-here"))
+    monkeypatch.setenv("CI", "true")
+    with pytest.raises(pytest.fail.Exception, match=r"no Chromium binary|playwright"):
+        require_browser()
+    monkeypatch.delenv("CI")
+    with pytest.raises(pytest.skip.Exception, match=r"no Chromium binary|playwright"):
+        require_browser()
 
 
 def keep(path: Path) -> None:
@@ -85,6 +94,9 @@ async def page_numbers(page: Any) -> dict[str, str]:
     )
 
 
+@pytest.mark.litellm
+@pytest.mark.slow
+@pytest.mark.skipif(importlib.util.find_spec("litellm") is None, reason="needs the litellm extra")
 async def test_the_page_shows_a_flood_live_and_nothing_without_the_key(
     tmp_path: Path, browser_ready: None
 ) -> None:
