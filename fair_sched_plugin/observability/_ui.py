@@ -80,8 +80,8 @@ td.url { white-space:normal; word-break:break-all; max-width:220px; }
 
 _SCRIPT = r"""
 "use strict";
-const POLL_MS = 400, HISTORY_S = 120, STORE = "fair-sched-admin-key";
-let key = null, timer = null, lastOk = 0;
+const POLL_MS = 400, POLL_HIDDEN_MS = 5000, HISTORY_S = 120, STORE = "fair-sched-admin-key";
+let key = null, timer = null, session = 0;
 const samples = new Map();          // model -> [{t, queued, waiting}]
 const $ = (id) => document.getElementById(id);
 
@@ -124,6 +124,7 @@ function sparkline(points, field, label) {
   // The x axis spans what this tab has seen (at least 10 s), up to HISTORY_S.
   const span = Math.max(10, Math.min(HISTORY_S, known.length ? now - known[0].t : 0));
   const xy = known.map((p) => [W - ((now - p.t) / span) * W, H - 2 - (p[field] / max) * (H - 6)]);
+  if (xy.length === 1) xy.unshift([xy[0][0] - 3, xy[0][1]]);  // one sample: a short dash
   if (xy.length) {
     const area = document.createElementNS(NS, "polygon");
     area.setAttribute("class", "area");
@@ -273,6 +274,7 @@ function render(status) {
 
 function showLogin(message) {
   key = null;
+  session += 1;
   sessionStorage.removeItem(STORE);
   clearTimeout(timer);
   $("dashboard").replaceChildren();
@@ -283,34 +285,57 @@ function showLogin(message) {
   $("key").focus();
 }
 
+function schedule(ms) {
+  clearTimeout(timer);
+  timer = setTimeout(poll, ms);
+}
+
 async function poll() {
+  // One timer, so one loop; an answer for an earlier key (or after "forget") is dropped.
+  const mine = session;
   if (!key) return;
   let response;
   try {
     response = await fetch("status", { headers: { Authorization: "Bearer " + key },
       cache: "no-store", credentials: "omit", redirect: "error" });
   } catch (error) {
+    if (mine !== session) return;
     $("conn").textContent = "connection lost, retrying";
-    timer = setTimeout(poll, POLL_MS * 3);
+    schedule(POLL_MS * 3);
     return;
   }
+  if (mine !== session) return;
   if (response.status === 401) { showLogin("That key was not accepted."); return; }
   if (!response.ok) {
     let message = `The status endpoint answered ${response.status}.`;
     try { message = (await response.json()).error.message || message; } catch (e) { /* keep */ }
-    showLogin(message);
+    if (mine === session) showLogin(message);
     return;
   }
-  const status = await response.json();
-  if (!key) return;  // forgotten while the request was in flight
+  let status;
+  try {
+    status = await response.json();
+  } catch (error) {
+    status = null;
+  }
+  if (mine !== session || !key) return;
   $("login").classList.add("hidden");
   $("app").classList.remove("hidden");
-  $("conn").textContent = "";
-  render(status);
-  lastOk = Date.now();
-  $("live").textContent = "updated " + new Date(lastOk).toLocaleTimeString();
-  timer = setTimeout(poll, POLL_MS);
+  try {
+    render(status);
+    $("conn").textContent = "";
+    $("live").textContent = "updated " + new Date().toLocaleTimeString();
+  } catch (error) {
+    // Keep the last good view and keep asking: a proxy restart or a partial answer passes.
+    $("conn").textContent = "could not read the status, retrying";
+  }
+  // A hidden tab asks less often; it catches up as soon as it is shown again.
+  schedule(document.hidden ? POLL_HIDDEN_MS : POLL_MS);
 }
+
+document.addEventListener("visibilitychange", () => {
+  if (!document.hidden && key) schedule(0);
+});
 
 $("login").addEventListener("submit", (event) => {
   event.preventDefault();
@@ -318,6 +343,7 @@ $("login").addEventListener("submit", (event) => {
   $("key").value = "";
   if (!typed) { $("login-error").textContent = "Type the admin key."; return; }
   key = typed;
+  session += 1;
   sessionStorage.setItem(STORE, key);
   samples.clear();
   $("login-error").textContent = "";
