@@ -371,6 +371,15 @@ class SchedulingService:
     def gate_status(self) -> list[GroupStatus]:
         return self.gate.status()
 
+    def waiting_thresholds(self) -> Mapping[str, Mapping[str, float]]:
+        return {
+            model: {
+                tier.name: tier.waiting_below * len(spec.metrics_urls)
+                for tier in self.scheduler.tiers
+            }
+            for model, spec in self.gate.groups().items()
+        }
+
     def tier_limits(self) -> tuple[TierLimits, ...]:
         return self.scheduler.tiers
 

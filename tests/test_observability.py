@@ -657,6 +657,9 @@ class StaticView:
     def gate_status(self) -> list[GroupStatus]:
         return []
 
+    def waiting_thresholds(self) -> dict[str, dict[str, float]]:
+        return {"big": {"interactive": 5, "batch": 1}}  # as a self-tuning gate might say
+
     def tier_limits(self) -> tuple[TierLimits, ...]:
         return (TierLimits("interactive", 3), TierLimits("batch", 1))
 
@@ -680,6 +683,7 @@ def test_observability_reads_only_the_service_view() -> None:
     assert value(text, "fair_sched_queued_requests", model="big", tier="interactive") == 4
     assert value(text, "fair_sched_in_flight_requests", model="big") == 2
     assert value(text, "fair_sched_released_total") == 10
+    assert value(text, "fair_sched_tier_waiting_threshold", model="big", tier="interactive") == 5
     model = metrics.status()["models"]["big"]
     assert model["backlog"][0]["user"] == "alice" and model["backlog"][0]["depth"] == 4
     assert model["in_flight_by_user"] == [

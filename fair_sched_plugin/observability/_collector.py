@@ -228,10 +228,9 @@ class FairSchedCollector:
             ):
                 if reading is not None:
                     per_group[name].add_metric([group.model], reading)
-            for tier in tiers:
-                waiting_threshold.add_metric(
-                    [group.model, tier.name], tier.waiting_below * group.deployments
-                )
+        for model, by_tier in sorted(state.waiting_thresholds.items()):
+            for tier_name, threshold in by_tier.items():
+                waiting_threshold.add_metric([model, tier_name], threshold)
         for tier in tiers:
             if tier.tpot_below_s is not None:
                 tpot_threshold.add_metric([tier.name], tier.tpot_below_s)

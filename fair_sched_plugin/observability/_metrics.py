@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import time
+from collections.abc import Callable
 from typing import Any
 
 from prometheus_client import REGISTRY, CollectorRegistry, generate_latest
@@ -17,10 +19,11 @@ class ServiceMetrics:
 
     `recorder` is what the service tells about admissions, rejections and gate transitions;
     `registry` holds only this service's `collector`; `render()` is the text exposition,
-    `status()` the JSON-ready status document. Everything else is read from `view`.
+    `status()` the JSON-ready status document. Everything else is read from `view`. `clock`
+    dates rejections for the status document's `recent_rejections` ages.
     """
 
-    def __init__(self, view: ServiceView) -> None:
+    def __init__(self, view: ServiceView, *, clock: Callable[[], float] = time.monotonic) -> None:
         settings = view.settings
         self._reader = ViewReader(view)
         self.recorder = RequestRecorder(
@@ -32,6 +35,7 @@ class ServiceMetrics:
             ),
             settings.observability.wait_buckets_s,
             on_admission=self._reader.remember_loop,
+            clock=clock,
         )
         self.collector = FairSchedCollector(
             self._reader, self.recorder, view.tier_limits(), frozenset(view.gated_models())

@@ -10,7 +10,7 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping
 from typing import Any
 
-from ..core import GroupStatus, TierLimits, UserBacklog
+from ..core import GroupStatus, UserBacklog
 from ._recorder import REJECTION_REASONS, RequestRecorder
 from ._view import DeploymentReading, Reading, ServiceView, ViewReader, safe_url
 
@@ -120,7 +120,9 @@ class StatusDocument:
                 ],
                 "in_flight_by_user_truncated": len(running) - len(running_shown),
                 "gate": _gate_document(
-                    gate_by_model.get(model), settings.unknown_model_max_inflight, tiers
+                    gate_by_model.get(model),
+                    settings.unknown_model_max_inflight,
+                    state.waiting_thresholds.get(model, {}),
                 ),
                 "deployments": [
                     _deployment_document(deployment, state, redact)
@@ -173,7 +175,7 @@ class StatusDocument:
 
 
 def _gate_document(
-    group: GroupStatus | None, unknown_cap: int, tiers: tuple[TierLimits, ...]
+    group: GroupStatus | None, unknown_cap: int, waiting_threshold: Mapping[str, float]
 ) -> dict[str, Any]:
     if group is None:
         # No engine metrics for this model: the gate is a fixed in-flight cap.
@@ -191,7 +193,7 @@ def _gate_document(
         "blocked_reason": group.blocked_reason,
         # The engine queue each tier may fill (summed over the group's deployments), as
         # fair_sched_tier_waiting_threshold reports it.
-        "waiting_threshold": {tier.name: tier.waiting_below * group.deployments for tier in tiers},
+        "waiting_threshold": dict(waiting_threshold),
     }
 
 

@@ -196,7 +196,7 @@ function gateLine(gate) {
 }
 
 function allowedQueue(gate) {
-  const allowed = gate.allowed_waiting || gate.waiting_threshold;
+  const allowed = gate.waiting_threshold;
   if (!allowed) return null;
   const text = Object.entries(allowed).map(([tier, n]) => `${tier} < ${num(n, 0)}`).join(" · ");
   return h("p", { class: "muted allowed" }, "engine queue allowed per tier: " + text +

@@ -57,6 +57,11 @@ class ServiceView(Protocol):
         """Per model group; only on the service's event loop (the gate's clock needs it)."""
         ...
 
+    def waiting_thresholds(self) -> Mapping[str, Mapping[str, float]]:
+        """Per gated model and tier, the engine queue that tier may fill (summed over the
+        model's deployments). Where thresholds tune themselves, the values in force now."""
+        ...
+
     def tier_limits(self) -> tuple[TierLimits, ...]:
         """The tiers as the scheduler applies them, most urgent first."""
         ...
@@ -81,6 +86,7 @@ class Reading(NamedTuple):
     statistics: SchedulerStatistics
     backlog: list[UserBacklog]
     in_flight_by_user: Mapping[tuple[str, str, str], int]
+    waiting_thresholds: Mapping[str, Mapping[str, float]]
     gate: list[GroupStatus] | None  # None outside an event loop (the gate's clock needs one)
     deployments: list[DeploymentReading]
     now: float | None  # the loop's clock, for ages; None outside a loop
@@ -108,6 +114,7 @@ class ViewReader:
             statistics=view.scheduler_statistics(),
             backlog=view.backlog(),
             in_flight_by_user=view.in_flight_by_user(),
+            waiting_thresholds=view.waiting_thresholds(),
             gate=view.gate_status() if on_loop else None,
             deployments=view.deployments(),
             now=asyncio.get_running_loop().time() if on_loop else None,
