@@ -16,10 +16,11 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from ..observability import UI_PATH
+
 if TYPE_CHECKING:
     from playwright.async_api import Page
 
-UI_PATH = "/fair-sched/ui"
 # What works in a container without a GPU, a sandbox or a network.
 CHROMIUM_FLAGS = (
     "--headless",

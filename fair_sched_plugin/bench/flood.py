@@ -16,7 +16,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
-from .browser import UI_PATH, screenshot_while
+from ..observability import UI_PATH
+from .browser import screenshot_while
 from .client import Caller, RequestRecord, make_client, send_wave, stream_one
 from .processes import (
     MASTER_KEY,
