@@ -397,6 +397,7 @@ class SchedulingService:
                 watcher.scrapes_total,
                 watcher.failures_total,
                 watcher.last_snapshot,
+                watcher.prefix_cache_hit_rate,
             )
             for model, group in self._watchers.items()
             for watcher in group

@@ -670,7 +670,8 @@ class StaticView:
         return {}
 
     def deployments(self) -> list[DeploymentReading]:
-        return []
+        scrape = BackendSnapshot("http://user:pw@vllm-a:8000/metrics", 0.0, True, 2, 8, 0.5, 0.04)
+        return [DeploymentReading("big", scrape.url, 10, 1, scrape, prefix_cache_hit_rate=0.25)]
 
     def recent_transitions(self) -> list[GateTransition]:
         return []
@@ -689,6 +690,10 @@ def test_observability_reads_only_the_service_view() -> None:
     assert model["in_flight_by_user"] == [
         {"user": "alice", "configured": True, "tier": "interactive", "in_flight": 2}
     ]
+    (deployment,) = model["deployments"]
+    assert deployment["url"] == "http://vllm-a:8000/metrics"  # no credentials
+    assert deployment["last_snapshot"]["prefix_cache_hit_rate"] == 0.25
+    assert deployment["last_snapshot"]["running"] == 8
 
 
 # ----------------------------------------------------------------------------- registries, threads

@@ -201,7 +201,7 @@ def _deployment_document(
     deployment: DeploymentReading, state: Reading, redact: Callable[[str], str]
 ) -> dict[str, Any]:
     snapshot = deployment.last_snapshot
-    last: Mapping[str, Any] | None = None
+    last: dict[str, Any] | None = None
     if snapshot is not None:
         ok = snapshot.ok
         last = {
@@ -213,6 +213,8 @@ def _deployment_document(
             "tpot_s": snapshot.tpot_s if ok else None,
             "error": redact(snapshot.error) if snapshot.error else None,
         }
+        if ok and deployment.prefix_cache_hit_rate is not None:
+            last["prefix_cache_hit_rate"] = round(deployment.prefix_cache_hit_rate, 4)
     return {
         "url": safe_url(deployment.url),
         "scrapes_total": deployment.scrapes_total,

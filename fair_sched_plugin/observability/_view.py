@@ -35,6 +35,7 @@ class DeploymentReading(NamedTuple):
     scrapes_total: int
     failures_total: int
     last_snapshot: BackendSnapshot | None
+    prefix_cache_hit_rate: float | None = None  # between the last two good scrapes
 
 
 class ServiceView(Protocol):
