@@ -122,6 +122,9 @@ async def test_the_page_shows_a_flood_live_and_nothing_without_the_key(
             ) as client,
             chromium_page(tmp_path / "chromium-profile") as page,
         ):
+            # Every request the browser makes: (URL, Authorization header).
+            sent: list[tuple[str, str | None]] = []
+            page.on("request", lambda r: sent.append((r.url, r.headers.get("authorization"))))
             # The page is served to anyone; it holds no data and shows only the prompt.
             answer = await client.get(UI_PATH)
             assert answer.status_code == 200
@@ -202,7 +205,17 @@ async def test_the_page_shows_a_flood_live_and_nothing_without_the_key(
             await page.locator("#key").wait_for()
             assert await page.locator("#dashboard").inner_html() == ""
             assert not await page.locator("#app").is_visible()
-            # The key never went into a URL: the proxy's log shows every path it served.
+            # The key never went into a URL, only into the status requests' Authorization; the
+            # page asked nothing of any other origin, nor before a key was typed.
             log = proxy.log_text()
             assert MASTER_KEY not in log and "sk-not-the-master-key" not in log
             assert page.url == f"{proxy.base_url}{UI_PATH}"
+            assert all(url.startswith(proxy.base_url) for url, _ in sent), sent
+            assert all(MASTER_KEY not in url and "sk-not" not in url for url, _ in sent)
+            status_calls = [auth for url, auth in sent if url.endswith(STATUS_PATH)]
+            assert f"Bearer {MASTER_KEY}" in status_calls
+            assert set(status_calls) == {f"Bearer {MASTER_KEY}", "Bearer sk-not-the-master-key"}
+            assert {url for url, _ in sent} == {
+                f"{proxy.base_url}{UI_PATH}",
+                f"{proxy.base_url}{STATUS_PATH}",
+            }
