@@ -58,8 +58,8 @@ class FairSchedulerMiddleware:
 
     `config` is a YAML path, a mapping or `FairSchedSettings` (or pass a ready `service`).
     `resolve_user(scope, body)` may name the caller instead of the bearer key; it is trusted.
-    `serve_admin=True` answers ``GET /fair-sched/metrics`` and ``/fair-sched/status`` itself,
-    behind `admin_key` (or ``observability.admin_key``) when one is set.
+    `serve_admin=True` answers ``GET /fair-sched/metrics``, ``/fair-sched/status`` and the
+    ``/fair-sched/ui`` page itself, behind `admin_key` (or ``observability.admin_key``).
     `reject_unknown_keys=True` answers 401 to a caller that is not a configured principal, before
     it can queue: for apps that do not authenticate themselves (the standalone proxy), so that
     made-up keys cannot each open a queue and fill the total cap.
@@ -86,15 +86,16 @@ class FairSchedulerMiddleware:
         self._reject_unknown_keys = reject_unknown_keys
         self._admin: ASGIApp | None = None
         if serve_admin:
-            # Opt-in: /fair-sched/metrics and /fair-sched/status answered here, before the app.
+            # Opt-in: /fair-sched/metrics, /status and /ui answered here, before the app.
             self._admin = observability.admin_app(self.service, admin_key=admin_key)
             if not (admin_key or self.service.settings.observability.resolved_admin_key()):
                 logger.warning(
-                    "fair_sched: %s and %s are served without an admin key; set "
-                    "observability.admin_key (or admin_key=) unless only trusted clients reach "
-                    "this app",
+                    "fair_sched: %s is served without an admin key and %s is refused; set "
+                    "observability.admin_key (or admin_key=) to require a key for both and "
+                    "enable the status and %s",
                     observability.METRICS_PATH,
                     observability.STATUS_PATH,
+                    observability.UI_PATH,
                 )
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:

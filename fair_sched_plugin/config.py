@@ -255,7 +255,7 @@ class ObservabilitySettings(_Frozen):
     admin_key: str | None = None
     # Models without a `backends` entry get their own label value up to this many; then `other`.
     max_model_labels: Annotated[int, Field(gt=0, le=10_000)] = 64
-    # Backlogged users listed per model on the status page (the deepest first).
+    # Backlogged (and in-flight) principals listed per model on the status page (most first).
     status_max_users: Annotated[int, Field(gt=0, le=100_000)] = 100
     wait_buckets_s: tuple[float, ...] = DEFAULT_WAIT_BUCKETS_S
 

@@ -6,7 +6,7 @@ Each model named in `fair_sched.backends` with an `api_base` is served: `POST /v
 `/v1/completions` and `/v1/responses` are forwarded to `{api_base}/chat/completions` (and so on)
 with the body as the scheduler left it; `GET /v1/models` lists the models, `GET /health` answers,
 `GET /fair-sched/metrics` and `/fair-sched/status` show the scheduler (behind
-`observability.admin_key` when set).
+`observability.admin_key` when set), and `GET /fair-sched/ui` is a live page over the status.
 Scheduling is done by `FairSchedulerMiddleware` around the routes, not by the routes themselves.
 Responses stream through unbuffered with the upstream status and content type; when the client
 goes away the upstream response is closed, so the engine frees the sequence. The client's

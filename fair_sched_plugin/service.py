@@ -11,7 +11,7 @@ import asyncio
 import logging
 import time
 from collections import OrderedDict
-from collections.abc import Callable, Hashable, Iterable, Mapping, MutableMapping
+from collections.abc import Callable, Hashable, Iterable, Mapping, MutableMapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal, Protocol
 
@@ -33,18 +33,21 @@ from .core import (
     Clock,
     FairScheduler,
     GateTransition,
+    GroupStatus,
     Lease,
     LoopClock,
     MetricsGate,
+    SchedulerStatistics,
     Ticket,
     TierLimits,
+    UserBacklog,
 )
 from .errors import BudgetExceeded, FairSchedError, Rejected, SchedulerClosed
 from .identity import Credentials, Principal, PrincipalDirectory
 from .metrics.profiles import profile_for
 from .metrics.watcher import MetricsWatcher
-from .observability import ServiceMetrics, rejection_reason
-from .state import ReplicaScheduler, open_state
+from .observability import DeploymentReading, ServiceMetrics, rejection_reason
+from .state import ReplicaScheduler, StateStatistics, open_state
 
 logger = logging.getLogger("fair_sched")
 
@@ -196,8 +199,13 @@ class SchedulingService:
         )
         self.budgets = BudgetBook(_budget_rules(self.settings), clock=self.clock)
         self.scheduler.add_end_listener(self._count_spend)
+        # Leases granted through admit() and not yet ended, for the per-principal in-flight view.
+        self._running: dict[Lease, tuple[str, str, str]] = {}
+        self.scheduler.add_end_listener(self._lease_ended)
         # Created now so the wait histogram sees every admission; reads happen at scrape time.
         self._observability = ServiceMetrics(self)
+        self.add_admission_observer(self._observability.recorder)
+        self.add_transition_listener(self._observability.recorder.gate_transition)
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -329,6 +337,8 @@ class SchedulingService:
             self._rejected(principal, ticket, exc)
             raise
         admission = Admission(lease, principal, self.engine_priority(model, ticket.tier))
+        if lease.active:
+            self._running[lease] = (lease.ticket.model, lease.ticket.tier, lease.ticket.user)
         for observer in self._admission_observers:
             observer.admitted(admission)
         return admission
@@ -395,10 +405,68 @@ class SchedulingService:
         """End the lease (idempotent); True for the call that ended it."""
         return lease.release(tokens_used=tokens_used)
 
-    # ------------------------------------------------------------------ observation
+    # ------------------------------------------------------------------ observation (ServiceView)
 
     def watchers(self) -> Mapping[str, list[MetricsWatcher]]:
         return self._watchers
+
+    def scheduler_statistics(self) -> SchedulerStatistics:
+        return self.scheduler.statistics()
+
+    def backlog(self) -> list[UserBacklog]:
+        return self.scheduler.backlog()
+
+    def in_flight_by_user(self) -> Mapping[tuple[str, str, str], int]:
+        counts: dict[tuple[str, str, str], int] = {}
+        # A copy first: a scrape that timed out waiting for the loop reads from another thread.
+        for key in list(self._running.values()):
+            counts[key] = counts.get(key, 0) + 1
+        return counts
+
+    def gate_status(self) -> list[GroupStatus]:
+        # The deciding gate's: ours while this replica decides, else the leader's document.
+        return self.scheduler.gate_status()
+
+    def state_statistics(self) -> StateStatistics:
+        return self.scheduler.state_statistics()
+
+    def shares_state(self) -> bool:
+        return self.scheduler.coordinated
+
+    def waiting_thresholds(self) -> Mapping[str, Mapping[str, float]]:
+        return {
+            model: {
+                tier.name: tier.waiting_below * len(spec.metrics_urls)
+                for tier in self.scheduler.tiers
+            }
+            for model, spec in self.gate.groups().items()
+        }
+
+    def tier_limits(self) -> tuple[TierLimits, ...]:
+        return self.scheduler.tiers
+
+    def configured_models(self) -> frozenset[str]:
+        return frozenset(self.backends)
+
+    def gated_models(self) -> Mapping[str, Sequence[str]]:
+        return {model: spec.metrics_urls for model, spec in self.gate.groups().items()}
+
+    def deployments(self) -> list[DeploymentReading]:
+        return [
+            DeploymentReading(
+                model,
+                watcher.url,
+                watcher.scrapes_total,
+                watcher.failures_total,
+                watcher.last_snapshot,
+                watcher.prefix_cache_hit_rate,
+            )
+            for model, group in self._watchers.items()
+            for watcher in group
+        ]
+
+    def recent_transitions(self) -> Sequence[GateTransition]:
+        return self.transitions
 
     # ------------------------------------------------------------------ internals
 
@@ -407,6 +475,9 @@ class SchedulingService:
             self.gate.update(model, snapshot)
 
         return on_snapshot
+
+    def _lease_ended(self, lease: Lease, abandoned: bool) -> None:
+        self._running.pop(lease, None)
 
     def _request_scrape(self, model: str) -> None:
         for watcher in self._watchers.get(model, ()):

@@ -6,12 +6,16 @@ slow; orderings are checked, not absolute times (DESIGN.md: timings vary run to 
 
 from __future__ import annotations
 
+import contextlib
+import io
 import json
+import re
 from pathlib import Path
 from typing import Any
 
 import pytest
 
+from fair_sched_plugin.bench.browser import missing_browser_parts
 from fair_sched_plugin.bench.processes import litellm_executable
 from fair_sched_plugin.cli import main
 
@@ -27,7 +31,10 @@ VARIANTS = ("direct", "litellm", "plugin", "plugin_priority")
 @pytest.fixture(scope="module")
 def demo_output(tmp_path_factory: pytest.TempPathFactory) -> Path:
     out = tmp_path_factory.mktemp("demo")
-    assert main(["demo", "--quick", "--out", str(out)]) == 0
+    printed = io.StringIO()
+    with contextlib.redirect_stdout(printed):
+        assert main(["demo", "--quick", "--out", str(out)]) == 0
+    (out / "stdout.txt").write_text(printed.getvalue())
     return out
 
 
@@ -63,6 +70,13 @@ def test_demo_writes_summary_and_plots(demo_output: Path) -> None:
         assert plot.stat().st_size > 0, plot
 
 
+def test_demo_prints_the_live_page_of_each_plugin_variant(demo_output: Path) -> None:
+    printed = (demo_output / "stdout.txt").read_text()
+    pages = re.findall(r"\[(\w+)\] watch it live: (http://127\.0\.0\.1:\d+/fair-sched/ui)", printed)
+    assert {name for name, _ in pages} == {"plugin", "plugin_priority"}
+    assert "admin key" in printed
+
+
 def test_bench_quick_flood_and_core_writes_a_report(tmp_path: Path) -> None:
     out = tmp_path / "report"
     assert main(["bench", "--quick", "--scenarios", "flood,core", "--out", str(out)]) == 0
@@ -71,3 +85,9 @@ def test_bench_quick_flood_and_core_writes_a_report(tmp_path: Path) -> None:
     assert "| light TTFT p50 |" in index
     assert "waiting_below 8" in index
     assert (out / "ttft-cdf.png").stat().st_size > 0
+    # The live page during a flood, photographed by Chromium; or a plain note why not.
+    if missing_browser_parts() is None:
+        assert "![/fair-sched/ui during the flood](fair-sched-ui.png)" in index
+        assert (out / "fair-sched-ui.png").stat().st_size > 0
+    else:
+        assert "No screenshot of /fair-sched/ui:" in index

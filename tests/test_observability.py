@@ -29,17 +29,28 @@ from starlette.routing import Route
 
 from fair_sched_plugin.asgi import FairSchedulerMiddleware
 from fair_sched_plugin.config import load_settings
-from fair_sched_plugin.core import BackendSnapshot, Ticket
+from fair_sched_plugin.core import (
+    BackendSnapshot,
+    GateTransition,
+    GroupStatus,
+    SchedulerStatistics,
+    Ticket,
+    TierLimits,
+    UserBacklog,
+)
 from fair_sched_plugin.errors import ConfigError, QueueFull, QueueTimeout, Rejected
 from fair_sched_plugin.identity import Credentials
 from fair_sched_plugin.observability import (
     METRICS_PATH,
     STATUS_PATH,
+    UI_PATH,
+    DeploymentReading,
+    ServiceMetrics,
     admin_app,
-    install_litellm_routes,
     register_in_default_registry,
 )
-from fair_sched_plugin.service import SchedulingService
+from fair_sched_plugin.service import ClientDisconnected, SchedulingService
+from fair_sched_plugin.state import StateStatistics
 from fair_sched_plugin.testing import FakeClock
 
 ALICE_KEY = "sk-secret-alice-0123456789"
@@ -555,6 +566,151 @@ async def test_status_shows_gate_state_and_last_snapshot() -> None:
     await service.aclose()
 
 
+async def test_status_lists_in_flight_requests_per_principal_and_tier() -> None:
+    service = make_service(unknown_model_max_inflight=3, observability={"status_max_users": 1})
+    first = await service.admit(who(service, ALICE_KEY), "m", BODY)
+    second = await service.admit(who(service, ALICE_KEY), "m", BODY)
+    third = await service.admit(who(service, BOB_KEY), "m", BODY)
+    model = service.observability.status()["models"]["m"]
+    assert model["in_flight_by_user"] == [
+        {"user": "alice", "configured": True, "tier": "interactive", "in_flight": 2}
+    ]
+    assert model["in_flight_by_user_truncated"] == 1  # bob, beyond status_max_users
+    first.lease.release()
+    third.lease.abandon()
+    model = service.observability.status()["models"]["m"]
+    assert [(e["user"], e["in_flight"]) for e in model["in_flight_by_user"]] == [("alice", 1)]
+    assert model["in_flight_by_user_truncated"] == 0
+    second.lease.release()
+    assert "m" not in service.observability.status()["models"]  # idle and not configured
+    await service.aclose()
+
+
+async def test_a_request_that_leaves_while_parked_is_never_counted_in_flight() -> None:
+    """Race: the lease is granted and the client disconnects in the same tick, before the
+    parked request wakes up: the lease is given back, and no in-flight entry outlives it."""
+    service = make_service()
+    holder = await service.admit(who(service, ALICE_KEY), "m", BODY)
+    gone = asyncio.Event()
+    parked = asyncio.ensure_future(
+        service.admit(who(service, BOB_KEY), "m", BODY, disconnected=gone)
+    )
+    await settle()
+    holder.lease.release()  # bob's turn: his lease is granted ...
+    gone.set()  # ... and he is gone before his task runs again
+    (outcome,) = await asyncio.gather(parked, return_exceptions=True)
+    assert isinstance(outcome, ClientDisconnected)
+    assert service.scheduler.statistics().abandoned_total == 1
+    assert service.scheduler.statistics().in_flight == 0
+    assert service.in_flight_by_user() == {}
+    await service.aclose()
+
+
+async def test_status_lists_recent_rejections_newest_first_by_principal() -> None:
+    service = make_service(queue={"max_per_user": 1, "max_wait_s": 0.05})
+    holder = await service.admit(who(service, ALICE_KEY), "m", BODY)
+    parked = await park(service, ALICE_KEY)
+    with pytest.raises(QueueFull):
+        await service.admit(who(service, ALICE_KEY), "m", BODY)
+    await asyncio.wait_for(asyncio.gather(*parked, return_exceptions=True), 5)
+    status = service.observability.status()
+    recent = status["recent_rejections"]
+    assert [(r["user"], r["model"], r["tier"], r["reason"]) for r in recent] == [
+        ("alice", "m", "interactive", "timeout"),
+        ("alice", "m", "interactive", "queue_full_user"),
+    ]
+    assert recent[0]["age_s"] <= recent[1]["age_s"]
+    assert status["totals"]["rejected"]["queue_full_user"] == 1
+    assert ALICE_KEY not in json.dumps(status)
+    holder.lease.release()
+    await service.aclose()
+
+
+async def test_gate_document_shows_the_engine_queue_each_tier_may_fill() -> None:
+    urls = ["http://127.0.0.1:9/metrics", "http://127.0.0.1:10/metrics"]
+    service = make_service(backends={"big": {"metrics_urls": urls}})
+    gate = service.observability.status()["models"]["big"]["gate"]
+    # Per deployment: interactive < 3, batch < 1 (the default tiers), summed over two.
+    assert gate["waiting_threshold"] == {"interactive": 6, "batch": 2}
+    await service.aclose()
+
+
+class StaticView:
+    """A `ServiceView` written by hand: observability needs nothing else of a service."""
+
+    def __init__(self) -> None:
+        self.settings = load_settings(
+            {"principals": [{"name": "alice", "keys": [ALICE_KEY]}], "backends": {"big": {}}}
+        )
+
+    def scheduler_statistics(self) -> SchedulerStatistics:
+        return SchedulerStatistics(
+            queued=4,
+            in_flight=2,
+            released_total=10,
+            completed_total=8,
+            cancelled_total=0,
+            abandoned_total=0,
+            rejected_full_total=0,
+            timed_out_total=0,
+            queued_by_model_tier={("big", "interactive"): 4},
+            in_flight_by_model={"big": 2},
+        )
+
+    def backlog(self) -> list[UserBacklog]:
+        return [UserBacklog("big", "interactive", "alice", 4, 0.0, 0.0)]
+
+    def in_flight_by_user(self) -> dict[tuple[str, str, str], int]:
+        return {("big", "interactive", "alice"): 2}
+
+    def gate_status(self) -> list[GroupStatus]:
+        return []
+
+    def state_statistics(self) -> StateStatistics:
+        return StateStatistics("shared", "r1", 0, 0, 0, leader="r2", replicas_alive=2)
+
+    def shares_state(self) -> bool:
+        return True
+
+    def waiting_thresholds(self) -> dict[str, dict[str, float]]:
+        return {"big": {"interactive": 5, "batch": 1}}  # as a self-tuning gate might say
+
+    def tier_limits(self) -> tuple[TierLimits, ...]:
+        return (TierLimits("interactive", 3), TierLimits("batch", 1))
+
+    def configured_models(self) -> frozenset[str]:
+        return frozenset({"big"})
+
+    def gated_models(self) -> dict[str, list[str]]:
+        return {}
+
+    def deployments(self) -> list[DeploymentReading]:
+        scrape = BackendSnapshot("http://user:pw@vllm-a:8000/metrics", 0.0, True, 2, 8, 0.5, 0.04)
+        return [DeploymentReading("big", scrape.url, 10, 1, scrape, prefix_cache_hit_rate=0.25)]
+
+    def recent_transitions(self) -> list[GateTransition]:
+        return []
+
+
+def test_observability_reads_only_the_service_view() -> None:
+    view = StaticView()
+    metrics = ServiceMetrics(view)
+    text = metrics.render().decode()
+    assert value(text, "fair_sched_queued_requests", model="big", tier="interactive") == 4
+    assert value(text, "fair_sched_in_flight_requests", model="big") == 2
+    assert value(text, "fair_sched_released_total") == 10
+    assert value(text, "fair_sched_tier_waiting_threshold", model="big", tier="interactive") == 5
+    model = metrics.status()["models"]["big"]
+    assert model["backlog"][0]["user"] == "alice" and model["backlog"][0]["depth"] == 4
+    assert model["in_flight_by_user"] == [
+        {"user": "alice", "configured": True, "tier": "interactive", "in_flight": 2}
+    ]
+    (deployment,) = model["deployments"]
+    assert deployment["url"] == "http://vllm-a:8000/metrics"  # no credentials
+    assert deployment["last_snapshot"]["prefix_cache_hit_rate"] == 0.25
+    assert deployment["last_snapshot"]["running"] == 8
+
+
 # ----------------------------------------------------------------------------- registries, threads
 
 
@@ -634,6 +790,39 @@ async def test_admin_key_from_the_environment(monkeypatch: pytest.MonkeyPatch) -
     await service.aclose()
 
 
+async def test_ui_page_is_served_without_a_key_and_holds_no_data() -> None:
+    service = make_service(observability={"admin_key": "adm-key-1"})
+    (await service.admit(who(service, ALICE_KEY), "m", BODY)).lease.release()
+    async with asgi_client(admin_app(service)) as client:
+        page = await client.get(UI_PATH)
+    assert page.status_code == 200
+    assert page.headers["content-type"].startswith("text/html")
+    html = page.text
+    # No data: the page reads the status itself, with the key the operator types.
+    assert "alice" not in html and "adm-key-1" not in html
+    await service.aclose()
+
+
+def test_ui_page_is_self_contained_and_never_puts_the_key_in_a_url() -> None:
+    from fair_sched_plugin.observability import _ui
+
+    html = _ui.PAGE.decode()
+    # Nothing loaded from elsewhere: no external script, style, font or image.
+    assert re.findall(r"https?://[^\s\"'`]+", html) == ["http://www.w3.org/2000/svg"]
+    assert "<link" not in html and " src=" not in html and "@import" not in html
+    # The password field has no name, so no form submission could carry it; the CSP forbids
+    # submitting forms at all and allows only this page's own inline script and style.
+    password = re.search(r"<input[^>]*type=\"password\"[^>]*>", html)
+    assert password is not None and "name=" not in password.group(0)
+    csp = _ui.HEADERS["content-security-policy"]
+    assert "form-action 'none'" in csp and "default-src 'none'" in csp
+    assert "connect-src 'self'" in csp and "unsafe-inline" not in csp
+    assert 'Authorization: "Bearer " + key' in html
+    # The status is read relative to the page, and written with textContent, never as HTML.
+    assert 'fetch("status"' in html
+    assert "innerHTML" not in html and "insertAdjacentHTML" not in html
+
+
 async def _app_says_hello(request: Any) -> PlainTextResponse:
     return PlainTextResponse("from the app", status_code=404)
 
@@ -649,6 +838,7 @@ async def test_middleware_serves_admin_endpoints_only_when_asked() -> None:
         assert (await client.get(STATUS_PATH)).status_code == 401
         ok = await client.get(STATUS_PATH, headers={"authorization": "Bearer adm"})
         assert ok.status_code == 200 and "totals" in ok.json()
+        assert (await client.get(UI_PATH)).headers["content-type"].startswith("text/html")
         assert (await client.get("/other")).text == "from the app"
     await service.aclose()
 
@@ -656,13 +846,16 @@ async def test_middleware_serves_admin_endpoints_only_when_asked() -> None:
 async def test_litellm_routes_need_the_master_key_and_join_the_default_registry(
     no_default_registry_leak: None,
 ) -> None:
+    pytest.importorskip("litellm")
+    from fair_sched_plugin.litellm._routes import install_litellm_routes
+
     service = make_service()
     proxy_server = SimpleNamespace(app=FastAPI(), master_key=None)
-    callback = SimpleNamespace(service=service)
-    install_litellm_routes(proxy_server, callback)
-    install_litellm_routes(proxy_server, callback)  # a second import adds nothing
+    install_litellm_routes(proxy_server, service)
+    install_litellm_routes(proxy_server, service)  # a second import adds nothing
     paths = [getattr(route, "path", None) for route in proxy_server.app.routes]
     assert paths.count(METRICS_PATH) == 1 and paths.count(STATUS_PATH) == 1
+    assert paths.count(UI_PATH) == 1
     async with asgi_client(proxy_server.app) as client:
         # No master key configured: nobody gets in.
         assert (

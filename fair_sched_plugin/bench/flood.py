@@ -16,6 +16,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
+from ..observability import UI_PATH
+from .browser import screenshot_while
 from .client import Caller, RequestRecord, make_client, send_wave, stream_one
 from .processes import (
     MASTER_KEY,
@@ -97,6 +99,8 @@ def fair_sched_section(variant: Variant, engine_base: str) -> dict[str, Any]:
         # Generous caps: the demo measures ordering, not rejections.
         "queue": {"max_per_user": 5000, "max_total": 20000, "max_wait_s": 300},
         "metrics_poll_ms": 50,
+        # The fair proxy's /fair-sched/ui and /status take this key (LiteLLM its master key).
+        "observability": {"admin_key": MASTER_KEY},
     }
 
 
@@ -140,6 +144,8 @@ class Target:
     base_url: str
     gateway_pid: int | None = None
     engine_is_emulator: bool = True
+    # The plugin's live page (/fair-sched/ui), where the gateway runs the plugin.
+    ui_url: str | None = None
 
 
 @contextlib.asynccontextmanager
@@ -156,7 +162,10 @@ async def _gateway(variant: Variant, engine_base: str, workdir: Path) -> AsyncIt
         config = litellm_config(f"{engine_base}/v1", plugin_section)
         gateway = litellm_proxy(config, workdir, variant.name)
     async with gateway as child:
-        yield Target(variant, engine_base, child.base_url, child.pid)
+        target = Target(variant, engine_base, child.base_url, child.pid)
+        if variant.gateway in ("plugin", "fair_proxy"):
+            target.ui_url = child.base_url.removesuffix("/v1") + UI_PATH
+        yield target
 
 
 @contextlib.asynccontextmanager
@@ -227,6 +236,8 @@ async def play_flood(
             f"[{variant.name}] sending {len(power)} power requests, "
             f"{len(light)} light requests {LIGHT_DELAY_S:.0f} s later ..."
         )
+        if target.ui_url:
+            progress(f"[{variant.name}] watch it live: {target.ui_url} (admin key {MASTER_KEY})")
         # The first request through a LiteLLM proxy pays for lazy imports: not part of the flood.
         await stream_one(client, target.base_url, power[0], WARM_UP_TOKENS, time.perf_counter())
         clock_zero = time.perf_counter()
@@ -260,8 +271,65 @@ async def run_flood(
     progress: Callable[[str], None],
 ) -> list[FloodResult]:
     """Start everything, then play the flood variant by variant (never two at once)."""
+    results, _ = await run_flood_and_screenshot(
+        variants, size, emulator, engine_url, workdir, progress, screenshot=None
+    )
+    return results
+
+
+async def run_flood_and_screenshot(
+    variants: Sequence[Variant],
+    size: FloodSize,
+    emulator: EmulatorSettings,
+    engine_url: str | None,
+    workdir: Path,
+    progress: Callable[[str], None],
+    *,
+    screenshot: Path | None,
+) -> tuple[list[FloodResult], str | None]:
+    """`run_flood`, then (with `screenshot`) one unmeasured flood through the plugin variant
+    while Chromium photographs its live page; the second value is the report's note on it."""
     async with started_targets(variants, emulator, engine_url, workdir, progress) as targets:
         results = []
         for target in targets:
             results.append(await play_flood(target, size, progress))
-        return results
+        if screenshot is None:
+            return results, None
+        plugin = next((t for t in targets if t.variant.name == "plugin"), None)
+        if plugin is None:
+            return results, "No screenshot: the run has no plugin variant."
+        return results, await screenshot_during_flood(plugin, size, screenshot, progress)
+
+
+async def screenshot_during_flood(
+    target: Target, size: FloodSize, path: Path, progress: Callable[[str], None]
+) -> str:
+    """A flood played only to be photographed: `target`'s live page, taken with Chromium.
+
+    Run after the measured floods, so the browser's CPU never shares a measured run. Returns
+    the report's sentence about the screenshot (what was taken, or why nothing was).
+    """
+    if target.ui_url is None:
+        return "No screenshot: this gateway does not run the plugin."
+    power, light = callers_for(target.variant, size)
+    progress(f"[{target.variant.name}] one more flood, for a screenshot of {target.ui_url} ...")
+    async with make_client(connections=size.power_requests + 16) as client:
+
+        async def flood() -> None:
+            clock_zero = time.perf_counter()
+            await asyncio.gather(
+                send_wave(client, target.base_url, power, size.max_tokens, clock_zero),
+                send_wave(
+                    client, target.base_url, light, size.max_tokens, clock_zero, LIGHT_DELAY_S
+                ),
+            )
+
+        note = await screenshot_while(
+            target.ui_url.removesuffix(UI_PATH),
+            MASTER_KEY,
+            path,
+            flood,
+            after_s=LIGHT_DELAY_S + 0.5,
+        )
+    progress(f"[{target.variant.name}] {note}")
+    return note

@@ -15,7 +15,7 @@ from .flood import (
     QUICK_SIZE,
     FloodResult,
     Variant,
-    run_flood,
+    run_flood_and_screenshot,
     standard_variants,
     started_targets,
 )
@@ -39,6 +39,8 @@ from .scenarios import (
 )
 
 ALL_SCENARIOS = ("flood", "tiers", "many-users", "overhead", "core")
+# Chromium's picture of /fair-sched/ui during a flood, next to index.md.
+UI_SHOT = "fair-sched-ui.png"
 
 
 def _keep_runnable(variants: Sequence[Variant], args: argparse.Namespace) -> list[Variant]:
@@ -56,9 +58,12 @@ async def _flood_section(args: argparse.Namespace, out: Path, progress: Progress
     size = QUICK_SIZE if args.quick else DEMO_SIZE
     variants = _keep_runnable(standard_variants(with_thresholds=True), args)
     engine = QUICK_ENGINE if args.quick else DEMO_ENGINE
-    results = await run_flood(variants, size, engine, args.engine, out / "logs", progress)
+    results, screenshot_note = await run_flood_and_screenshot(
+        variants, size, engine, args.engine, out / "logs", progress, screenshot=out / UI_SHOT
+    )
     write_json(out / "flood.json", flood_json(results))
     plots = write_plots(results, out)
+    shot = [f"![/fair-sched/ui during the flood]({UI_SHOT})", ""]
     return [
         "## Flood",
         "",
@@ -72,6 +77,11 @@ async def _flood_section(args: argparse.Namespace, out: Path, progress: Progress
         *(f"![{path.stem}]({path.name})" for path in plots if path.stem.startswith("timeline")),
         "",
         *_threshold_section(results),
+        "### The live page",
+        "",
+        screenshot_note or "",
+        "",
+        *(shot if (out / UI_SHOT).exists() else []),
     ]
 
 

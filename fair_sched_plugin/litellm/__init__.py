@@ -27,6 +27,7 @@ from ._callback import LEASE_KEY, PRINCIPAL_KEY, FairSchedCallback
 from ._compat import auth_module_source, check_litellm, installed_litellm_version
 from ._disconnect import DisconnectWatch, current_disconnect_event
 from ._proxy import build_proxy_service, install_disconnect_watch, running_proxy
+from ._routes import install_litellm_routes
 
 __all__ = [
     "LEASE_KEY",
@@ -59,9 +60,7 @@ def _attach() -> FairSchedCallback:
             pass  # started lazily on the first request
         else:
             service.start()
-        from ..observability import install_litellm_routes
-
-        install_litellm_routes(proxy_server, callback)
+        install_litellm_routes(proxy_server, service)
     return callback
 
 

@@ -2,7 +2,13 @@
 
 from __future__ import annotations
 
-from .parser import MetricsParseError, ParsedMetrics, parse_metrics, recent_tpot
+from .parser import (
+    MetricsParseError,
+    ParsedMetrics,
+    parse_metrics,
+    recent_prefix_cache_hit_rate,
+    recent_tpot,
+)
 from .profiles import (
     SGLANG_PROFILE,
     TGI_PROFILE,
@@ -25,5 +31,6 @@ __all__ = [
     "engine_profile",
     "parse_metrics",
     "profile_for",
+    "recent_prefix_cache_hit_rate",
     "recent_tpot",
 ]

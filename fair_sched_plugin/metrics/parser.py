@@ -15,7 +15,13 @@ from prometheus_client.parser import text_string_to_metric_families
 from ..errors import FairSchedError
 from .profiles import MetricProfile
 
-__all__ = ["MetricsParseError", "ParsedMetrics", "parse_metrics", "recent_tpot"]
+__all__ = [
+    "MetricsParseError",
+    "ParsedMetrics",
+    "parse_metrics",
+    "recent_prefix_cache_hit_rate",
+    "recent_tpot",
+]
 
 # Long enough to recognise the junk in an error message, short enough for a log line.
 _EXCERPT_CHARS = 80
@@ -26,13 +32,16 @@ class MetricsParseError(FairSchedError):
 
 
 class ParsedMetrics(NamedTuple):
-    """One scrape's signals. `tpot_sum`/`tpot_count` are the histogram's lifetime totals."""
+    """One scrape's signals. `tpot_sum`/`tpot_count` are the histogram's lifetime totals, the
+    prefix-cache counters lifetime token counts."""
 
     waiting: float
     running: float
     kv_usage: float | None
     tpot_sum: float | None
     tpot_count: float | None
+    prefix_cache_queries: float | None = None
+    prefix_cache_hits: float | None = None
 
 
 def parse_metrics(text: str, profile: MetricProfile, model_name: str | None) -> ParsedMetrics:
@@ -52,12 +61,16 @@ def parse_metrics(text: str, profile: MetricProfile, model_name: str | None) -> 
     if running is None:
         raise MetricsParseError(f"no {' or '.join(profile.running)} sample{where}")
     tpot_sum, tpot_count = _histogram_totals(totals, profile.tpot)
+    queries = _first_present(totals, profile.prefix_cache_queries)
+    hits = _first_present(totals, profile.prefix_cache_hits)
     return ParsedMetrics(
         waiting=waiting.total,
         running=running.total,
         kv_usage=_kv_usage(totals, profile.kv_usage),
         tpot_sum=tpot_sum,
         tpot_count=tpot_count,
+        prefix_cache_queries=None if queries is None else queries.total,
+        prefix_cache_hits=None if hits is None else hits.total,
     )
 
 
@@ -81,6 +94,27 @@ def recent_tpot(previous: ParsedMetrics | None, current: ParsedMetrics) -> float
     return delta_sum / delta_count
 
 
+def recent_prefix_cache_hit_rate(
+    previous: ParsedMetrics | None, current: ParsedMetrics
+) -> float | None:
+    """Share of prompt tokens found in the prefix cache *between* two scrapes: Δhits / Δqueries.
+
+    None without an earlier scrape or the counters, when no prompt token was looked up in the
+    interval, or when the counters went backwards (the engine restarted).
+    """
+    if previous is None:
+        return None
+    old_queries, old_hits = previous.prefix_cache_queries, previous.prefix_cache_hits
+    new_queries, new_hits = current.prefix_cache_queries, current.prefix_cache_hits
+    if old_queries is None or old_hits is None or new_queries is None or new_hits is None:
+        return None
+    delta_queries = new_queries - old_queries
+    delta_hits = new_hits - old_hits
+    if delta_queries <= 0 or delta_hits < 0:
+        return None
+    return min(1.0, delta_hits / delta_queries)
+
+
 class _Total:
     """The sum and the largest value of one sample name's series."""
 
@@ -97,7 +131,16 @@ class _Total:
 
 def _names_of_interest(profile: MetricProfile) -> frozenset[str]:
     histogram_parts = {f"{name}{suffix}" for name in profile.tpot for suffix in ("_sum", "_count")}
-    return frozenset((*profile.waiting, *profile.running, *profile.kv_usage, *histogram_parts))
+    return frozenset(
+        (
+            *profile.waiting,
+            *profile.running,
+            *profile.kv_usage,
+            *histogram_parts,
+            *profile.prefix_cache_queries,
+            *profile.prefix_cache_hits,
+        )
+    )
 
 
 def _sample_lines(text: str, wanted: frozenset[str]) -> str:

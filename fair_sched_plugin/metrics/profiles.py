@@ -32,7 +32,8 @@ class MetricProfile:
     """Candidate sample names for each signal; an empty tuple means the engine has no such signal.
 
     `waiting` and `running` are required in every scrape; `kv_usage` (0..1) and `tpot` (a
-    time-per-output-token histogram in seconds) are optional.
+    time-per-output-token histogram in seconds) are optional. `prefix_cache_queries` and
+    `prefix_cache_hits` (token counters) only inform the status page, never the gate.
     """
 
     engine: str
@@ -40,6 +41,8 @@ class MetricProfile:
     running: tuple[str, ...]
     kv_usage: tuple[str, ...] = ()
     tpot: tuple[str, ...] = ()
+    prefix_cache_queries: tuple[str, ...] = ()
+    prefix_cache_hits: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         if not self.waiting or not self.running:
@@ -52,6 +55,8 @@ VLLM_PROFILE = MetricProfile(
     running=("vllm:num_requests_running",),
     kv_usage=("vllm:kv_cache_usage_perc", "vllm:gpu_cache_usage_perc"),
     tpot=("vllm:inter_token_latency_seconds", "vllm:time_per_output_token_seconds"),
+    prefix_cache_queries=("vllm:prefix_cache_queries_total", "vllm:gpu_prefix_cache_queries_total"),
+    prefix_cache_hits=("vllm:prefix_cache_hits_total", "vllm:gpu_prefix_cache_hits_total"),
 )
 
 SGLANG_PROFILE = MetricProfile(

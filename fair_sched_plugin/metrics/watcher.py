@@ -15,7 +15,13 @@ import httpx
 
 from .._http import KEEPALIVE_EXPIRY_S
 from ..core.snapshot import BackendSnapshot
-from .parser import MetricsParseError, ParsedMetrics, parse_metrics, recent_tpot
+from .parser import (
+    MetricsParseError,
+    ParsedMetrics,
+    parse_metrics,
+    recent_prefix_cache_hit_rate,
+    recent_tpot,
+)
 from .profiles import MetricProfile
 
 __all__ = ["DEFAULT_MAX_BODY_BYTES", "MetricsWatcher"]
@@ -76,6 +82,7 @@ class MetricsWatcher:
         self._closed = False
         self._previous: ParsedMetrics | None = None
         self._last_snapshot: BackendSnapshot | None = None
+        self._prefix_cache_hit_rate: float | None = None
         self._scrapes_total = 0
         self._failures_total = 0
         # A bug (not a network failure) is logged with its traceback once per streak, per place.
@@ -143,6 +150,12 @@ class MetricsWatcher:
         return self._last_snapshot
 
     @property
+    def prefix_cache_hit_rate(self) -> float | None:
+        """Prefix-cache hits per queried prompt token between the last two good scrapes (for
+        the status page; the gate does not use it)."""
+        return self._prefix_cache_hit_rate
+
+    @property
     def scrapes_total(self) -> int:
         """Scrapes attempted and reported, failed ones included."""
         return self._scrapes_total
@@ -197,6 +210,7 @@ class MetricsWatcher:
             self._log_bug_once(_SCRAPING, exc)
             return self._failed(started_at, f"internal error: {type(exc).__name__}")
         tpot_s = recent_tpot(self._previous, parsed)
+        self._prefix_cache_hit_rate = recent_prefix_cache_hit_rate(self._previous, parsed)
         self._previous = parsed
         self._bug_streaks.discard(_SCRAPING)
         return BackendSnapshot(

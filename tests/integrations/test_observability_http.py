@@ -20,7 +20,7 @@ from starlette.middleware import Middleware
 from starlette.routing import Route
 
 from fair_sched_plugin.asgi import FairSchedulerMiddleware
-from fair_sched_plugin.observability import METRICS_PATH, STATUS_PATH
+from fair_sched_plugin.observability import METRICS_PATH, STATUS_PATH, UI_PATH
 from fair_sched_plugin.proxy import build_proxy_app
 from fair_sched_plugin.service import SchedulingService
 
@@ -83,6 +83,10 @@ async def test_proxy_endpoints_need_the_admin_key() -> None:
                 user = await client.get(path, headers={"authorization": f"Bearer {ALICE_KEY}"})
                 assert user.status_code == 401
                 assert (await client.get(path, headers=admin_headers())).status_code == 200
+            # The page is served to anyone: it holds no data and asks for the key itself.
+            page = await client.get(UI_PATH)
+            assert page.status_code == 200 and page.headers["content-type"].startswith("text/html")
+            assert "form-action 'none'" in page.headers["content-security-policy"]
 
 
 async def test_proxy_metrics_and_status_after_a_flood() -> None:
@@ -175,6 +179,7 @@ async def test_middleware_app_serves_the_endpoints_when_asked() -> None:
             assert response.status_code == 200
             await assert_idle(service)
             assert (await client.get(METRICS_PATH)).status_code == 401
+            assert (await client.get(UI_PATH)).headers["content-type"].startswith("text/html")
             metrics = (await client.get(METRICS_PATH, headers=admin_headers())).text
             assert (
                 value(
@@ -222,6 +227,7 @@ async def test_litellm_proxy_serves_the_routes_to_the_master_key_only(tmp_path: 
             for path in (METRICS_PATH, STATUS_PATH):
                 assert (await client.get(path)).status_code == 401
                 assert (await client.get(path, headers=alice)).status_code == 401
+            assert (await client.get(UI_PATH)).headers["content-type"].startswith("text/html")
             metrics = (await client.get(METRICS_PATH, headers=master)).text
             count = value(
                 metrics,

@@ -15,6 +15,7 @@ from fair_sched_plugin.metrics import (
     engine_profile,
     parse_metrics,
     profile_for,
+    recent_prefix_cache_hit_rate,
     recent_tpot,
 )
 
@@ -29,6 +30,23 @@ def test_midburst_capture_gives_the_engines_own_numbers(midburst_text: str) -> N
     assert parsed.kv_usage is not None and 0 < parsed.kv_usage < 1
     assert parsed.tpot_sum == pytest.approx(94.886196174)
     assert parsed.tpot_count == 18501
+
+
+def test_midburst_capture_has_the_prefix_cache_counters(midburst_text: str) -> None:
+    parsed = parse_metrics(midburst_text, VLLM_PROFILE, "tiny")
+    assert (parsed.prefix_cache_queries, parsed.prefix_cache_hits) == (612, 0)
+
+
+def test_recent_prefix_cache_hit_rate_is_the_delta_of_the_counters() -> None:
+    def scrape(queries: float | None, hits: float | None) -> ParsedMetrics:
+        return ParsedMetrics(1, 1, None, None, None, queries, hits)
+
+    assert recent_prefix_cache_hit_rate(scrape(1000, 100), scrape(1400, 400)) == 0.75
+    assert recent_prefix_cache_hit_rate(None, scrape(1400, 400)) is None  # nothing to compare
+    assert recent_prefix_cache_hit_rate(scrape(1000, 100), scrape(1000, 100)) is None  # idle
+    assert recent_prefix_cache_hit_rate(scrape(1000, 100), scrape(10, 0)) is None  # restarted
+    assert recent_prefix_cache_hit_rate(scrape(None, None), scrape(10, 0)) is None  # absent
+    assert parse_metrics(vllm_text(), VLLM_PROFILE, "tiny").prefix_cache_queries is None
 
 
 def test_midburst_capture_without_model_filter_is_the_same(midburst_text: str) -> None:

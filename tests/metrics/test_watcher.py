@@ -93,6 +93,23 @@ async def test_recent_tpot_comes_from_consecutive_scrapes(
     assert snapshot.tpot_s == pytest.approx(0.08)
 
 
+async def test_prefix_cache_hit_rate_comes_from_consecutive_scrapes(
+    watcher: MetricsWatcher, engine: FakeEngine, snapshots: Snapshots
+) -> None:
+    counters = (
+        "# TYPE vllm:prefix_cache_queries_total counter\n"
+        'vllm:prefix_cache_queries_total{{engine="0",model_name="tiny"}} {queries}\n'
+        "# TYPE vllm:prefix_cache_hits_total counter\n"
+        'vllm:prefix_cache_hits_total{{engine="0",model_name="tiny"}} {hits}\n'
+    )
+    engine.text = vllm_text() + counters.format(queries=1000, hits=100)
+    await snapshots.until(lambda s: watcher.prefix_cache_hit_rate is None and s.ok)
+    # 400 more prompt tokens looked up, 300 of them found: 75 % in this interval.
+    engine.text = vllm_text() + counters.format(queries=1400, hits=400)
+    await snapshots.until(lambda s: watcher.prefix_cache_hit_rate is not None)
+    assert watcher.prefix_cache_hit_rate == pytest.approx(0.75)
+
+
 async def test_garbage_then_500_then_recovery(
     watcher: MetricsWatcher, engine: FakeEngine, snapshots: Snapshots
 ) -> None:

@@ -19,13 +19,13 @@ from fair_sched_plugin.core import (
     BackendGroup,
     BackendSnapshot,
     FairScheduler,
-    FakeClock,
     Lease,
     MetricsGate,
     Ticket,
     TierLimits,
 )
 from fair_sched_plugin.state import ReplicaScheduler, open_state
+from fair_sched_plugin.testing import FakeClock
 
 from .conftest import RedisServer, unique_prefix
 

@@ -280,7 +280,10 @@ async def test_redis_stopped_mid_flood_each_replica_spends_its_share(
         f"\nredis stopped mid-flood: engine max waiting {max_waiting} (threshold {waiting_below})"
     )
     assert max_waiting <= waiting_below
-    assert all(s.fallbacks_total == 1 and s.recoveries_total == 1 for s in stats)
+    # Each fell back and rejoined; a replica may flap once more while redis-server is still
+    # closing connections (a heartbeat answered between two dropped reads), never end local.
+    assert all(s.fallbacks_total >= 1 and s.recoveries_total == s.fallbacks_total for s in stats)
+    assert all(s.mode == "shared" for s in stats)
     assert any("1/3 of each engine threshold" in r.getMessage() for r in caplog.records)
     assert sorted(flood.answers) == list(range(FLOOD_SIZE + 2))
     assert set(flood.answers.values()) == {1}

@@ -1,0 +1,267 @@
+"""The Prometheus collector: metric families of one service, and nothing else.
+
+Almost everything is read at scrape time from the `ServiceView` (one `Reading`); the request
+path only feeds the `RequestRecorder` (wait histogram, rejections, transitions).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+from prometheus_client.core import (
+    CounterMetricFamily,
+    GaugeMetricFamily,
+    HistogramMetricFamily,
+    Metric,
+)
+
+from ..core import TierLimits
+from ._recorder import OTHER, REJECTION_REASONS, RequestRecorder
+from ._view import ViewReader, safe_url
+
+GATE_MODES = ("starting", "metrics", "fallback")
+
+
+def _format_bound(bound: float) -> str:
+    return repr(float(bound))
+
+
+class FairSchedCollector:
+    """A prometheus_client custom collector; `describe()` names the families so registries can
+    detect a clash without collecting."""
+
+    def __init__(
+        self,
+        reader: ViewReader,
+        recorder: RequestRecorder,
+        tiers: tuple[TierLimits, ...],
+        gated_models: frozenset[str],
+    ) -> None:
+        self._reader = reader
+        self._recorder = recorder
+        self._tiers = tiers
+        self._gated_models = gated_models
+
+    def collect(self) -> Iterator[Metric]:
+        return iter(self.families())
+
+    def describe(self) -> Iterator[Metric]:
+        return iter(self.families(describe_only=True))
+
+    def families(self, *, describe_only: bool = False) -> list[Metric]:
+        recorder = self._recorder
+        names = recorder.labels
+        user = ("user",) if names.user_labels else ()
+        queued = GaugeMetricFamily(
+            "fair_sched_queued_requests",
+            "Requests parked in the scheduler's queues.",
+            labels=("model", "tier", *user),
+        )
+        backlogged = GaugeMetricFamily(
+            "fair_sched_backlogged_users",
+            "Users with at least one queued request.",
+            labels=("model", "tier"),
+        )
+        in_flight = GaugeMetricFamily(
+            "fair_sched_in_flight_requests",
+            "Requests released to the engine and not finished.",
+            labels=("model",),
+        )
+        lifecycle = {
+            name: CounterMetricFamily(f"fair_sched_{name}", help_text)
+            for name, help_text in (
+                ("released", "Leases granted (requests sent to the engine), all models."),
+                ("completed", "Leases ended after the request was served, all models."),
+                ("cancelled", "Requests that left the queue because the caller went away."),
+                ("abandoned", "Leases granted, then given back unused (the caller left)."),
+            )
+        }
+        rejected = CounterMetricFamily(
+            "fair_sched_rejected",
+            "Requests refused: queue_full_user, queue_full_total, timeout, closed.",
+            labels=("model", "tier", "reason", *user),
+        )
+        wait = HistogramMetricFamily(
+            "fair_sched_wait_seconds",
+            "Time from arrival to release (0 for requests released at once).",
+            labels=("model", "tier", *user),
+        )
+        gate_mode = GaugeMetricFamily(
+            "fair_sched_gate_mode",
+            "1 for the gate's current mode per model group (starting, metrics, fallback).",
+            labels=("model", "mode"),
+        )
+        per_group = {
+            name: GaugeMetricFamily(f"fair_sched_{name}", help_text, labels=("model",))
+            for name, help_text in (
+                ("gate_deployments", "Deployments behind the model group."),
+                ("gate_pending_requests", "Released requests not yet seen by the engine."),
+                ("gate_in_flight_requests", "Requests in flight as the gate counts them."),
+                ("engine_waiting_requests", "Engine waiting queue at the last scrape (summed)."),
+                ("engine_running_requests", "Engine running requests at the last scrape (summed)."),
+                ("engine_tpot_seconds", "Recent time per output token (worst deployment)."),
+                ("engine_kv_cache_usage_ratio", "KV cache usage 0..1 (worst deployment)."),
+                ("engine_scrape_age_seconds", "Age of the stalest deployment's last good scrape."),
+            )
+        }
+        waiting_threshold = GaugeMetricFamily(
+            "fair_sched_tier_waiting_threshold",
+            "A tier releases only while engine waiting + pending is below this (per group).",
+            labels=("model", "tier"),
+        )
+        tpot_threshold = GaugeMetricFamily(
+            "fair_sched_tier_tpot_threshold_seconds",
+            "A tier releases only while the engine's TPOT is below this.",
+            labels=("tier",),
+        )
+        scrapes = CounterMetricFamily(
+            "fair_sched_metrics_scrapes",
+            "Scrapes of an engine's /metrics.",
+            labels=("model", "url"),
+        )
+        scrape_failures = CounterMetricFamily(
+            "fair_sched_metrics_scrape_failures",
+            "Scrapes of an engine's /metrics that failed or could not be parsed.",
+            labels=("model", "url"),
+        )
+        transitions = CounterMetricFamily(
+            "fair_sched_gate_transitions",
+            "Gate mode changes per model group.",
+            labels=("model", "from", "to"),
+        )
+        unavailable = CounterMetricFamily(
+            "fair_sched_metrics_unavailable",
+            "Times a model group's engine metrics became unavailable (switch to fallback).",
+            labels=("model",),
+        )
+        state_fallbacks = CounterMetricFamily(
+            "fair_sched_state_fallbacks",
+            "Times shared state (Redis) became unreachable and this replica scheduled alone.",
+            labels=("replica",),
+        )
+        state_local = GaugeMetricFamily(
+            "fair_sched_state_local",
+            "1 while this replica schedules alone (Redis unreachable), 0 while shared.",
+            labels=("replica", "leader"),
+        )
+        all_families: list[Metric] = [
+            queued,
+            backlogged,
+            in_flight,
+            *lifecycle.values(),
+            rejected,
+            wait,
+            gate_mode,
+            *per_group.values(),
+            waiting_threshold,
+            tpot_threshold,
+            scrapes,
+            scrape_failures,
+            transitions,
+            unavailable,
+            state_fallbacks,
+            state_local,
+        ]
+        if describe_only:
+            return all_families
+
+        state = self._reader.read()
+        stats = state.statistics
+        tiers = self._tiers
+
+        # Queues: every configured model and tier has a series (zero included).
+        queued_values: dict[tuple[str, ...], float] = {}
+        backlogged_values: dict[tuple[str, str], float] = {}
+        for model in sorted(names.configured_models):
+            for tier in tiers:
+                backlogged_values[(model, tier.name)] = 0
+                zero = (model, tier.name, OTHER) if names.user_labels else (model, tier.name)
+                queued_values[zero] = 0
+        if names.user_labels:
+            for entry in state.backlog:
+                key = (names.model(entry.model), entry.tier, names.user(entry.user))
+                queued_values[key] = queued_values.get(key, 0) + entry.depth
+        else:
+            for (model, tier_name), count in stats.queued_by_model_tier.items():
+                model_tier = (names.model(model), tier_name)
+                queued_values[model_tier] = queued_values.get(model_tier, 0) + count
+        for entry in state.backlog:
+            pair = (names.model(entry.model), entry.tier)
+            backlogged_values[pair] = backlogged_values.get(pair, 0) + 1
+        for labels, value in sorted(queued_values.items()):
+            queued.add_metric(list(labels), value)
+        for pair, value in sorted(backlogged_values.items()):
+            backlogged.add_metric(list(pair), value)
+
+        in_flight_values = dict.fromkeys(sorted(names.configured_models), 0.0)
+        for model, count in stats.in_flight_by_model.items():
+            label = names.model(model)
+            in_flight_values[label] = in_flight_values.get(label, 0) + count
+        for model, value in sorted(in_flight_values.items()):
+            in_flight.add_metric([model], value)
+
+        lifecycle["released"].add_metric([], stats.released_total)
+        lifecycle["completed"].add_metric([], stats.completed_total)
+        lifecycle["cancelled"].add_metric([], stats.cancelled_total)
+        lifecycle["abandoned"].add_metric([], stats.abandoned_total)
+
+        rejected_values = recorder.copy_rejected()
+        wait_values = recorder.copy_waits()
+        transition_values = recorder.copy_transitions()
+        if not names.user_labels:
+            # Counters exist from zero, so rate() sees the first rejection.
+            for model in names.configured_models:
+                for tier in tiers:
+                    for reason in REJECTION_REASONS:
+                        rejected_values.setdefault((model, tier.name, reason), 0)
+        for labels, count in sorted(rejected_values.items()):
+            rejected.add_metric(list(labels), count)
+        bounds = recorder.wait_bounds
+        for labels, counts, total in sorted(wait_values, key=lambda item: item[0]):
+            cumulative = 0
+            buckets = []
+            for bound, count in zip((*map(_format_bound, bounds), "+Inf"), counts, strict=True):
+                cumulative += count
+                buckets.append((bound, float(cumulative)))
+            wait.add_metric(list(labels), buckets, total)
+
+        for group in state.gate or ():
+            for mode in GATE_MODES:
+                gate_mode.add_metric([group.model, mode], 1.0 if group.mode == mode else 0.0)
+            per_group["gate_deployments"].add_metric([group.model], group.deployments)
+            per_group["gate_pending_requests"].add_metric([group.model], group.pending)
+            per_group["gate_in_flight_requests"].add_metric([group.model], group.in_flight)
+            for name, reading in (
+                ("engine_waiting_requests", group.waiting),
+                ("engine_running_requests", group.running),
+                ("engine_tpot_seconds", group.tpot_s),
+                ("engine_kv_cache_usage_ratio", group.kv_usage),
+                ("engine_scrape_age_seconds", group.last_scrape_age_s),
+            ):
+                if reading is not None:
+                    per_group[name].add_metric([group.model], reading)
+        for model, by_tier in sorted(state.waiting_thresholds.items()):
+            for tier_name, threshold in by_tier.items():
+                waiting_threshold.add_metric([model, tier_name], threshold)
+        for tier in tiers:
+            if tier.tpot_below_s is not None:
+                tpot_threshold.add_metric([tier.name], tier.tpot_below_s)
+
+        for deployment in state.deployments:
+            url = safe_url(deployment.url)
+            scrapes.add_metric([deployment.model, url], deployment.scrapes_total)
+            scrape_failures.add_metric([deployment.model, url], deployment.failures_total)
+        for (model, old, new), count in sorted(transition_values.items()):
+            transitions.add_metric([model, old, new], count)
+        unavailable_values = dict.fromkeys(sorted(self._gated_models), 0)
+        for (model, _old, new), count in transition_values.items():
+            if new == "fallback":
+                unavailable_values[model] = unavailable_values.get(model, 0) + count
+        for model, count in sorted(unavailable_values.items()):
+            unavailable.add_metric([model], count)
+        if state.shared:
+            shared = state.state
+            state_fallbacks.add_metric([shared.replica], shared.fallbacks_total)
+            local = 1.0 if shared.mode == "local" else 0.0
+            state_local.add_metric([shared.replica, shared.leader or ""], local)
+        return all_families

@@ -1,0 +1,225 @@
+"""The status document: per model its queues, who waits and who runs, gate and deployments.
+
+Callers are named by principal name (strangers by a key fingerprint), never by key; metrics
+URLs appear without credentials or query. Fields are only ever added, never renamed (the UI
+page, docs/operations.md and operators' scripts read them).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from typing import Any
+
+from ..core import GroupStatus, UserBacklog
+from ._recorder import REJECTION_REASONS, RequestRecorder
+from ._view import DeploymentReading, Reading, ServiceView, ViewReader, safe_url
+
+# Transitions and rejections kept in the status document.
+STATUS_TRANSITIONS = 20
+STATUS_REJECTIONS = 20
+
+
+def _round(value: float | None, digits: int = 3) -> float | None:
+    return None if value is None else round(value, digits)
+
+
+class StatusDocument:
+    """Builds the JSON-ready status document of one service from its view and recorder."""
+
+    def __init__(self, view: ServiceView, reader: ViewReader, recorder: RequestRecorder) -> None:
+        self._view = view
+        self._reader = reader
+        self._recorder = recorder
+
+    def _redactor(self) -> Callable[[str], str]:
+        """Replace configured metrics URLs (which may carry credentials) by their safe form."""
+        replacements = [
+            (url, safe_url(url))
+            for urls in self._view.gated_models().values()
+            for url in urls
+            if url != safe_url(url)
+        ]
+
+        def redact(text: str) -> str:
+            for raw, safe in replacements:
+                text = text.replace(raw, safe)
+            return text
+
+        return redact
+
+    def build(self) -> dict[str, Any]:
+        state = self._reader.read()
+        view = self._view
+        settings = view.settings
+        stats = state.statistics
+        principal_names = {principal.name for principal in settings.principals}
+        max_users = settings.observability.status_max_users
+        gate_by_model = {group.model: group for group in state.gate or ()}
+        deployments_by_model: dict[str, list[DeploymentReading]] = {}
+        for deployment in state.deployments:
+            deployments_by_model.setdefault(deployment.model, []).append(deployment)
+        backlog_by_model: dict[str, list[UserBacklog]] = {}
+        for entry in state.backlog:
+            backlog_by_model.setdefault(entry.model, []).append(entry)
+        running_by_model: dict[str, list[tuple[str, str, int]]] = {}
+        for (model, tier, user), count in state.in_flight_by_user.items():
+            if count > 0:
+                running_by_model.setdefault(model, []).append((tier, user, count))
+        models = sorted(
+            view.configured_models()
+            | set(view.gated_models())
+            | {model for model, _ in stats.queued_by_model_tier}
+            | set(stats.in_flight_by_model)
+            | set(backlog_by_model)
+        )
+        tiers = view.tier_limits()
+        tier_names = [tier.name for tier in tiers]
+        rejected_totals = dict.fromkeys(REJECTION_REASONS, 0)
+        for labels, count in self._recorder.copy_rejected().items():
+            rejected_totals[labels[2]] = rejected_totals.get(labels[2], 0) + count
+
+        redact = self._redactor()
+        document_models: dict[str, Any] = {}
+        for model in models:
+            entries = sorted(
+                backlog_by_model.get(model, ()),
+                key=lambda entry: (-entry.depth, entry.oldest_enqueued_at, entry.user),
+            )
+            shown = entries[:max_users]
+            running = sorted(running_by_model.get(model, ()), key=lambda r: (-r[2], r[1], r[0]))
+            running_shown = running[:max_users]
+            document_models[model] = {
+                "queued": {
+                    tier: stats.queued_by_model_tier.get((model, tier), 0) for tier in tier_names
+                },
+                "in_flight": stats.in_flight_by_model.get(model, 0),
+                "backlogged_users": len(entries),
+                "backlog": [
+                    {
+                        "user": entry.user,
+                        "configured": entry.user in principal_names,
+                        "tier": entry.tier,
+                        "depth": entry.depth,
+                        "oldest_wait_s": (
+                            _round(state.now - entry.oldest_enqueued_at)
+                            if state.now is not None
+                            else None
+                        ),
+                    }
+                    for entry in shown
+                ],
+                "backlog_truncated": len(entries) - len(shown),
+                "in_flight_by_user": [
+                    {
+                        "user": user,
+                        "configured": user in principal_names,
+                        "tier": tier,
+                        "in_flight": count,
+                    }
+                    for tier, user, count in running_shown
+                ],
+                "in_flight_by_user_truncated": len(running) - len(running_shown),
+                "gate": _gate_document(
+                    gate_by_model.get(model),
+                    settings.unknown_model_max_inflight,
+                    state.waiting_thresholds.get(model, {}),
+                ),
+                "deployments": [
+                    _deployment_document(deployment, state, redact)
+                    for deployment in deployments_by_model.get(model, ())
+                ],
+            }
+        return {
+            "tiers": [
+                {
+                    "name": tier.name,
+                    "waiting_below": tier.waiting_below,
+                    "tpot_below_ms": tier.tpot_below_ms,
+                    "kv_usage_below": tier.kv_usage_below,
+                    "vllm_priority": tier.vllm_priority,
+                }
+                for tier in settings.tiers
+            ],
+            "fairness": settings.fairness,
+            "totals": {
+                "queued": stats.queued,
+                "in_flight": stats.in_flight,
+                "released": stats.released_total,
+                "completed": stats.completed_total,
+                "cancelled": stats.cancelled_total,
+                "abandoned": stats.abandoned_total,
+                "rejected": rejected_totals,
+            },
+            "models": document_models,
+            # Which replica these numbers describe: the leader's core decides while shared.
+            "state": state.state._asdict(),
+            "transitions": [
+                {"model": t.model, "from": t.old, "to": t.new, "reason": redact(t.reason)}
+                for t in list(view.recent_transitions())[-STATUS_TRANSITIONS:]
+            ],
+            "recent_rejections": self._recent_rejections(),
+        }
+
+    def _recent_rejections(self) -> list[dict[str, Any]]:
+        """The latest rejections, newest first, with their age in seconds."""
+        now = self._recorder.clock()
+        recent = self._recorder.copy_recent_rejections()[-STATUS_REJECTIONS:]
+        return [
+            {
+                "model": entry.model,
+                "tier": entry.tier,
+                "user": entry.user,
+                "reason": entry.reason,
+                "age_s": _round(max(0.0, now - entry.at)),
+            }
+            for entry in reversed(recent)
+        ]
+
+
+def _gate_document(
+    group: GroupStatus | None, unknown_cap: int, waiting_threshold: Mapping[str, float]
+) -> dict[str, Any]:
+    if group is None:
+        # No engine metrics for this model: the gate is a fixed in-flight cap.
+        return {"mode": "inflight_cap", "max_inflight": unknown_cap}
+    return {
+        "mode": group.mode,
+        "deployments": group.deployments,
+        "waiting": group.waiting,
+        "running": group.running,
+        "tpot_s": group.tpot_s,
+        "kv_usage": group.kv_usage,
+        "pending": group.pending,
+        "in_flight": group.in_flight,
+        "last_scrape_age_s": _round(group.last_scrape_age_s),
+        "blocked_reason": group.blocked_reason,
+        # The engine queue each tier may fill (summed over the group's deployments), as
+        # fair_sched_tier_waiting_threshold reports it.
+        "waiting_threshold": dict(waiting_threshold),
+    }
+
+
+def _deployment_document(
+    deployment: DeploymentReading, state: Reading, redact: Callable[[str], str]
+) -> dict[str, Any]:
+    snapshot = deployment.last_snapshot
+    last: dict[str, Any] | None = None
+    if snapshot is not None:
+        ok = snapshot.ok
+        last = {
+            "ok": ok,
+            "age_s": _round(state.now - snapshot.started_at) if state.now is not None else None,
+            "waiting": snapshot.waiting if ok else None,
+            "running": snapshot.running if ok else None,
+            "kv_usage": snapshot.kv_usage if ok else None,
+            "tpot_s": snapshot.tpot_s if ok else None,
+            "error": redact(snapshot.error) if snapshot.error else None,
+        }
+        if ok and deployment.prefix_cache_hit_rate is not None:
+            last["prefix_cache_hit_rate"] = round(deployment.prefix_cache_hit_rate, 4)
+    return {
+        "url": safe_url(deployment.url),
+        "scrapes_total": deployment.scrapes_total,
+        "failures_total": deployment.failures_total,
+        "last_snapshot": last,
+    }
