@@ -1,0 +1,233 @@
+"""One HTTP request as fair-sched watches it: is its client still there, which leases it holds.
+
+The middleware, the standalone proxy (through the middleware) and the wrapper around LiteLLM's
+proxy app all run a request through `RequestWatch.run()`. It gives every adapter the same rules:
+
+- A client that leaves is noticed (`disconnected`) once the body has been read: one side task
+  then owns the server's `receive()` and every later reader gets its result, so no body message
+  is ever taken from the app.
+- A lease the request holds (`hold()`) ends with the request at the latest: completed once the
+  response went out (or its first byte did), abandoned if nothing ever did.
+- Nobody listens any more (the client left), the lease is older than `max_lease_s`, or the client
+  stopped reading for `send_timeout_s`: the app is cancelled (its upstream request closes, so the
+  engine frees the sequence), the lease ends, and the connection is closed.
+
+Code that runs in the request's context (LiteLLM's hooks) finds its watch with `current_request()`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextvars
+import logging
+
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from ._responses import error_response
+from .core import Lease
+from .errors import ClientDisconnected, LeaseExpired
+
+logger = logging.getLogger("fair_sched")
+
+_current: contextvars.ContextVar[RequestWatch | None] = contextvars.ContextVar(
+    "fair_sched_request", default=None
+)
+
+
+def current_request() -> RequestWatch | None:
+    """The running request's watch, if the request runs under `RequestWatch.run()`."""
+    return _current.get()
+
+
+def ensure_current_request() -> RequestWatch:
+    """The running request's watch; without one, a detached one bound to this context.
+
+    Detached: it holds leases (so every hook of the request finds them) but watches nothing.
+    Awaited code shares its caller's context, so hooks called later in the same request see it.
+    """
+    watch = _current.get()
+    if watch is None:
+        watch = RequestWatch(None, None)
+        _current.set(watch)
+    return watch
+
+
+async def _no_receive() -> Message:
+    raise RuntimeError("a detached RequestWatch has no connection")
+
+
+class RequestWatch:
+    """Per-request state shared by the scheduling adapters (see the module docstring)."""
+
+    def __init__(
+        self,
+        receive: Receive | None,
+        send: Send | None,
+        *,
+        max_lease_s: float | None = None,
+        send_timeout_s: float | None = None,
+    ) -> None:
+        self._receive = receive or _no_receive
+        self._send = send
+        self._max_lease_s = max_lease_s
+        self._send_timeout_s = send_timeout_s
+        self.disconnected = asyncio.Event()
+        self.body_complete = False
+        self.response_started = False
+        self.response_complete = False
+        self.leases: list[Lease] = []
+        self._watcher: asyncio.Task[Message] | None = None
+        self._deadline: asyncio.Timeout | None = None
+        self._lease_timer: asyncio.TimerHandle | None = None
+        # Why we cancelled the app (None: we did not).
+        self.stopped: LeaseExpired | ClientDisconnected | None = None
+
+    # ------------------------------------------------------------------ running the app
+
+    async def run(self, app: ASGIApp, scope: Scope) -> None:
+        """Run `app` for this request under the rules above; re-raise what the app raises."""
+        token = _current.set(self)
+        try:
+            async with asyncio.timeout(None) as self._deadline:
+                await app(scope, self.receive, self.send)
+        except TimeoutError:
+            if self.stopped is None:
+                raise  # the app's own timeout, not our cancellation
+            await self._answer_stopped()
+        finally:
+            self._deadline = None
+            self.close()
+            _current.reset(token)
+
+    async def _answer_stopped(self) -> None:
+        assert self.stopped is not None
+        if self.response_started or self.disconnected.is_set() or self._send is None:
+            # Mid-response, or nobody to tell: returning without completing it makes the server
+            # close the connection, which is the truth.
+            return
+        # Said without the send timeout: the response has not started, so the client is
+        # reading (it is waiting for the headers).
+        await error_response(self.stopped).send_asgi(self._send)
+
+    def stop(self, reason: LeaseExpired | ClientDisconnected) -> None:
+        """Cancel the running app (once); `run()` then ends the leases and the response."""
+        if self.stopped is not None or self.response_complete:
+            return
+        self.stopped = reason
+        if self._deadline is not None and not self._deadline.expired():
+            self._deadline.reschedule(asyncio.get_running_loop().time())
+
+    # ------------------------------------------------------------------ leases
+
+    def hold(self, lease: Lease) -> None:
+        """This request holds `lease` until it ends (at the latest when the request ends)."""
+        self.leases.append(lease)
+        if self._max_lease_s is not None and self._lease_timer is None:
+            self._lease_timer = asyncio.get_running_loop().call_later(
+                self._max_lease_s, self._lease_expired
+            )
+        if self.disconnected.is_set():
+            self.stop(ClientDisconnected("the client left before its request was sent"))
+
+    @property
+    def lease(self) -> Lease | None:
+        """The lease this request holds and has not ended, if any."""
+        for lease in self.leases:
+            if lease.active:
+                return lease
+        return None
+
+    def _lease_expired(self) -> None:
+        self._lease_timer = None
+        if self.lease is not None:
+            logger.warning(
+                "fair_sched: a request on model %s held its lease for %g s (max_lease_s); "
+                "ending it and closing the connection",
+                self.leases[0].ticket.model,
+                self._max_lease_s,
+            )
+            limit = f"max_lease_s={self._max_lease_s:g}"
+            self.stop(LeaseExpired(f"the request held its engine slot longer than {limit}"))
+
+    def end_leases(self) -> None:
+        """Completed where a response went out, abandoned where nothing did (idempotent)."""
+        for lease in self.leases:
+            if lease.started or self.response_started:
+                lease.release()
+            else:
+                lease.abandon()
+
+    # ------------------------------------------------------------------ receive side
+
+    def watch(self) -> asyncio.Event | None:
+        """Start watching for the client leaving; None while the body is not fully read."""
+        if self.disconnected.is_set():
+            return self.disconnected
+        if not self.body_complete or self._send is None:
+            return None
+        if self._watcher is None:
+            self._watcher = asyncio.get_running_loop().create_task(self._watch())
+        return self.disconnected
+
+    async def _watch(self) -> Message:
+        while True:
+            message = await self._receive()
+            if message["type"] == "http.disconnect":
+                self._client_left()
+                return message
+
+    def _client_left(self) -> None:
+        self.disconnected.set()
+        if self.lease is not None and not self.response_complete:
+            # Nobody reads the answer any more: stop the engine's work.
+            self.stop(ClientDisconnected("the client left while its request ran"))
+
+    async def receive(self) -> Message:
+        if self._watcher is not None:
+            # The watcher owns the server's receive(); share its one result, never read twice.
+            return await asyncio.shield(self._watcher)
+        if self.disconnected.is_set():
+            return {"type": "http.disconnect"}
+        message = await self._receive()
+        if message["type"] == "http.disconnect":
+            self._client_left()
+        elif message["type"] == "http.request" and not message.get("more_body", False):
+            self.body_complete = True
+        return message
+
+    # ------------------------------------------------------------------ send side
+
+    async def send(self, message: Message) -> None:
+        assert self._send is not None
+        if self.stopped is not None:
+            return  # cancelled: what the app still says goes nowhere
+        kind = message["type"]
+        if kind == "http.response.start":
+            self.response_started = True
+        elif kind == "http.response.body":
+            if message.get("body"):
+                for lease in self.leases:
+                    lease.mark_started()
+            if not message.get("more_body", False):
+                self.response_complete = True
+        if self._send_timeout_s is None:
+            await self._send(message)
+        else:
+            try:
+                async with asyncio.timeout(self._send_timeout_s):
+                    await self._send(message)
+            except TimeoutError:
+                self.stop(LeaseExpired("the client stopped reading the response"))
+                return
+        if self.response_complete:
+            for lease in self.leases:
+                lease.release()
+
+    def close(self) -> None:
+        """End the leases and stop watching (what `run()` does on its way out)."""
+        if self._lease_timer is not None:
+            self._lease_timer.cancel()
+            self._lease_timer = None
+        if self._watcher is not None and not self._watcher.done():
+            self._watcher.cancel()
+        self.end_leases()
