@@ -77,7 +77,7 @@ class RequestWatch:
         self.response_complete = False
         self.leases: list[Lease] = []
         self._watcher: asyncio.Task[Message] | None = None
-        self._deadline: asyncio.Timeout | None = None
+        self._app_task: asyncio.Task[None] | None = None
         self._lease_timer: asyncio.TimerHandle | None = None
         # Why we cancelled the app (None: we did not).
         self.stopped: LeaseExpired | ClientDisconnected | None = None
@@ -88,16 +88,30 @@ class RequestWatch:
         """Run `app` for this request under the rules above; re-raise what the app raises."""
         token = _current.set(self)
         try:
-            async with asyncio.timeout(None) as self._deadline:
-                await app(scope, self.receive, self.send)
-        except TimeoutError:
-            if self.stopped is None:
-                raise  # the app's own timeout, not our cancellation
-            await self._answer_stopped()
+            # In a task of its own (which copies the context, so the app sees this watch) that
+            # `stop()` can cancel without cancelling the server's task.
+            self._app_task = asyncio.get_running_loop().create_task(self._call(app, scope))
         finally:
-            self._deadline = None
-            self.close()
             _current.reset(token)
+        app_task = self._app_task
+        try:
+            await asyncio.wait({app_task})
+        except BaseException:
+            app_task.cancel()  # the server cancels us: the app goes too
+            self.close()
+            raise
+        try:
+            if app_task.cancelled():
+                if self.stopped is None:
+                    raise asyncio.CancelledError  # the app cancelled itself: not ours to hide
+                await self._answer_stopped()
+            else:
+                app_task.result()  # re-raise what the app raised
+        finally:
+            self.close()
+
+    async def _call(self, app: ASGIApp, scope: Scope) -> None:
+        await app(scope, self.receive, self.send)
 
     async def _answer_stopped(self) -> None:
         assert self.stopped is not None
@@ -114,8 +128,8 @@ class RequestWatch:
         if self.stopped is not None or self.response_complete:
             return
         self.stopped = reason
-        if self._deadline is not None and not self._deadline.expired():
-            self._deadline.reschedule(asyncio.get_running_loop().time())
+        if self._app_task is not None:
+            self._app_task.cancel()
 
     # ------------------------------------------------------------------ leases
 
@@ -210,18 +224,28 @@ class RequestWatch:
                     lease.mark_started()
             if not message.get("more_body", False):
                 self.response_complete = True
-        if self._send_timeout_s is None:
+        if self._send_timeout_s is None or not self.leases:
+            # Only a request holding a lease is timed: others hold nothing of the engine's.
             await self._send(message)
         else:
+            # A timer rather than wait_for: no task per chunk. `stop()` cancels the app's task,
+            # which is the one blocked in this send.
+            stalled = asyncio.get_running_loop().call_later(self._send_timeout_s, self._stalled)
             try:
-                async with asyncio.timeout(self._send_timeout_s):
-                    await self._send(message)
-            except TimeoutError:
-                self.stop(LeaseExpired("the client stopped reading the response"))
-                return
+                await self._send(message)
+            finally:
+                stalled.cancel()
         if self.response_complete:
             for lease in self.leases:
                 lease.release()
+
+    def _stalled(self) -> None:
+        logger.warning(
+            "fair_sched: a client took no response data for %g s (send_timeout_s); ending its "
+            "request",
+            self._send_timeout_s,
+        )
+        self.stop(LeaseExpired("the client stopped reading the response"))
 
     def close(self) -> None:
         """End the leases and stop watching (what `run()` does on its way out)."""
@@ -231,3 +255,28 @@ class RequestWatch:
         if self._watcher is not None and not self._watcher.done():
             self._watcher.cancel()
         self.end_leases()
+
+
+class WatchRequests:
+    """Pure ASGI wrapper running every HTTP request under a `RequestWatch`.
+
+    For apps that schedule deeper inside (LiteLLM's pre-call hook): code in the request's task
+    finds the watch with `current_request()`, asks it to watch for the client leaving, and hands
+    it the lease, which then ends with the request at the latest.
+    """
+
+    def __init__(
+        self, app: ASGIApp, *, max_lease_s: float | None = None, send_timeout_s: float | None = None
+    ) -> None:
+        self.app = app
+        self._max_lease_s = max_lease_s
+        self._send_timeout_s = send_timeout_s
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        watch = RequestWatch(
+            receive, send, max_lease_s=self._max_lease_s, send_timeout_s=self._send_timeout_s
+        )
+        await watch.run(self.app, scope)

@@ -277,7 +277,7 @@ class FairSchedSettings(_Frozen):
     metrics_poll_ms: Annotated[float, Field(ge=10, le=60_000)] = 100.0
     # Below 10 ms no real engine answers: every scrape would fail and the gate fall back.
     metrics_timeout_ms: Annotated[float, Field(ge=10, le=60_000)] | None = None
-    stale_after_ms: Annotated[float, Field(ge=10, le=3_600_000)] | None = None
+    stale_after_ms: Annotated[float, Field(gt=0, le=3_600_000)] | None = None
     on_metrics_unavailable: MetricsUnavailableSettings = MetricsUnavailableSettings()
     # Gate for models that have no `backends` entry and no metrics URL: an in-flight cap.
     unknown_model_max_inflight: Annotated[int, Field(gt=0)] = 64

@@ -89,7 +89,6 @@ BAD_CONFIGS: list[tuple[str, Any, str]] = [
     ("infinite wait", {"queue": {"max_wait_s": float("inf")}}, "fair_sched.queue.max_wait_s"),
     ("nan wait", {"queue": {"max_wait_s": float("nan")}}, "fair_sched.queue.max_wait_s"),
     ("scrape timeout too short", {"metrics_timeout_ms": 0.001}, "fair_sched.metrics_timeout_ms"),
-    ("stale after too short", {"stale_after_ms": 0.001}, "fair_sched.stale_after_ms"),
     ("infinite lease", {"max_lease_s": float("inf")}, "fair_sched.max_lease_s"),
     ("lease zero", {"max_lease_s": 0}, "fair_sched.max_lease_s: Input should be greater than 0"),
     ("send timeout zero", {"send_timeout_s": 0}, "fair_sched.send_timeout_s"),

@@ -18,10 +18,10 @@ from typing import Any
 
 import yaml
 
+from .._request import WatchRequests
 from ..config import FairSchedSettings, load_settings
 from ..errors import ConfigError
 from ..service import SchedulingService
-from ._disconnect import DisconnectWatch
 
 logger = logging.getLogger("fair_sched")
 
@@ -80,11 +80,28 @@ def deployments_from_model_list(model_list: Any) -> dict[str, list[str]]:
     return deployments
 
 
+def model_names(model_list: Any) -> set[str]:
+    """Every `model_name` of the proxy's `model_list` (scheduled under its own name)."""
+    if not isinstance(model_list, list):
+        return set()
+    return {
+        entry["model_name"]
+        for entry in model_list
+        if isinstance(entry, Mapping) and isinstance(entry.get("model_name"), str)
+    }
+
+
 def load_proxy_settings(proxy_server: Any | None) -> tuple[FairSchedSettings, dict[str, list[str]]]:
-    """Settings from FAIR_SCHED_CONFIG or the proxy's config file, and its deployments."""
+    """Settings from FAIR_SCHED_CONFIG or the proxy's config file, and its deployments.
+
+    Every model name of the `model_list` is a key of the deployments (with no api_base where
+    the entry has none), so it is scheduled under its own name.
+    """
     config_path = proxy_config_path(proxy_server)
     document = _read_yaml(config_path) if config_path else {}
     deployments = deployments_from_model_list(document.get("model_list"))
+    for name in model_names(document.get("model_list")):
+        deployments.setdefault(name, [])
     if os.environ.get("FAIR_SCHED_CONFIG"):
         return load_settings(os.environ["FAIR_SCHED_CONFIG"]), deployments
     if config_path is None:
@@ -97,18 +114,24 @@ def load_proxy_settings(proxy_server: Any | None) -> tuple[FairSchedSettings, di
         raise ConfigError(f"{exc}\n  (in {config_path})") from None
 
 
-def install_disconnect_watch(proxy_server: Any) -> bool:
-    """Wrap the proxy's built middleware stack (add_middleware is refused once it has started)."""
+def install_request_watch(proxy_server: Any, settings: FairSchedSettings) -> bool:
+    """Run every request of the proxy app under a `RequestWatch` (client gone, max_lease_s).
+
+    Wraps the built middleware stack (add_middleware is refused once the app has started).
+    """
     app = getattr(proxy_server, "app", None)
     stack = getattr(app, "middleware_stack", None)
     if app is None or stack is None:
         logger.warning(
-            "fair_sched: cannot watch for client disconnects (the proxy app is not built yet); "
-            "a client leaving while queued will still be sent to the engine"
+            "fair_sched: cannot watch requests (the proxy app is not built yet); a client "
+            "leaving while queued will still be sent to the engine, and max_lease_s is not "
+            "enforced"
         )
         return False
-    if not isinstance(stack, DisconnectWatch):
-        app.middleware_stack = DisconnectWatch(stack)
+    if not isinstance(stack, WatchRequests):
+        app.middleware_stack = WatchRequests(
+            stack, max_lease_s=settings.max_lease_s, send_timeout_s=settings.send_timeout_s
+        )
     return True
 
 
