@@ -273,7 +273,8 @@ class WatchRequests:
         self._send_timeout_s = send_timeout_s
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http":
+        if scope["type"] != "http" or current_request() is not None:
+            # Not HTTP, or already watched (the middleware in front scheduled it).
             await self.app(scope, receive, send)
             return
         watch = RequestWatch(

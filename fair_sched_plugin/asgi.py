@@ -62,6 +62,9 @@ class FairSchedulerMiddleware:
     `unknown_models="reject"` answers 404 to a model the service was not configured with, before
     it queues (the standalone proxy serves only its backends); the default schedules every such
     name in one shared queue with one in-flight cap.
+    `pass_unmodelled=True` passes a body that is not a JSON object naming a model to the app
+    unscheduled instead of answering 400: only for paths where such a body cannot reach a
+    scheduled engine (LiteLLM's pass-through routes to hosted providers).
     """
 
     def __init__(
@@ -77,9 +80,11 @@ class FairSchedulerMiddleware:
         admin_key: str | None = None,
         reject_unknown_keys: bool = False,
         unknown_models: UnknownModels = "share",
+        pass_unmodelled: bool = False,
     ) -> None:
         self.app = app
         self._unknown_models: UnknownModels = unknown_models
+        self._pass_unmodelled = pass_unmodelled
         self.service = service or SchedulingService(config)
         self._paths = [re.compile(pattern) for pattern in paths]
         self._resolve_user = resolve_user
@@ -183,6 +188,9 @@ class _ScheduledRequest:
         body_bytes = await self._read_body(receive, send)
         if body_bytes is None:
             return  # the client left before sending its body, or it was too large
+        if self.middleware._pass_unmodelled and not _names_a_model(body_bytes):
+            await self.middleware.app(scope, self._replay(body_bytes, receive), send)
+            return
         try:
             body = parse_request_body(body_bytes)
             principal = self.service.identify(self.middleware.credentials(scope, body))
@@ -290,6 +298,13 @@ class _ScheduledRequest:
         if self.stream_chunks:
             return self.stream_chunks
         return None
+
+
+def _names_a_model(body_bytes: bytes) -> bool:
+    try:
+        return isinstance(parse_request_body(body_bytes).get("model"), str)
+    except Rejected:
+        return False
 
 
 def _bearer_key(headers: Headers) -> str | None:

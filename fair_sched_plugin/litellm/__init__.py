@@ -39,7 +39,7 @@ def _attach() -> FairSchedCallback:
     if proxy_server is not None:
         # Inside the proxy: validate now (start-up fails on a bad section) and start watching.
         service = callback.service
-        install_request_watch(proxy_server, service.settings)
+        install_request_watch(proxy_server, service)
         try:
             asyncio.get_running_loop()
         except RuntimeError:

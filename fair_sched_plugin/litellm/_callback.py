@@ -5,9 +5,11 @@ registered class itself defines them (inherited ones are skipped), so both are d
 
 Deny by default: every call that names a model is scheduled, whatever its route (OpenAI,
 Anthropic `/v1/messages`, Gemini `:generateContent`, responses, embeddings, ...), and so is every
-pass-through call (its body goes to an engine as is, model or not). Calls that name no model
-(files, batches, vector stores, ...) cannot reach a model deployment and pass. On every call the
-client's own `priority` is removed.
+pass-through call (its body goes to an engine as is, model or not). LiteLLM's pass-through routes
+(`/vllm/...` and the like) do not all run this hook, so `FairSchedulerMiddleware` in front of the
+proxy app schedules those (see `_proxy.install_request_watch`); the hook then finds the request's
+lease and leaves it. Calls that name no model (files, batches, vector stores, ...) cannot reach a
+model deployment and pass. On every call the client's own `priority` is removed.
 
 A granted lease belongs to the HTTP request, not to anything the client sends: it is held by the
 request's `RequestWatch` (found through a context variable in every hook of that request), which
@@ -68,8 +70,10 @@ class FairSchedCallback(CustomLogger):
         model = data.get("model")
         if pass_through and model is None:
             model = UNKNOWN_MODELS  # its engine will pick a default model: still scheduled
-        principal = self._principal(service, user_api_key_dict, data)
         request = ensure_current_request()
+        if request.lease is not None:
+            return data  # scheduled already (a pass-through route, by the middleware in front)
+        principal = self._principal(service, user_api_key_dict, data)
         try:
             admission = await service.admit(principal, model, data, disconnected=request.watch())
         except (Rejected, ClientDisconnected) as exc:
