@@ -26,7 +26,7 @@ _EXPORTS = {
     "Ticket": "fair_sched_plugin.core",
     "FairSchedulerMiddleware": "fair_sched_plugin.asgi",
     "SchedulingService": "fair_sched_plugin.service",
-    "ClientDisconnected": "fair_sched_plugin.service",
+    "ClientDisconnected": "fair_sched_plugin.errors",
     "build_proxy_app": "fair_sched_plugin.proxy",
 }
 

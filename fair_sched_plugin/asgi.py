@@ -4,32 +4,35 @@
 
 For each POST to an LLM path (the OpenAI completion, chat and responses paths by default) the
 middleware reads the JSON body once, resolves the caller, waits for the request's turn, rewrites
-`priority`, and replays the body to the app. Streams pass through unbuffered; the lease ends when
-the response body ends, when the client disconnects (while parked the app is never called), or
-when the app raises (the exception is re-raised). Everything else passes straight through.
+`priority`, and replays the body to the app. A POST to such a path is always scheduled or refused:
+a body that is not a JSON object with a string `model` gets a 400 from us (an app that fills in a
+default model would otherwise run it unscheduled). Streams pass through unbuffered; the lease
+ends when the response body ends, when the client disconnects (while parked the app is never
+called; once running the app is cancelled, so its engine request is closed), after
+`max_lease_s`, or when the app raises (the exception is re-raised). Everything else passes
+straight through.
 """
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import json
 import logging
 import re
-from collections.abc import Awaitable, Callable, Iterable, Mapping, MutableMapping
+from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
-from . import observability
-from .config import FairSchedSettings
-from .errors import Rejected
-from .identity import Credentials
-from .service import ClientDisconnected, SchedulingService
+from starlette.datastructures import Headers
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-Scope = MutableMapping[str, Any]
-Message = MutableMapping[str, Any]
-Receive = Callable[[], Awaitable[Message]]
-Send = Callable[[Message], Awaitable[None]]
-ASGIApp = Callable[[Scope, Receive, Send], Awaitable[None]]
+from . import _responses, observability
+from ._request import RequestWatch
+from .config import FairSchedSettings
+from .core import Lease
+from .errors import ClientDisconnected, Rejected
+from .identity import Credentials
+from .service import SchedulingService, UnknownModels, parse_request_body
+
 UserResolver = Callable[[Scope, Mapping[str, Any]], str | None]
 
 DEFAULT_PATHS = (
@@ -41,16 +44,9 @@ MAX_BODY_BYTES = 8 * 1024 * 1024
 # A copy of a non-streamed response body is kept up to this size to read its `usage`.
 USAGE_SNIFF_BYTES = 256 * 1024
 
-__all__ = ["DEFAULT_PATHS", "FairSchedulerMiddleware", "error_body"]
+__all__ = ["DEFAULT_PATHS", "FairSchedulerMiddleware"]
 
 logger = logging.getLogger("fair_sched")
-
-
-def error_body(message: str, *, kind: str, code: str) -> bytes:
-    """An error in OpenAI's shape."""
-    return json.dumps(
-        {"error": {"message": message, "type": kind, "code": code, "param": None}}
-    ).encode()
 
 
 class FairSchedulerMiddleware:
@@ -63,6 +59,12 @@ class FairSchedulerMiddleware:
     `reject_unknown_keys=True` answers 401 to a caller that is not a configured principal, before
     it can queue: for apps that do not authenticate themselves (the standalone proxy), so that
     made-up keys cannot each open a queue and fill the total cap.
+    `unknown_models="reject"` answers 404 to a model the service was not configured with, before
+    it queues (the standalone proxy serves only its backends); the default schedules every such
+    name in one shared queue with one in-flight cap.
+    `pass_unmodelled=True` passes a body that is not a JSON object naming a model to the app
+    unscheduled instead of answering 400: only for paths where such a body cannot reach a
+    scheduled engine (LiteLLM's pass-through routes to hosted providers).
     """
 
     def __init__(
@@ -77,8 +79,12 @@ class FairSchedulerMiddleware:
         serve_admin: bool = False,
         admin_key: str | None = None,
         reject_unknown_keys: bool = False,
+        unknown_models: UnknownModels = "share",
+        pass_unmodelled: bool = False,
     ) -> None:
         self.app = app
+        self._unknown_models: UnknownModels = unknown_models
+        self._pass_unmodelled = pass_unmodelled
         self.service = service or SchedulingService(config)
         self._paths = [re.compile(pattern) for pattern in paths]
         self._resolve_user = resolve_user
@@ -116,7 +122,14 @@ class FairSchedulerMiddleware:
         ):
             await self.app(scope, receive, send)
             return
-        await _ScheduledRequest(self, scope, receive, send).run()
+        settings = self.service.settings
+        watch = RequestWatch(
+            receive,
+            send,
+            max_lease_s=settings.max_lease_s,
+            send_timeout_s=settings.send_timeout_s,
+        )
+        await _ScheduledRequest(self, scope, watch).run()
 
     async def _lifespan(self, scope: Scope, receive: Receive, send: Send) -> None:
         async def receive_and_track() -> Message:
@@ -138,7 +151,7 @@ class FairSchedulerMiddleware:
         await self.app(scope, receive_and_track, send_and_track)
 
     def credentials(self, scope: Scope, body: Mapping[str, Any]) -> Credentials:
-        headers = _headers(scope)
+        headers = Headers(scope=scope)
         api_key = _bearer_key(headers)
         claimed = None
         if self._resolve_user is not None:
@@ -148,146 +161,123 @@ class FairSchedulerMiddleware:
                 return Credentials(api_key=None, user_id=claimed)
         identity = self.service.settings.identity
         if identity.source == "header":
-            claimed = headers.get(identity.header.lower())
+            claimed = headers.get(identity.header)
         elif identity.source == "body_user" and isinstance(body.get("user"), str):
             claimed = body["user"]
         return Credentials(api_key=api_key, claimed_user=claimed)
 
 
 class _ScheduledRequest:
-    """Per-request state: body, lease, response progress."""
+    """Per-request state: body, lease, response progress (the connection is `watch`'s)."""
 
     def __init__(
-        self, middleware: FairSchedulerMiddleware, scope: Scope, receive: Receive, send: Send
+        self, middleware: FairSchedulerMiddleware, scope: Scope, watch: RequestWatch
     ) -> None:
         self.middleware = middleware
         self.service = middleware.service
         self.scope = scope
-        self.receive = receive
-        self.send = send
-        self.response_started = False
+        self.watch = watch
         self.response_is_stream = False
         self.stream_chunks = 0
         self.sniffed = bytearray()
         self.usage_tokens: int | None = None
 
     async def run(self) -> None:
-        body_bytes = await self._read_body()
+        await self.watch.run(self._schedule_and_call, self.scope)
+
+    async def _schedule_and_call(self, scope: Scope, receive: Receive, send: Send) -> None:
+        body_bytes = await self._read_body(receive, send)
         if body_bytes is None:
-            return  # the client left before sending its body
-        try:
-            body = json.loads(body_bytes) if body_bytes else None
-        except ValueError:
-            body = None
-        if not isinstance(body, dict) or not isinstance(body.get("model"), str):
-            # Not ours to judge: the app answers malformed requests itself (no engine work).
-            await self.middleware.app(self.scope, self._replay(body_bytes), self.send)
+            return  # the client left before sending its body, or it was too large
+        if self.middleware._pass_unmodelled and not _names_a_model(body_bytes):
+            await self.middleware.app(scope, self._replay(body_bytes, receive), send)
             return
-        principal = self.service.identify(self.middleware.credentials(self.scope, body))
-        if self.middleware._reject_unknown_keys and not principal.known:
-            await self._respond(
-                401,
-                error_body(
+        try:
+            body = parse_request_body(body_bytes)
+            principal = self.service.identify(self.middleware.credentials(scope, body))
+            if self.middleware._reject_unknown_keys and not principal.known:
+                await _responses.error(
+                    401,
                     "unknown or missing API key",
-                    kind="authentication_error",
                     code="invalid_api_key",
-                ),
-                extra_headers=[(b"www-authenticate", b"Bearer")],
-            )
-            return
-        disconnected = asyncio.Event()
-        watcher = asyncio.ensure_future(self._watch_disconnect(disconnected))
-        try:
+                    headers={"WWW-Authenticate": "Bearer"},
+                ).send_asgi(send)
+                return
             admission = await self.service.admit(
-                principal, body["model"], body, disconnected=disconnected
+                principal,
+                body.get("model"),
+                body,
+                disconnected=self.watch.watch(),
+                unknown_models=self.middleware._unknown_models,
             )
         except Rejected as exc:
-            await self._reject(exc)
+            await _responses.error_response(exc).send_asgi(send)
             return
         except ClientDisconnected:
             return
-        finally:
-            watcher.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await watcher
         lease = admission.lease
-        if disconnected.is_set():
-            # Granted as the client left: the engine never sees it, so the turn passes on
-            # uncharged (release() would count it as served).
-            lease.abandon()
-            return
+        self.watch.hold(lease)
+        self.service.rewrite_priority(body, admission.engine_priority, via_extra_body=False)
+        new_body = json.dumps(body).encode()
+        app_scope = dict(scope)
+        app_scope["headers"] = _with_content_length(scope["headers"], len(new_body))
         try:
-            self.service.rewrite_priority(body, admission.engine_priority, via_extra_body=False)
-            new_body = json.dumps(body).encode()
-            scope = dict(self.scope)
-            scope["headers"] = _with_content_length(self.scope["headers"], len(new_body))
-            await self.middleware.app(scope, self._replay(new_body), self._send_and_track(lease))
+            await self.middleware.app(
+                app_scope, self._replay(new_body, receive), self._send_and_track(lease, send)
+            )
         finally:
-            lease.release(tokens_used=self._tokens_used(lease.ticket.cost))
+            if self.watch.response_started:
+                lease.release(tokens_used=self._tokens_used(lease.ticket.cost))
+            # Otherwise nothing went out: the watch abandons the lease (the turn passes on
+            # uncharged) as it ends the request.
 
-    async def _read_body(self) -> bytes | None:
+    async def _read_body(self, receive: Receive, send: Send) -> bytes | None:
         chunks = []
         size = 0
         while True:
-            message = await self.receive()
+            message = await receive()
             if message["type"] == "http.disconnect":
                 return None
             chunk = message.get("body", b"")
             size += len(chunk)
             if size > self.middleware._max_body_bytes:
-                await self._respond(
-                    413,
-                    error_body(
-                        "request body too large",
-                        kind="invalid_request_error",
-                        code="body_too_large",
-                    ),
-                )
+                await _responses.error(
+                    413, "request body too large", code="body_too_large"
+                ).send_asgi(send)
                 return None
             chunks.append(chunk)
             if not message.get("more_body", False):
                 return b"".join(chunks)
 
-    async def _watch_disconnect(self, disconnected: asyncio.Event) -> None:
-        # The body is fully read, so the only message left to come is http.disconnect.
-        while True:
-            message = await self.receive()
-            if message["type"] == "http.disconnect":
-                disconnected.set()
-                return
-
-    def _replay(self, body: bytes) -> Receive:
+    @staticmethod
+    def _replay(body: bytes, receive: Receive) -> Receive:
         sent = False
 
-        async def receive() -> Message:
+        async def replay() -> Message:
             nonlocal sent
             if not sent:
                 sent = True
                 return {"type": "http.request", "body": body, "more_body": False}
-            return await self.receive()
+            return await receive()
 
-        return receive
+        return replay
 
-    def _send_and_track(self, lease: Any) -> Send:
-        async def send(message: Message) -> None:
+    def _send_and_track(self, lease: Lease, send: Send) -> Send:
+        async def send_and_track(message: Message) -> None:
             if message["type"] == "http.response.start":
-                self.response_started = True
-                headers = dict(_decode_headers(message.get("headers", [])))
-                self.response_is_stream = headers.get("content-type", "").startswith(
-                    "text/event-stream"
-                )
+                content_type = Headers(raw=message.get("headers", [])).get("content-type", "")
+                self.response_is_stream = content_type.startswith("text/event-stream")
             elif message["type"] == "http.response.body":
                 chunk = message.get("body", b"")
                 if chunk:
-                    lease.mark_started()
                     self._observe(chunk)
                 if not message.get("more_body", False):
-                    await self.send(message)
+                    # The watch releases the lease once the last chunk is out; say how many
+                    # tokens it used first.
                     lease.release(tokens_used=self._tokens_used(lease.ticket.cost))
-                    return
-            await self.send(message)
+            await send(message)
 
-        return send
+        return send_and_track
 
     def _observe(self, chunk: bytes) -> None:
         if self.response_is_stream:
@@ -310,36 +300,15 @@ class _ScheduledRequest:
             return self.stream_chunks
         return None
 
-    async def _reject(self, exc: Rejected) -> None:
-        kind = "rate_limit_error" if exc.status_code == 429 else "server_error"
-        await self._respond(
-            exc.status_code,
-            error_body(str(exc), kind=kind, code=exc.reason),
-            extra_headers=[(b"retry-after", exc.retry_after_header.encode())],
-        )
 
-    async def _respond(
-        self, status: int, body: bytes, extra_headers: list[tuple[bytes, bytes]] | None = None
-    ) -> None:
-        headers = [
-            (b"content-type", b"application/json"),
-            (b"content-length", str(len(body)).encode()),
-            *(extra_headers or []),
-        ]
-        await self.send({"type": "http.response.start", "status": status, "headers": headers})
-        await self.send({"type": "http.response.body", "body": body, "more_body": False})
+def _names_a_model(body_bytes: bytes) -> bool:
+    try:
+        return isinstance(parse_request_body(body_bytes).get("model"), str)
+    except Rejected:
+        return False
 
 
-def _decode_headers(raw: Iterable[tuple[bytes, bytes]]) -> Iterable[tuple[str, str]]:
-    for name, value in raw:
-        yield name.decode("latin-1").lower(), value.decode("latin-1")
-
-
-def _headers(scope: Scope) -> dict[str, str]:
-    return dict(_decode_headers(scope.get("headers", [])))
-
-
-def _bearer_key(headers: Mapping[str, str]) -> str | None:
+def _bearer_key(headers: Headers) -> str | None:
     authorization = headers.get("authorization", "")
     if authorization[:7].lower() == "bearer ":
         return authorization[7:].strip() or None

@@ -34,10 +34,35 @@ __all__ = [
 
 _SHA256_KEY = re.compile(r"^sha256:[0-9a-f]{64}$")
 _NAME = re.compile(r"^[A-Za-z0-9_.:@/-]{1,128}$")
+# Unknown keys are named in errors only when they look like a setting's name.
+_SAFE_KEY = re.compile(r"^[a-z_][a-z0-9_]{0,63}$")
 
 
 class _Frozen(BaseModel):
-    model_config = ConfigDict(frozen=True, extra="forbid", strict=False)
+    # No infinities or NaNs anywhere: `max_wait_s: .inf` would disable a bound silently.
+    model_config = ConfigDict(frozen=True, extra="forbid", strict=False, allow_inf_nan=False)
+
+
+def resolve_secret(value: str | None) -> str | None:
+    """A secret as written, or read from the environment for `os.environ/NAME` (LiteLLM's
+    convention); None when unset."""
+    if value and value.startswith("os.environ/"):
+        value = os.environ.get(value.removeprefix("os.environ/"))
+    return value or None
+
+
+def _check_secret_reference(value: str | None) -> str | None:
+    # A secret named by `os.environ/NAME` must be there when the settings are read: an unset one
+    # would otherwise silently leave an endpoint open or a backend unauthenticated.
+    if value is not None and value.startswith("os.environ/"):
+        name = value.removeprefix("os.environ/")
+        if not name:
+            raise ValueError("os.environ/ needs a variable name")
+        if not os.environ.get(name):
+            raise ValueError(f"the environment variable {name} is not set (or empty)")
+    elif value is not None and not value:
+        raise ValueError("is empty")
+    return value
 
 
 class TierSettings(_Frozen):
@@ -45,7 +70,7 @@ class TierSettings(_Frozen):
 
     name: str
     waiting_below: Annotated[int, Field(gt=0)] = 3
-    tpot_below_ms: Annotated[float, Field(gt=0)] | None = None
+    tpot_below_ms: Annotated[float, Field(gt=0, le=600_000)] | None = None
     kv_usage_below: Annotated[float, Field(gt=0, le=1)] | None = None
     vllm_priority: int = 0
     # Weighted sharing with the adjacent tiers that also have a share (e.g. 0.8 / 0.2); a tier
@@ -105,7 +130,8 @@ class PrincipalSettings(_Frozen):
     keys: tuple[str, ...] = ()
     match: PrincipalMatch | None = None
     tier: str | None = None
-    weight: Annotated[float, Field(gt=0, le=1_000_000)] = 1.0
+    # Weights far from 1 would make virtual times overflow or underflow to nothing.
+    weight: Annotated[float, Field(ge=0.001, le=1_000_000)] = 1.0
     budget: BudgetSettings | None = None
 
     @field_validator("name")
@@ -167,6 +193,9 @@ class BackendSettings(_Frozen):
     # Where the OpenAI-compatible API is (`http://host:8000/v1`): used by `fair-sched proxy`,
     # and the default for `metrics_url` (`http://host:8000/metrics`).
     api_base: str | None = None
+    # The key `fair-sched proxy` sends to that engine (vLLM's --api-key), plain or
+    # `os.environ/NAME`; never logged. Clients' own keys are never forwarded.
+    api_key: str | None = Field(default=None, repr=False)
     metrics_url: str | None = None
     # Several deployments behind one model name: their signals are summed.
     metrics_urls: tuple[str, ...] = ()
@@ -181,9 +210,17 @@ class BackendSettings(_Frozen):
     # How long a released request may take to reach the engine before a scrape is trusted to
     # include it; until then (or its first byte) it keeps counting against the waiting threshold.
     # A LiteLLM proxy on a busy host can take several hundred ms to forward a request.
-    arrival_grace_ms: Annotated[float, Field(ge=0)] = 1000.0
+    arrival_grace_ms: Annotated[float, Field(ge=0, le=60_000)] = 1000.0
     on_metrics_unavailable: MetricsUnavailableSettings | None = None
     price: PriceSettings | None = None
+
+    @field_validator("api_key")
+    @classmethod
+    def _api_key_ok(cls, value: str | None) -> str | None:
+        return _check_secret_reference(value)
+
+    def resolved_api_key(self) -> str | None:
+        return resolve_secret(self.api_key)
 
     @field_validator("metric_names")
     @classmethod
@@ -219,7 +256,7 @@ class BackendSettings(_Frozen):
 class QueueSettings(_Frozen):
     max_per_user: Annotated[int, Field(gt=0)] = 1000
     max_total: Annotated[int, Field(gt=0)] = 100_000
-    max_wait_s: Annotated[float, Field(gt=0)] = 600.0
+    max_wait_s: Annotated[float, Field(gt=0, le=86_400)] = 600.0
     # Inside one user's queue: arrival order, or the smallest expected work (prompt estimate +
     # requested output tokens) first.
     order: Literal["fifo", "shortest_first"] = "fifo"
@@ -252,7 +289,7 @@ class ObservabilitySettings(_Frozen):
     """
 
     user_labels: Literal["none", "principals"] = "none"
-    admin_key: str | None = None
+    admin_key: str | None = Field(default=None, repr=False)
     # Models without a `backends` entry get their own label value up to this many; then `other`.
     max_model_labels: Annotated[int, Field(gt=0, le=10_000)] = 64
     # Backlogged (and in-flight) principals listed per model on the status page (most first).
@@ -268,12 +305,14 @@ class ObservabilitySettings(_Frozen):
             raise ValueError("must be positive and strictly increasing")
         return buckets
 
+    @field_validator("admin_key")
+    @classmethod
+    def _admin_key_ok(cls, value: str | None) -> str | None:
+        return _check_secret_reference(value)
+
     def resolved_admin_key(self) -> str | None:
         """The admin key, read from the environment for `os.environ/NAME`; None when unset."""
-        key = self.admin_key
-        if key and key.startswith("os.environ/"):
-            key = os.environ.get(key.removeprefix("os.environ/"))
-        return key or None
+        return resolve_secret(self.admin_key)
 
 
 class FairSchedSettings(_Frozen):
@@ -288,11 +327,18 @@ class FairSchedSettings(_Frozen):
     backends: dict[str, BackendSettings] = Field(default_factory=dict)
     queue: QueueSettings = QueueSettings()
     metrics_poll_ms: Annotated[float, Field(ge=10, le=60_000)] = 100.0
-    metrics_timeout_ms: Annotated[float, Field(gt=0, le=60_000)] | None = None
-    stale_after_ms: Annotated[float, Field(gt=0)] | None = None
+    # Below 10 ms no real engine answers: every scrape would fail and the gate fall back.
+    metrics_timeout_ms: Annotated[float, Field(ge=10, le=60_000)] | None = None
+    stale_after_ms: Annotated[float, Field(gt=0, le=3_600_000)] | None = None
     on_metrics_unavailable: MetricsUnavailableSettings = MetricsUnavailableSettings()
     # Gate for models that have no `backends` entry and no metrics URL: an in-flight cap.
     unknown_model_max_inflight: Annotated[int, Field(gt=0)] = 64
+    # The longest a request may hold its lease (queueing not included): a client that stops
+    # reading, or a generation that never ends, gives its engine slot back after this long and
+    # its connection is closed.
+    max_lease_s: Annotated[float, Field(gt=0, le=86_400)] = 3600.0
+    # A client that does not take one chunk of the response for this long is treated as gone.
+    send_timeout_s: Annotated[float, Field(gt=0, le=3600)] = 60.0
     state: str = "memory://"
     # Shared state (`state: redis://...`): key prefix, how often a replica says it is alive, and
     # after how long without a heartbeat its queued tickets and leases are dropped.
@@ -334,17 +380,14 @@ class FairSchedSettings(_Frozen):
         if self.fairness == "cost" and not priced:
             raise ValueError("fairness: cost needs a price in at least one backends.<model>.price")
         if self.default_tier is not None and self.default_tier not in tier_names:
-            raise ValueError(
-                f"default_tier: unknown tier {self.default_tier!r}; tiers are {sorted(tier_names)}"
-            )
+            raise ValueError(f"default_tier: unknown tier; tiers are {sorted(tier_names)}")
         seen_names: set[str] = set()
         seen_keys: dict[str, str] = {}
         for index, principal in enumerate(self.principals):
             where = f"principals[{index}]"
             if principal.tier is not None and principal.tier not in tier_names:
-                raise ValueError(
-                    f"{where}.tier: unknown tier {principal.tier!r}; tiers are {sorted(tier_names)}"
-                )
+                # The value is not echoed: a key pasted into the wrong field would be printed.
+                raise ValueError(f"{where}.tier: unknown tier; tiers are {sorted(tier_names)}")
             budget = principal.budget
             if budget is not None and budget.demote_to is not None:
                 order = [tier.name for tier in self.tiers]
@@ -362,7 +405,7 @@ class FairSchedSettings(_Frozen):
             if budget is not None and budget.usd is not None and not priced:
                 raise ValueError(f"{where}.budget.usd: needs prices in backends.<model>.price")
             if principal.name in seen_names:
-                raise ValueError(f"{where}.name: duplicate principal name {principal.name!r}")
+                raise ValueError(f"{where}.name: the same name as an earlier principal")
             seen_names.add(principal.name)
             for key in principal.keys:
                 if key in seen_keys:
@@ -401,7 +444,7 @@ class FairSchedSettings(_Frozen):
 def _check_http_url(value: str) -> None:
     parts = urlsplit(value)
     if parts.scheme not in {"http", "https"} or not parts.netloc:
-        raise ValueError(f"must be an http(s) URL (got {value!r})")
+        raise ValueError("must be an http(s) URL")  # not echoed: it may carry a password
 
 
 def default_metrics_url(api_base: str) -> str:
@@ -433,12 +476,13 @@ def _format_errors(error: ValidationError) -> str:
         if kind == "extra_forbidden":
             message = "unknown key"
         bad_value = detail.get("input")
-        show_value = kind != "extra_forbidden" and not isinstance(bad_value, (dict, list))
-        # Never echo anything under `keys` or `admin_key`: it may be a real secret.
-        if "keys" in location or "admin_key" in location:
-            show_value = False
-        if show_value and bad_value is not None and "(got " not in message:
+        # Only numbers and booleans are echoed: any string may be a key pasted in the wrong
+        # place (a name, a URL with a password, a tier), and a config error ends up in logs.
+        show_value = kind != "extra_forbidden" and isinstance(bad_value, (int, float))
+        if show_value and "(got " not in message:
             message += f" (got {bad_value!r})"
+        if kind == "extra_forbidden" and location and not _SAFE_KEY.match(str(location[-1])):
+            location = (*location[:-1], "<a key not shown>")
         where = _format_location(location)
         # Cross-field checks raise "sub.path: message" from the model; fold the path in.
         nested = re.match(r"^([A-Za-z_][\w.\[\]]*): (.*)$", message, re.DOTALL)

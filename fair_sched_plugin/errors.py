@@ -6,12 +6,17 @@
     │   ├── QueueFull                 per-user or total queue cap reached       -> HTTP 429
     │   ├── QueueTimeout              waited longer than `queue.max_wait_s`     -> HTTP 429
     │   ├── BudgetExceeded            the principal spent its budget (reject)   -> HTTP 429
-    │   └── SchedulerClosed           the scheduler is shutting down            -> HTTP 503
+    │   ├── SchedulerClosed           the scheduler is shutting down            -> HTTP 503
+    │   ├── InvalidRequest            a body or model name we will not schedule -> HTTP 400
+    │   │   └── UnknownModel          a model this server does not serve        -> HTTP 404
+    │   └── LeaseExpired              held its lease longer than `max_lease_s`  -> HTTP 504
+    ├── ClientDisconnected            the client left while its request waited  -> (HTTP 499)
     ├── StateStoreError               the shared state store (Redis) failed; wraps the cause
     └── UnsupportedLiteLLM            the installed LiteLLM's internals differ from what the
                                       LiteLLM adapter hooks into (raised at start-up)
 
-Integrations translate `Rejected` into HTTP responses; nothing third-party leaks through the API.
+Integrations translate these into HTTP responses with one function
+(`fair_sched_plugin._responses.error_response`); nothing third-party leaks through the API.
 """
 
 from __future__ import annotations
@@ -73,6 +78,38 @@ class SchedulerClosed(Rejected):
 
     status_code = 503
     reason = "closed"
+
+
+class InvalidRequest(Rejected):
+    """The request cannot be scheduled as sent (no model, a list of models, a body too deep).
+
+    Raised before the request is queued, so it never counts as a scheduler rejection.
+    """
+
+    status_code = 400
+    reason = "invalid_request"
+
+    def __init__(self, message: str, *, param: str | None = None) -> None:
+        super().__init__(message, retry_after_s=0.0)
+        self.param = param
+
+
+class UnknownModel(InvalidRequest):
+    """The model is not one this server serves (the standalone proxy knows its models)."""
+
+    status_code = 404
+    reason = "model_not_found"
+
+
+class LeaseExpired(Rejected):
+    """A request held its lease longer than `max_lease_s` (or its client stopped reading)."""
+
+    status_code = 504
+    reason = "lease_expired"
+
+
+class ClientDisconnected(FairSchedError):
+    """The client went away while its request waited; it never reached the engine."""
 
 
 class StateStoreError(FairSchedError):

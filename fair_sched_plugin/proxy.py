@@ -9,18 +9,20 @@ with the body as the scheduler left it; `GET /v1/models` lists the models, `GET 
 `observability.admin_key` when set), and `GET /fair-sched/ui` is a live page over the status.
 Scheduling is done by `FairSchedulerMiddleware` around the routes, not by the routes themselves.
 Responses stream through unbuffered with the upstream status and content type; when the client
-goes away the upstream response is closed, so the engine frees the sequence. The client's
-`Authorization` is never forwarded: it identifies the caller to us, not to the engine.
+goes away (or `max_lease_s` passes) the middleware cancels the route, which closes the upstream
+request, so the engine frees the sequence. The client's `Authorization` is never forwarded: it
+identifies the caller to us, not to the engine; `backends.<model>.api_key` is sent instead where
+set. Nor is its `x-request-id`: two clients could make their ids collide in the engine, so each
+request gets a fresh one of ours.
 """
 
 from __future__ import annotations
 
 import argparse
-import asyncio
 import contextlib
-import json
 import logging
 import sys
+import uuid
 from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Mapping
 from typing import Any
 
@@ -32,12 +34,13 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 from starlette.types import Receive, Scope, Send
 
+from . import _responses
 from ._http import KEEPALIVE_EXPIRY_S
 from .asgi import FairSchedulerMiddleware
 from .config import FairSchedSettings, load_settings
-from .errors import ConfigError
+from .errors import ConfigError, Rejected
 from .observability import METRICS_PATH, STATUS_PATH, endpoints
-from .service import SchedulingService
+from .service import SchedulingService, parse_request_body
 
 __all__ = ["DEFAULT_TIMEOUT", "add_proxy_parser", "build_proxy_app"]
 
@@ -57,8 +60,9 @@ _FORWARDED = ("/chat/completions", "/completions", "/responses")
 # compute.
 _RETRIED_ONCE = (httpx.ConnectError, httpx.RemoteProtocolError, httpx.ReadError, httpx.WriteError)
 
-# Request headers passed to the engine. Everything else stays here, `authorization` above all.
-_FORWARD_REQUEST_HEADERS = ("content-type", "accept", "x-request-id")
+# Request headers passed to the engine. Everything else stays here: `authorization` above all,
+# and `x-request-id` (ours replaces it).
+_FORWARD_REQUEST_HEADERS = ("content-type", "accept")
 
 # Response headers that describe one hop, not the content.
 _HOP_BY_HOP = frozenset(
@@ -78,11 +82,8 @@ _HOP_BY_HOP = frozenset(
 )
 
 
-def _error(
-    status: int, message: str, *, kind: str, code: str, param: str | None = None
-) -> Response:
-    body = {"error": {"message": message, "type": kind, "param": param, "code": code}}
-    return JSONResponse(body, status_code=status)
+def _json_error(error: _responses.ErrorResponse) -> Response:
+    return JSONResponse(error.body, status_code=error.status, headers=error.headers)
 
 
 class _UpstreamStream(StreamingResponse):
@@ -138,6 +139,12 @@ class _ProxyRoutes:
             for model, backend in settings.backends.items()
             if backend.api_base
         }
+        # Resolved once: the settings checked that every `os.environ/NAME` is set.
+        self._api_keys = {
+            model: key
+            for model, backend in settings.backends.items()
+            if (key := backend.resolved_api_key()) is not None
+        }
         self._timeout = timeout
         self._transport = transport
         self._client: httpx.AsyncClient | None = None
@@ -171,28 +178,26 @@ class _ProxyRoutes:
         return routes
 
     async def forward(self, request: Request) -> Response:
-        body = await request.body()
-        model = _model_of(body)
-        if model is None:
-            return _error(
-                400,
-                "the request body must be a JSON object with a string `model`",
-                kind="invalid_request_error",
-                code="invalid_request",
-                param="model",
-            )
+        # The middleware scheduled this request: its body is a JSON object with a string `model`
+        # this proxy serves (anything else was answered there).
+        try:
+            body = await request.body()
+            model = parse_request_body(body)["model"]
+        except Rejected as exc:
+            return _json_error(_responses.error_response(exc))
         api_base = self.api_bases.get(model)
         if api_base is None:
-            return _error(
-                404,
-                f"The model `{model}` does not exist.",
-                kind="invalid_request_error",
-                code="model_not_found",
-                param="model",
+            return _json_error(
+                _responses.error(
+                    404,
+                    f"The model `{model}` does not exist.",
+                    code="model_not_found",
+                    param="model",
+                )
             )
         client = self._client
         if client is None:
-            return _error(503, "the proxy is not running", kind="server_error", code="not_ready")
+            return _json_error(_responses.error(503, "the proxy is not running", code="not_ready"))
         path = request.url.path
         suffix = path[len("/v1") :] if path.startswith("/v1/") else path
         headers = {
@@ -202,23 +207,16 @@ class _ProxyRoutes:
         }
         # Raw bytes are relayed as they come, so ask for them uncompressed.
         headers["accept-encoding"] = "identity"
+        headers["x-request-id"] = f"fair-sched-{uuid.uuid4().hex}"
+        api_key = self._api_keys.get(model)
+        if api_key is not None:
+            headers["authorization"] = f"Bearer {api_key}"
         url = api_base + suffix
-        sending = asyncio.ensure_future(_send_retrying_once(client, url, body, headers))
-        # Until the engine's headers come back (for a non-streamed completion: until it has
-        # generated everything) nothing else would notice the client leaving, and the engine
-        # would run the request for nobody while its lease stays held.
-        watching = asyncio.ensure_future(_client_gone(request))
+        # A client that leaves before the engine answers (for a non-streamed completion: before
+        # it has generated everything) makes the middleware cancel this await, which closes the
+        # upstream connection: the engine aborts the request.
         try:
-            await asyncio.wait({sending, watching}, return_when=asyncio.FIRST_COMPLETED)
-        finally:
-            watching.cancel()
-            if not sending.done():
-                sending.cancel()  # closes the upstream connection: the engine aborts it
-            await asyncio.gather(sending, watching, return_exceptions=True)
-        if sending.cancelled():
-            return Response(status_code=499)  # nobody reads it; nginx's "client closed"
-        try:
-            upstream = sending.result()
+            upstream = await _send_retrying_once(client, url, body, headers)
         except httpx.TransportError as exc:
             logger.warning(
                 "fair_sched proxy: cannot reach %s for model %r: %s",
@@ -226,11 +224,12 @@ class _ProxyRoutes:
                 model,
                 _describe(exc),
             )
-            return _error(
-                502,
-                f"the backend for model `{model}` cannot be reached",
-                kind="server_error",
-                code="upstream_unavailable",
+            return _json_error(
+                _responses.error(
+                    502,
+                    f"the backend for model `{model}` cannot be reached",
+                    code="upstream_unavailable",
+                )
             )
         return _UpstreamStream(upstream)
 
@@ -267,22 +266,6 @@ def _describe(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {message}" if message else type(exc).__name__
 
 
-async def _client_gone(request: Request) -> None:
-    """Return once the client disconnects (the body has been read: nothing else can come)."""
-    while (await request.receive())["type"] != "http.disconnect":
-        pass
-
-
-def _model_of(body: bytes) -> str | None:
-    try:
-        payload = json.loads(body) if body else None
-    except ValueError:
-        return None
-    if isinstance(payload, Mapping) and isinstance(payload.get("model"), str):
-        return str(payload["model"])
-    return None
-
-
 def build_proxy_app(
     config: str | Mapping[str, Any] | FairSchedSettings | None = None,
     *,
@@ -316,6 +299,8 @@ def build_proxy_app(
                 reject_unknown_keys=(
                     service.directory.has_keys and service.settings.identity.source == "auth"
                 ),
+                # This proxy serves only its backends: any other name is a 404 before it queues.
+                unknown_models="reject",
             )
         ],
         lifespan=proxy.lifespan,

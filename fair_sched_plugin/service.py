@@ -8,6 +8,7 @@ and end the lease exactly once with `finish()`.
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import time
 from collections import OrderedDict
@@ -42,7 +43,14 @@ from .core import (
     TierLimits,
     UserBacklog,
 )
-from .errors import BudgetExceeded, FairSchedError, Rejected, SchedulerClosed
+from .errors import (
+    BudgetExceeded,
+    ClientDisconnected,
+    InvalidRequest,
+    Rejected,
+    SchedulerClosed,
+    UnknownModel,
+)
 from .identity import Credentials, Principal, PrincipalDirectory
 from .metrics.profiles import profile_for
 from .metrics.watcher import MetricsWatcher
@@ -51,12 +59,59 @@ from .state import ReplicaScheduler, StateStatistics, open_state
 
 logger = logging.getLogger("fair_sched")
 
+__all__ = [
+    "UNKNOWN_MODELS",
+    "Admission",
+    "AdmissionObserver",
+    "ClientDisconnected",
+    "SchedulingService",
+    "parse_request_body",
+]
+
 # What a request costs when it does not say how many tokens it may generate.
 DEFAULT_MAX_TOKENS = 256
+# Every model name this server was not configured with is scheduled under this one name: one
+# queue, one in-flight cap (`unknown_model_max_inflight`) and one set of counters, however many
+# names clients make up. Parentheses and spaces keep it apart from any real model name.
+UNKNOWN_MODELS = "(unknown models)"
+# Longer names are refused before anything is queued (LiteLLM's own names are far shorter).
+MAX_MODEL_NAME_CHARS = 256
+# Deeper request bodies are refused with a 400 before any work (real ones nest < 20 levels).
+MAX_BODY_DEPTH = 64
+
+UnknownModels = Literal["share", "reject"]
 
 
-class ClientDisconnected(FairSchedError):
-    """The client went away while its request waited; it never reached the engine."""
+def parse_request_body(raw: bytes) -> dict[str, Any]:
+    """A request body as a JSON object; `InvalidRequest` (400) for anything else.
+
+    Nesting is bounded before any work is done on the body: a deeply nested one would otherwise
+    overflow the JSON decoder's recursion (a 500 with a traceback) or cost time per level.
+    """
+    try:
+        body = json.loads(raw) if raw else None
+    except (ValueError, RecursionError):
+        raise InvalidRequest("the request body is not valid JSON (or nests too deeply)") from None
+    if not isinstance(body, dict):
+        raise InvalidRequest("the request body must be a JSON object")
+    check_body_depth(body)
+    return body
+
+
+def check_body_depth(body: Mapping[str, Any], limit: int = MAX_BODY_DEPTH) -> None:
+    """Raise `InvalidRequest` when `body`'s dicts and lists nest deeper than `limit`."""
+    stack: list[tuple[Any, int]] = [(body, 1)]
+    # An adapter's own request dict (LiteLLM's) may refer to itself: visit each container once.
+    seen = {id(body)}
+    while stack:
+        node, depth = stack.pop()
+        if depth > limit:
+            raise InvalidRequest(f"the request body nests deeper than {limit} levels")
+        children = node.values() if isinstance(node, Mapping) else node
+        for child in children:
+            if isinstance(child, (Mapping, list)) and id(child) not in seen:
+                seen.add(id(child))
+                stack.append((child, depth + 1))
 
 
 class AdmissionObserver(Protocol):
@@ -122,6 +177,7 @@ class SchedulingService:
         settings: FairSchedSettings | Mapping[str, Any] | str | None = None,
         *,
         deployments: Mapping[str, Iterable[str]] | None = None,
+        models: Iterable[str] = (),
         http_client: httpx.AsyncClient | None = None,
         clock: Clock | None = None,
     ) -> None:
@@ -129,6 +185,9 @@ class SchedulingService:
         self.settings = load_settings(settings)
         self.directory = PrincipalDirectory(self.settings)
         self.backends = _resolve_backends(self.settings, deployments or {})
+        # Names scheduled as themselves: configured backends, the deployments behind a LiteLLM
+        # proxy, and whatever else the adapter knows it serves (`models`).
+        self.known_models = frozenset(self.backends) | frozenset(deployments or ()) | set(models)
         groups = [
             BackendGroup(
                 model=model,
@@ -313,21 +372,53 @@ class SchedulingService:
             usd = ticket.price * tokens / max(ticket.cost, 1)
         self.budgets.spend(ticket.user, usd=usd, tokens=tokens)
 
+    def scheduling_model(self, model: object, *, unknown_models: UnknownModels = "share") -> str:
+        """The name a request is scheduled under; `InvalidRequest` for one we will not schedule.
+
+        Checked before anything is queued or remembered. A configured model is itself. Any other
+        name shares `UNKNOWN_MODELS` (one queue and one in-flight cap, so made-up names get no
+        fresh capacity and no per-name memory) or, with `unknown_models="reject"` (an adapter
+        that knows every model it serves), is refused with 404. A comma-separated list is
+        refused: LiteLLM would fan it out to one engine call per name under a single lease.
+        """
+        if not isinstance(model, str) or not model:
+            raise InvalidRequest("the request body needs a string `model`", param="model")
+        if model in self.known_models:
+            return model
+        if len(model) > MAX_MODEL_NAME_CHARS:
+            raise InvalidRequest(
+                f"the model name is longer than {MAX_MODEL_NAME_CHARS} characters", param="model"
+            )
+        if "," in model:
+            raise InvalidRequest(
+                "a comma-separated list of models is not scheduled; send one request per model",
+                param="model",
+            )
+        if unknown_models == "reject":
+            raise UnknownModel(f"The model `{model}` does not exist.", param="model")
+        return UNKNOWN_MODELS
+
     async def admit(
         self,
         principal: Principal,
-        model: str,
+        model: object,
         body: Mapping[str, Any],
         *,
         disconnected: asyncio.Event | None = None,
+        unknown_models: UnknownModels = "share",
     ) -> Admission:
-        """Wait for this request's turn. Raises `Rejected` (429/503) or `ClientDisconnected`.
+        """Wait for this request's turn. Raises `Rejected` (400/404/429/503) or
+        `ClientDisconnected`.
 
-        A request whose client disconnects while parked leaves the queue and never gets a lease.
+        The model and the body's shape are checked first (see `scheduling_model`); the lease is
+        for the name returned there. A request whose client disconnects while parked leaves the
+        queue and never gets a lease.
         """
+        scheduled_as = self.scheduling_model(model, unknown_models=unknown_models)
+        check_body_depth(body)
         if not self._started:
             self.start()
-        ticket = self.ticket_for(principal, model, body)
+        ticket = self.ticket_for(principal, scheduled_as, body)
         try:
             ticket = self._apply_budget(ticket)
             lease = self.scheduler.try_acquire(ticket)
@@ -336,7 +427,7 @@ class SchedulingService:
         except Rejected as exc:
             self._rejected(principal, ticket, exc)
             raise
-        admission = Admission(lease, principal, self.engine_priority(model, ticket.tier))
+        admission = Admission(lease, principal, self.engine_priority(scheduled_as, ticket.tier))
         if lease.active:
             self._running[lease] = (lease.ticket.model, lease.ticket.tier, lease.ticket.user)
         for observer in self._admission_observers:

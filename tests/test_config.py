@@ -36,12 +36,12 @@ BAD_CONFIGS: list[tuple[str, Any, str]] = [
     (
         "unknown default tier",
         {"default_tier": "gold"},
-        "fair_sched.default_tier: unknown tier 'gold'",
+        "fair_sched.default_tier: unknown tier; tiers are ['batch', 'interactive']",
     ),
     (
         "principal with unknown tier",
         {"principals": [{"name": "a", "keys": ["k"], "tier": "gold"}]},
-        "fair_sched.principals[0].tier: unknown tier 'gold'",
+        "fair_sched.principals[0].tier: unknown tier; tiers are",
     ),
     (
         "principal without keys or match",
@@ -67,7 +67,7 @@ BAD_CONFIGS: list[tuple[str, Any, str]] = [
     (
         "bad metrics url",
         {"backends": {"m": {"metrics_url": "ftp://x"}}},
-        "fair_sched.backends.m.metrics_url: must be an http(s) URL (got 'ftp://x')",
+        "fair_sched.backends.m.metrics_url: must be an http(s) URL",
     ),
     ("unknown engine", {"backends": {"m": {"engine": "triton"}}}, "fair_sched.backends.m.engine"),
     (
@@ -80,6 +80,29 @@ BAD_CONFIGS: list[tuple[str, Any, str]] = [
     ("poll too fast", {"metrics_poll_ms": 1}, "fair_sched.metrics_poll_ms"),
     ("bad state url", {"state": "postgres://x"}, "fair_sched.state: must be memory://"),
     ("bad identity source", {"identity": {"source": "cookie"}}, "fair_sched.identity.source"),
+    # Values that used to be accepted and silently broke a bound (issue 15).
+    (
+        "weight too small",
+        {"principals": [{"name": "a", "keys": ["k"], "weight": 1e-300}]},
+        "fair_sched.principals[0].weight: Input should be greater than or equal to 0.001",
+    ),
+    ("infinite wait", {"queue": {"max_wait_s": float("inf")}}, "fair_sched.queue.max_wait_s"),
+    ("nan wait", {"queue": {"max_wait_s": float("nan")}}, "fair_sched.queue.max_wait_s"),
+    ("scrape timeout too short", {"metrics_timeout_ms": 0.001}, "fair_sched.metrics_timeout_ms"),
+    ("infinite lease", {"max_lease_s": float("inf")}, "fair_sched.max_lease_s"),
+    ("lease zero", {"max_lease_s": 0}, "fair_sched.max_lease_s: Input should be greater than 0"),
+    ("send timeout zero", {"send_timeout_s": 0}, "fair_sched.send_timeout_s"),
+    (
+        "admin key from an unset variable",
+        {"observability": {"admin_key": "os.environ/FAIR_SCHED_TEST_UNSET_VARIABLE"}},
+        "fair_sched.observability.admin_key: the environment variable "
+        "FAIR_SCHED_TEST_UNSET_VARIABLE is not set",
+    ),
+    (
+        "backend key from an unset variable",
+        {"backends": {"m": {"api_key": "os.environ/FAIR_SCHED_TEST_UNSET_VARIABLE"}}},
+        "fair_sched.backends.m.api_key: the environment variable",
+    ),
 ]
 
 
@@ -90,6 +113,33 @@ def test_bad_config_names_the_key_path(case: str, section: Any, expected: str) -
     with pytest.raises(ConfigError) as caught:
         parse_settings(section)
     assert expected in str(caught.value)
+
+
+@pytest.mark.parametrize(
+    "section",
+    [
+        {"default_tier": "sk-live-pasted-by-mistake"},
+        {"principals": [{"name": "a", "keys": ["k"], "tier": "sk-live-pasted-by-mistake"}]},
+        {"principals": [{"name": "a", "keys": ["k"], "sk-live-pasted-by-mistake": 1}]},
+        {"principals": [{"name": "sk-live-pasted by mistake", "keys": ["k"]}]},
+        {"backends": {"m": {"api_base": "sk-live-pasted-by-mistake"}}},
+        {"backends": {"m": {"engine": "sk-live-pasted-by-mistake"}}},
+        {"observability": {"admin_key": 123, "user_labels": "sk-live-pasted-by-mistake"}},
+        {"state": "sk-live-pasted-by-mistake"},
+    ],
+)
+def test_a_key_pasted_in_the_wrong_place_is_not_echoed(section: Any) -> None:
+    with pytest.raises(ConfigError) as caught:
+        parse_settings(section)
+    assert "sk-live" not in str(caught.value)
+    assert "fair_sched." in str(caught.value)
+
+
+def test_admin_key_from_a_set_variable_is_accepted(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("FAIR_SCHED_TEST_ADMIN", "s3cret")
+    settings = parse_settings({"observability": {"admin_key": "os.environ/FAIR_SCHED_TEST_ADMIN"}})
+    assert settings.observability.resolved_admin_key() == "s3cret"
+    assert "s3cret" not in repr(settings)
 
 
 def test_keys_are_never_echoed_in_errors() -> None:

@@ -70,7 +70,9 @@ def make_service(**settings: Any) -> SchedulingService:
             {"name": "bob", "keys": [BOB_KEY], "tier": "batch"},
         ],
     }
-    return SchedulingService({**base, **settings})
+    # Model names the tests use, served under their own names (any other name would be
+    # scheduled as the one shared `UNKNOWN_MODELS`).
+    return SchedulingService({**base, **settings}, models=("m", "m0", "m1", "m2", "m3"))
 
 
 async def settle() -> None:

@@ -19,7 +19,10 @@ pending requests fill the slots the last scrape showed free (less those taken si
 
 Until the engine has been seen saturated the capacity is underestimated, which only makes the
 gate more careful. Without this, a tier that wants the queue empty (`waiting_below: 1`) would
-refill free slots one round trip at a time.
+refill free slots one round trip at a time. The capacity is the peak of a sliding window
+(`capacity_window_s`, two buckets), not of all time: an engine restarted with fewer slots, or
+one short-lived spike, would otherwise count slots free for ever and let pending requests into
+the engine's queue.
 
 Several deployments behind one model name are one group: their waiting counts are summed and the
 threshold scales with the number of deployments; TPOT and KV usage are the worst deployment's; a
@@ -52,6 +55,8 @@ class BackendGroup:
     metrics_urls: tuple[str, ...]
     arrival_grace_s: float = 1.0
     fallback_max_inflight: int = 4  # per deployment
+    # How long a peak of running requests is remembered as the deployment's capacity.
+    capacity_window_s: float = 60.0
 
 
 class GateTransition(NamedTuple):
@@ -89,8 +94,11 @@ class _GroupState:
     pending_count: int = 0
     pending_ids: set[int] = field(default_factory=set)
     mode: GateMode = "starting"
-    # Most requests seen running at once, per deployment: the learned capacity.
+    # Most requests seen running at once, per deployment: the learned capacity. The peak of the
+    # current window and of the one before (two buckets make a sliding window).
     capacity: dict[str, float] = field(default_factory=dict)
+    capacity_previous: dict[str, float] = field(default_factory=dict)
+    capacity_window_started: float | None = None
     # When each first byte since the scrapes came back: slots taken that no scrape can show yet.
     # Bounded: only an outage of every scrape lets it fill, and then free slots are not used.
     first_bytes: deque[float] = field(default_factory=lambda: deque(maxlen=_MAX_FIRST_BYTES))
@@ -149,9 +157,7 @@ class MetricsGate:
         if snapshot.ok:
             state.latest_ok[snapshot.url] = snapshot
             state.last_error.pop(snapshot.url, None)
-            state.capacity[snapshot.url] = max(
-                state.capacity.get(snapshot.url, 0.0), snapshot.running
-            )
+            self._learn_capacity(state, snapshot)
             self._account_scraped(state)
         else:
             state.last_error[snapshot.url] = snapshot.error or "scrape failed"
@@ -243,10 +249,29 @@ class MetricsGate:
                 return "kv_usage"
         return None
 
+    def _learn_capacity(self, state: _GroupState, snapshot: BackendSnapshot) -> None:
+        now = self._clock.now()
+        started = state.capacity_window_started
+        if started is None:
+            state.capacity_window_started = now
+        elif now - started >= state.spec.capacity_window_s:
+            # A new window: the one that ended becomes the previous one; one idle for longer
+            # than a whole window leaves nothing behind.
+            long_ago = now - started >= 2 * state.spec.capacity_window_s
+            state.capacity_previous = {} if long_ago else state.capacity
+            state.capacity = {}
+            state.capacity_window_started = now
+        url = snapshot.url
+        state.capacity[url] = max(state.capacity.get(url, 0.0), snapshot.running)
+
     @staticmethod
     def _free_slots(state: _GroupState) -> float:
         free = sum(
-            max(0.0, state.capacity.get(url, 0.0) - snapshot.running)
+            max(
+                0.0,
+                max(state.capacity.get(url, 0.0), state.capacity_previous.get(url, 0.0))
+                - snapshot.running,
+            )
             for url, snapshot in state.latest_ok.items()
         )
         return max(0.0, free - len(state.first_bytes))

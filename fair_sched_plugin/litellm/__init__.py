@@ -9,8 +9,9 @@ In the proxy's config file::
     fair_sched: {...}
 
 Imported by a running proxy, this module reads and validates the `fair_sched:` section at once
-(an invalid one stops the proxy at start-up), wraps the proxy app so a client leaving while queued
-is noticed, and starts the metrics watchers on the proxy's event loop.
+(an invalid one stops the proxy at start-up), wraps the proxy app so a client leaving (queued or
+running) is noticed and `max_lease_s` holds, and starts the metrics watchers on the proxy's event
+loop.
 """
 
 from __future__ import annotations
@@ -23,18 +24,14 @@ from fastapi import HTTPException, Request
 from litellm.integrations.custom_logger import CustomLogger
 from litellm.proxy._types import LitellmUserRoles, UserAPIKeyAuth
 
-from ._callback import LEASE_KEY, PRINCIPAL_KEY, FairSchedCallback
+from ._callback import PRINCIPAL_KEY, FairSchedCallback
 from ._compat import auth_module_source, check_litellm, installed_litellm_version
-from ._disconnect import DisconnectWatch, current_disconnect_event
-from ._proxy import build_proxy_service, install_disconnect_watch, running_proxy
+from ._proxy import build_proxy_service, install_request_watch, running_proxy
 from ._routes import install_litellm_routes
 
 __all__ = [
-    "LEASE_KEY",
-    "DisconnectWatch",
     "FairSchedCallback",
     "authenticate",
-    "current_disconnect_event",
     "scheduler",
 ]
 
@@ -53,7 +50,7 @@ def _attach() -> FairSchedCallback:
     if proxy_server is not None:
         # Inside the proxy: validate now (start-up fails on a bad section) and start watching.
         service = callback.service
-        install_disconnect_watch(proxy_server)
+        install_request_watch(proxy_server, service)
         try:
             asyncio.get_running_loop()
         except RuntimeError:

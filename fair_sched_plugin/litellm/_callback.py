@@ -2,45 +2,52 @@
 
 LiteLLM calls `async_pre_call_hook` and `async_post_call_streaming_iterator_hook` only when the
 registered class itself defines them (inherited ones are skipped), so both are defined here.
-Leases are keyed by an id we put into the request's metadata: `litellm_call_id` can be chosen by
-the client (`x-litellm-call-id`), so it could collide with another request's.
+
+Deny by default: every call that names a model is scheduled, whatever its route (OpenAI,
+Anthropic `/v1/messages`, Gemini `:generateContent`, responses, embeddings, ...), and so is every
+pass-through call (its body goes to an engine as is, model or not). LiteLLM's pass-through routes
+(`/vllm/...` and the like) do not all run this hook, so `FairSchedulerMiddleware` in front of the
+proxy app schedules those (see `_proxy.install_request_watch`); the hook then finds the request's
+lease and leaves it. Calls that name no model (files, batches, vector stores, ...) cannot reach a
+model deployment and pass. On every call the client's own `priority` is removed.
+
+A granted lease belongs to the HTTP request, not to anything the client sends: it is held by the
+request's `RequestWatch` (found through a context variable in every hook of that request), which
+also ends it when the request ends, when the client leaves, or after `max_lease_s`. Nothing in the
+request body or metadata names it, so no other request can end it.
 """
 
 from __future__ import annotations
 
 import logging
-import uuid
 from collections.abc import AsyncGenerator, Callable, Mapping
 from typing import Any
 
 from fastapi import HTTPException
 from litellm.integrations.custom_logger import CustomLogger
 
+from .._request import current_request, ensure_current_request
+from .._responses import error_response
 from ..core import Lease
-from ..errors import Rejected
+from ..errors import ClientDisconnected, Rejected
 from ..identity import Credentials, Principal
-from ..service import ClientDisconnected, SchedulingService
-from ._disconnect import current_disconnect_event
+from ..service import UNKNOWN_MODELS, SchedulingService
 
 logger = logging.getLogger("fair_sched")
 
-LEASE_KEY = "fair_sched_lease"
 # Principal name our own `authenticate` vouched for (set on UserAPIKeyAuth.metadata).
 PRINCIPAL_KEY = "fair_sched_principal"
-# Generation calls that reach the engine; embeddings, moderation and the rest pass through.
-SCHEDULED_CALL_TYPES = frozenset(
-    {"completion", "acompletion", "text_completion", "atext_completion", "responses", "aresponses"}
-)
+# LiteLLM's pass-through routes (`/vllm/...`, ...) forward the body to the engine verbatim.
+PASS_THROUGH_CALL_TYPE = "pass_through_endpoint"
 
 
 class FairSchedCallback(CustomLogger):
-    """Parks each generation request until its fair turn; ends its lease exactly once."""
+    """Parks each call that reaches an engine until its fair turn; ends its lease exactly once."""
 
     def __init__(self, service_factory: Callable[[], SchedulingService]) -> None:
         super().__init__()
         self._service_factory = service_factory
         self._service: SchedulingService | None = None
-        self._leases: dict[str, Lease] = {}
 
     @property
     def service(self) -> SchedulingService:
@@ -48,42 +55,34 @@ class FairSchedCallback(CustomLogger):
             self._service = self._service_factory()
         return self._service
 
-    def in_flight_leases(self) -> int:
-        return len(self._leases)
-
     # ------------------------------------------------------------------ admission
 
     async def async_pre_call_hook(
         self, user_api_key_dict: Any, cache: Any, data: dict[str, Any], call_type: str
     ) -> dict[str, Any]:
-        if call_type not in SCHEDULED_CALL_TYPES or not isinstance(data.get("model"), str):
-            return data
         service = self.service
+        pass_through = call_type == PASS_THROUGH_CALL_TYPE
+        # A pass-through body reaches the engine as is, so its priority is a top-level field.
+        via_extra_body = not pass_through
+        service.rewrite_priority(data, None, via_extra_body=via_extra_body)
+        if "model" not in data and not pass_through:
+            return data  # names no model: cannot reach a model deployment
+        model = data.get("model")
+        if pass_through and model is None:
+            model = UNKNOWN_MODELS  # its engine will pick a default model: still scheduled
+        request = ensure_current_request()
+        if request.lease is not None:
+            return data  # scheduled already (a pass-through route, by the middleware in front)
         principal = self._principal(service, user_api_key_dict, data)
         try:
-            admission = await service.admit(
-                principal, data["model"], data, disconnected=current_disconnect_event()
-            )
-        except Rejected as exc:
+            admission = await service.admit(principal, model, data, disconnected=request.watch())
+        except (Rejected, ClientDisconnected) as exc:
+            error = error_response(exc)
             raise HTTPException(
-                status_code=exc.status_code,
-                detail={
-                    "error": {"message": str(exc), "type": "rate_limit_error", "code": exc.reason}
-                },
-                headers={"Retry-After": exc.retry_after_header},
+                status_code=error.status, detail=error.body, headers=error.headers
             ) from None
-        except ClientDisconnected:
-            # Nobody is listening; 499 is what proxies log for a client that closed the request.
-            raise HTTPException(
-                status_code=499, detail="client disconnected while queued"
-            ) from None
-        lease_id = uuid.uuid4().hex
-        metadata = data.get("metadata")
-        if not isinstance(metadata, dict):
-            metadata = data["metadata"] = {}
-        metadata[LEASE_KEY] = lease_id
-        self._leases[lease_id] = admission.lease
-        service.rewrite_priority(data, admission.engine_priority, via_extra_body=True)
+        request.hold(admission.lease)
+        service.rewrite_priority(data, admission.engine_priority, via_extra_body=via_extra_body)
         return data
 
     def _principal(
@@ -119,7 +118,7 @@ class FairSchedCallback(CustomLogger):
     async def async_post_call_streaming_iterator_hook(
         self, user_api_key_dict: Any, response: Any, request_data: dict[str, Any]
     ) -> AsyncGenerator[Any, None]:
-        lease = self._leases.get(_lease_id(request_data.get("metadata")) or "")
+        lease = _request_lease()
         tokens: int | None = None
         try:
             async for chunk in response:
@@ -131,12 +130,15 @@ class FairSchedCallback(CustomLogger):
                 yield chunk
         finally:
             # Also on a mid-stream disconnect (the generator is closed or cancelled).
-            self._finish(_lease_id(request_data.get("metadata")), tokens)
+            if lease is not None:
+                _end(lease, tokens)
 
     async def async_post_call_success_hook(
         self, data: dict[str, Any], user_api_key_dict: Any, response: Any
     ) -> Any:
-        self._finish(_lease_id(data.get("metadata")), _total_tokens(response))
+        lease = _request_lease()
+        if lease is not None:
+            lease.release(tokens_used=_total_tokens(response))
         return response
 
     async def async_post_call_failure_hook(
@@ -146,37 +148,40 @@ class FairSchedCallback(CustomLogger):
         user_api_key_dict: Any,
         traceback_str: str | None = None,
     ) -> None:
-        self._finish(_lease_id(request_data.get("metadata")), None)
+        lease = _request_lease()
+        if lease is not None:
+            _end(lease, None)
 
     async def async_log_success_event(
         self, kwargs: dict[str, Any], response_obj: Any, start_time: Any, end_time: Any
     ) -> None:
-        self._finish(_lease_id(_logged_metadata(kwargs)), _total_tokens(response_obj))
+        # Runs in a task LiteLLM creates from the request's context, so it sees its lease.
+        lease = _request_lease()
+        if lease is not None:
+            lease.release(tokens_used=_total_tokens(response_obj))
 
     async def async_log_failure_event(
         self, kwargs: dict[str, Any], response_obj: Any, start_time: Any, end_time: Any
     ) -> None:
-        self._finish(_lease_id(_logged_metadata(kwargs)), None)
-
-    def _finish(self, lease_id: str | None, tokens: int | None) -> None:
-        if lease_id is None:
-            return
-        lease = self._leases.pop(lease_id, None)
+        lease = _request_lease()
         if lease is not None:
-            lease.release(tokens_used=tokens)
+            _end(lease, None)
 
 
-def _lease_id(metadata: Any) -> str | None:
-    if isinstance(metadata, Mapping):
-        value = metadata.get(LEASE_KEY)
-        if isinstance(value, str):
-            return value
-    return None
+def _request_lease() -> Lease | None:
+    """The lease the running request holds (None: it holds none, or it ended)."""
+    request = current_request()
+    return request.lease if request is not None else None
 
 
-def _logged_metadata(kwargs: Mapping[str, Any]) -> Any:
-    params = kwargs.get("litellm_params")
-    return params.get("metadata") if isinstance(params, Mapping) else None
+def _end(lease: Lease, tokens: int | None) -> None:
+    # Completed once the engine demonstrably took it (a byte came back); otherwise the request
+    # never got to the engine (another hook refused it, the router failed): the turn passes on
+    # uncharged.
+    if lease.started:
+        lease.release(tokens_used=tokens)
+    else:
+        lease.abandon()
 
 
 def _total_tokens(response: Any) -> int | None:

@@ -11,6 +11,7 @@ import contextlib
 import json
 import logging
 import os
+import re
 import sys
 from collections.abc import Mapping
 from pathlib import Path
@@ -18,14 +19,17 @@ from typing import Any
 
 import yaml
 
+from .._request import WatchRequests
+from ..asgi import FairSchedulerMiddleware
 from ..config import FairSchedSettings, load_settings
 from ..errors import ConfigError
 from ..service import SchedulingService
-from ._disconnect import DisconnectWatch
 
 logger = logging.getLogger("fair_sched")
 
 PROXY_MODULE = "litellm.proxy.proxy_server"
+# LiteLLM pass-through prefixes whose target is a self-hosted engine (vLLM's own API).
+SELF_HOSTED_PASS_THROUGH = frozenset({"/vllm"})
 
 
 def running_proxy() -> Any | None:
@@ -80,11 +84,28 @@ def deployments_from_model_list(model_list: Any) -> dict[str, list[str]]:
     return deployments
 
 
+def model_names(model_list: Any) -> set[str]:
+    """Every `model_name` of the proxy's `model_list` (scheduled under its own name)."""
+    if not isinstance(model_list, list):
+        return set()
+    return {
+        entry["model_name"]
+        for entry in model_list
+        if isinstance(entry, Mapping) and isinstance(entry.get("model_name"), str)
+    }
+
+
 def load_proxy_settings(proxy_server: Any | None) -> tuple[FairSchedSettings, dict[str, list[str]]]:
-    """Settings from FAIR_SCHED_CONFIG or the proxy's config file, and its deployments."""
+    """Settings from FAIR_SCHED_CONFIG or the proxy's config file, and its deployments.
+
+    Every model name of the `model_list` is a key of the deployments (with no api_base where
+    the entry has none), so it is scheduled under its own name.
+    """
     config_path = proxy_config_path(proxy_server)
     document = _read_yaml(config_path) if config_path else {}
     deployments = deployments_from_model_list(document.get("model_list"))
+    for name in model_names(document.get("model_list")):
+        deployments.setdefault(name, [])
     if os.environ.get("FAIR_SCHED_CONFIG"):
         return load_settings(os.environ["FAIR_SCHED_CONFIG"]), deployments
     if config_path is None:
@@ -97,18 +118,57 @@ def load_proxy_settings(proxy_server: Any | None) -> tuple[FairSchedSettings, di
         raise ConfigError(f"{exc}\n  (in {config_path})") from None
 
 
-def install_disconnect_watch(proxy_server: Any) -> bool:
-    """Wrap the proxy's built middleware stack (add_middleware is refused once it has started)."""
+def pass_through_paths() -> tuple[tuple[str, ...], tuple[str, ...]]:
+    """Patterns for LiteLLM's pass-through routes, generated from LiteLLM's own route list:
+    (routes to self-hosted engines: `/vllm/...`; routes to hosted providers: `/openai/...`, ...).
+
+    Their bodies reach the target without LiteLLM's pre-call hook (the router pass-through
+    never calls it), so the middleware in front of the proxy schedules them.
+    """
+    from litellm.proxy._types import LiteLLMRoutes
+
+    prefixes = sorted(LiteLLMRoutes.mapped_pass_through_routes.value, key=len, reverse=True)
+    self_hosted = [prefix for prefix in prefixes if prefix in SELF_HOSTED_PASS_THROUGH]
+    hosted = [prefix for prefix in prefixes if prefix not in SELF_HOSTED_PASS_THROUGH]
+
+    def pattern(group: list[str]) -> tuple[str, ...]:
+        if not group:
+            return ()
+        return (r"^(" + "|".join(re.escape(prefix) for prefix in group) + r")(/|$)",)
+
+    return pattern(self_hosted), pattern(hosted)
+
+
+def install_request_watch(proxy_server: Any, service: SchedulingService) -> bool:
+    """Run every request of the proxy app under a `RequestWatch` (client gone, max_lease_s),
+    and schedule LiteLLM's pass-through routes with the middleware in front of it.
+
+    Wraps the built middleware stack (add_middleware is refused once the app has started).
+    """
     app = getattr(proxy_server, "app", None)
     stack = getattr(app, "middleware_stack", None)
     if app is None or stack is None:
         logger.warning(
-            "fair_sched: cannot watch for client disconnects (the proxy app is not built yet); "
-            "a client leaving while queued will still be sent to the engine"
+            "fair_sched: cannot watch requests (the proxy app is not built yet); a client "
+            "leaving while queued will still be sent to the engine, max_lease_s is not "
+            "enforced and pass-through routes are not scheduled"
         )
         return False
-    if not isinstance(stack, DisconnectWatch):
-        app.middleware_stack = DisconnectWatch(stack)
+    if not isinstance(stack, FairSchedulerMiddleware):
+        settings = service.settings
+        self_hosted, hosted = pass_through_paths()
+        watched = WatchRequests(
+            stack, max_lease_s=settings.max_lease_s, send_timeout_s=settings.send_timeout_s
+        )
+        # A body for a hosted provider that names no model (a file upload, ...) cannot reach
+        # our engines: it passes. One naming a model may be a router model: scheduled.
+        hosted_scheduled = FairSchedulerMiddleware(
+            watched, service=service, paths=hosted, pass_unmodelled=True
+        )
+        # Whatever goes to a self-hosted engine is scheduled, model or not (400 if not JSON).
+        app.middleware_stack = FairSchedulerMiddleware(
+            hosted_scheduled, service=service, paths=self_hosted
+        )
     return True
 
 

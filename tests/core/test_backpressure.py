@@ -388,3 +388,24 @@ async def test_a_shared_fallback_cap_is_at_least_one() -> None:
     await settle()
     assert sum(task.done() for task in tasks) == 1
     await drain(scheduler)
+
+
+async def test_learned_capacity_is_forgotten_once_no_scrape_shows_it_for_a_window() -> None:
+    """An engine seen with 8 running, then restarted with 2 slots: after a window without that
+    peak, its scrapes' `running=2` means no slot free; before the fix 6 were counted free for
+    ever and pending requests went into the engine's queue."""
+    clock = FakeClock()
+    gate, _, _ = make_gate(clock)
+    gate.update("m", scrape(clock, running=8))
+    clock.advance(1.0)
+    gate.update("m", scrape(clock, running=2))
+    assert gate.status()[0].free_slots == 6  # within the window the peak still counts
+    for _ in range(130):  # two minutes of scrapes that never show more than 2 running
+        clock.advance(1.0)
+        gate.update("m", scrape(clock, running=2))
+    assert gate.status()[0].free_slots == 0
+    # Seen saturated again: learned again at once.
+    gate.update("m", scrape(clock, running=3))
+    clock.advance(0.1)
+    gate.update("m", scrape(clock, running=1))
+    assert gate.status()[0].free_slots == 2

@@ -142,7 +142,9 @@ def process_cpu_seconds(pid: int) -> float:
     return (utime + stime) / os.sysconf("SC_CLK_TCK")
 
 
-def _spawn(config_path: Path, port: int, log_path: Path) -> subprocess.Popen[bytes]:
+def _spawn(
+    config_path: Path, port: int, log_path: Path, env: Mapping[str, str] | None = None
+) -> subprocess.Popen[bytes]:
     log_path.parent.mkdir(parents=True, exist_ok=True)
     with log_path.open("wb") as log:
         return subprocess.Popen(
@@ -158,7 +160,7 @@ def _spawn(config_path: Path, port: int, log_path: Path) -> subprocess.Popen[byt
             stdin=subprocess.DEVNULL,
             stdout=log,
             stderr=subprocess.STDOUT,
-            env=proxy_env(),
+            env=proxy_env(env),
             cwd=str(config_path.parent),
             **own_process_group(),  # killed as a whole
         )
@@ -204,13 +206,17 @@ async def _wait_live(proxy: ProxyProcess, timeout_s: float) -> None:
 
 @contextlib.asynccontextmanager
 async def litellm_proxy(
-    config: Mapping[str, Any], directory: Path, name: str = "proxy"
+    config: Mapping[str, Any],
+    directory: Path,
+    name: str = "proxy",
+    env: Mapping[str, str] | None = None,
 ) -> AsyncIterator[ProxyProcess]:
-    """Start `litellm --config` with `config` written to `directory/name.yaml`; wait until live."""
+    """Start `litellm --config` with `config` written to `directory/name.yaml`; wait until live.
+    `env` adds environment variables for the proxy."""
     config_path = write_config(directory, name, config)
     port = free_port()
     log_path = directory / f"{name}.log"
-    process = _spawn(config_path, port, log_path)
+    process = _spawn(config_path, port, log_path, env)
     proxy = ProxyProcess(f"http://{LOOPBACK}:{port}", port, process, log_path, config_path)
     try:
         await _wait_live(proxy, PROXY_STARTUP_TIMEOUT_S)

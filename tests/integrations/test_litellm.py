@@ -466,7 +466,7 @@ async def test_disconnect_while_parked_never_reaches_the_engine(stack: Stack) ->
     async with open_client(stack.main.base_url) as anonymous:
         assert (await anonymous.get("/health/liveliness")).status_code == 200
     # The plugin answered the departed client 499 (LiteLLM logs it; nobody was there to read it).
-    await wait_until(lambda: "client disconnected while queued" in stack.main.log_text(), 5)
+    await wait_until(lambda: "client_disconnected" in stack.main.log_text(), 5)
     await engine_idle(stack.emu)
 
 
