@@ -15,7 +15,7 @@ import pytest
 from fair_sched_plugin.emulator.server import RunningEmulator
 from fair_sched_plugin.identity import Credentials
 from fair_sched_plugin.proxy import build_proxy_app
-from fair_sched_plugin.service import SchedulingService
+from fair_sched_plugin.service import UNKNOWN_MODELS, SchedulingService
 
 from ..integrations.conftest import MODEL, chat_body, emulator, fair_config, serve, wait_until
 from .conftest import RedisServer, unique_prefix
@@ -366,7 +366,7 @@ async def test_a_followers_status_and_metrics_show_the_leaders_truth(
             status = follower.observability.status()
             assert status["state"]["leader"] == leader.scheduler.replica
             assert status["state"]["replica"] == follower.scheduler.replica
-            assert status["models"]["other"]["in_flight"] == 1
+            assert status["models"][UNKNOWN_MODELS]["in_flight"] == 1
             text = follower.observability.render().decode()
             assert (
                 f'fair_sched_state_local{{leader="{leader.scheduler.replica}",'
