@@ -498,21 +498,31 @@ class FairScheduler:
         waiter.state = new_state
         user_queue = waiter.user_queue
         tier = user_queue.tier_queue
-        user_queue.depth -= 1
-        tier.queued -= 1
         queues = self._models[tier.model]
         queues.queued -= 1
         self._queued_total -= 1
-        if not user_queue.depth:
-            user_queue.waiters.clear()
-            user_queue.sized.clear()
-            self._unpush(tier, user_queue)
-            self._forget_if_idle(tier, user_queue)
-        elif len(user_queue.waiters) + len(user_queue.sized) > 2 * user_queue.depth + 16:
+        still_queued = self._leave_user_queue(user_queue)
+        if still_queued and len(user_queue.waiters) + len(user_queue.sized) > (
+            2 * user_queue.depth + 16
+        ):
             # Marked entries outnumber the live ones: rebuild, so submit-and-cancel abuse
             # cannot grow the queue (amortised O(1) per cancellation).
             self._rebuild(user_queue)
         self._compact_deadlines()
+
+    def _leave_user_queue(self, user_queue: _UserQueue) -> bool:
+        """One waiter left `user_queue` (its entry is already gone or marked); True while the
+        user still has requests queued in this tier, else the user leaves the tier's heap."""
+        tier = user_queue.tier_queue
+        user_queue.depth -= 1
+        tier.queued -= 1
+        if user_queue.depth:
+            return True
+        user_queue.waiters.clear()
+        user_queue.sized.clear()
+        self._unpush(tier, user_queue)
+        self._forget_if_idle(tier, user_queue)
+        return False
 
     def _live_waiters(self, user_queue: _UserQueue) -> list[_Waiter]:
         if self._shortest_first:
@@ -839,13 +849,7 @@ class FairScheduler:
             heapq.heapify(old_queue.sized)
         else:
             old_queue.waiters.remove(waiter)
-        old_queue.depth -= 1
-        tier.queued -= 1
-        if not old_queue.depth:
-            old_queue.waiters.clear()
-            old_queue.sized.clear()
-            self._unpush(tier, old_queue)
-            self._forget_if_idle(tier, old_queue)
+        self._leave_user_queue(old_queue)
         upper = tier.model_queues.tiers[tier.position - 1]
         new_queue = self._user_queue(upper, waiter.ticket.user)
         if not new_queue.depth:
