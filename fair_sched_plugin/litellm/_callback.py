@@ -9,7 +9,8 @@ pass-through call (its body goes to an engine as is, model or not). LiteLLM's pa
 (`/vllm/...` and the like) do not all run this hook, so `FairSchedulerMiddleware` in front of the
 proxy app schedules those (see `_proxy.install_request_watch`); the hook then finds the request's
 lease and leaves it. Calls that name no model (files, batches, vector stores, ...) cannot reach a
-model deployment and pass. On every call the client's own `priority` is removed.
+model deployment and pass. On every call the client's own `priority` is removed, also from the
+client objects LiteLLM forwards as written (the realtime session routes, `NESTED_CLIENT_BODY`).
 
 A granted lease belongs to the HTTP request, not to anything the client sends: it is held by the
 request's `RequestWatch` (found through a context variable in every hook of that request), which
@@ -20,7 +21,7 @@ request body or metadata names it, so no other request can end it.
 from __future__ import annotations
 
 import logging
-from collections.abc import AsyncGenerator, Callable, Mapping
+from collections.abc import AsyncGenerator, Callable, Mapping, MutableMapping
 from typing import Any
 
 from fastapi import HTTPException
@@ -39,6 +40,13 @@ logger = logging.getLogger("fair_sched")
 PRINCIPAL_KEY = "fair_sched_principal"
 # LiteLLM's pass-through routes (`/vllm/...`, ...) forward the body to the engine verbatim.
 PASS_THROUGH_CALL_TYPE = "pass_through_endpoint"
+# Call types whose upstream body is an object the client wrote, nested in `data` under this key:
+# LiteLLM forwards it with unknown fields intact (a client `priority` included). Found by the
+# route walk in tests/hardening/test_litellm_routes.py, which fails on any new one.
+NESTED_CLIENT_BODY = {
+    "acreate_realtime_client_secret": "session",
+    "acreate_realtime_transcription_session": "transcription_session",
+}
 
 
 class FairSchedCallback(CustomLogger):
@@ -65,6 +73,10 @@ class FairSchedCallback(CustomLogger):
         # A pass-through body reaches the engine as is, so its priority is a top-level field.
         via_extra_body = not pass_through
         service.rewrite_priority(data, None, via_extra_body=via_extra_body)
+        nested = data.get(NESTED_CLIENT_BODY.get(call_type, ""))
+        if isinstance(nested, MutableMapping):
+            # Stripped, not rewritten: a session's settings are not a generation request.
+            service.rewrite_priority(nested, None, via_extra_body=False)
         if "model" not in data and not pass_through:
             return data  # names no model: cannot reach a model deployment
         model = data.get("model")
