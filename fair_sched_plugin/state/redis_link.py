@@ -12,6 +12,11 @@ Imported only when `state:` names Redis (the `redis` extra). Keys, all under the
 Five short Lua scripts (`lua/*.lua`, keys passed explicitly) make the lease and its fencing
 atomic; everything else is plain commands. Redis 6 or later (7 saves a round trip per wake-up
 with BLMPOP), standalone or a primary.
+
+Every key holds only the replicas' own transient state, so a corrupt value (another type, bytes
+that are not UTF-8, a leader token that is not one, an epoch INCR refuses) is logged with its
+key's name and replaced (or, for a message, skipped), never turned into a store outage: an
+outage would switch the replica to local mode, and the next heartbeat back again, for good.
 """
 
 from __future__ import annotations
@@ -26,8 +31,10 @@ from redis.backoff import NoBackoff
 from redis.exceptions import RedisError, ResponseError
 
 from ..errors import StateStoreError
+from ._values import corrupt_value, parse_token
 
 _SCRIPTS = ("elect", "renew", "deliver", "resign", "heartbeat")
+
 # Most messages taken from a list in one round trip.
 _BATCH = 1000
 
@@ -37,8 +44,13 @@ def load_script(name: str) -> str:
     return folder.joinpath(f"{name}.lua").read_text(encoding="utf-8")
 
 
+def _wrong_type(exc: BaseException) -> bool:
+    return isinstance(exc, ResponseError) and str(exc).startswith("WRONGTYPE")
+
+
 class Beat(NamedTuple):
-    """One heartbeat's view: who is alive, who leads (token or None), the leader's document."""
+    """One heartbeat's view: who is alive, who leads (a valid token with a TTL, or None), the
+    leader's document."""
 
     alive: list[str]
     leader: str | None
@@ -79,6 +91,8 @@ class RedisLink:
             "socket_connect_timeout": timeout_s,
             "retry": Retry(NoBackoff(), 0),
             "decode_responses": True,
+            # Bytes that are not UTF-8 become U+FFFD: a corrupt value, not a failed connection.
+            "encoding_errors": "replace",
         }
         self._redis = redis_asyncio.Redis.from_url(url, socket_timeout=timeout_s, **common)
         blocking_timeout = block_s + timeout_s
@@ -103,16 +117,52 @@ class RedisLink:
                     keys=[self.replicas_key], args=[self.replica, self._ttl_ms], client=pipe
                 )
                 pipe.get(self.leader_key)
+                pipe.pttl(self.leader_key)
                 pipe.get(self.statistics_key)
-                alive, leader, statistics = await pipe.execute()
+                # Per command: a key of another type is that key's problem, not an outage.
+                heartbeat, leader, leader_ttl_ms, statistics = await pipe.execute(
+                    raise_on_error=False
+                )
         except RedisError as exc:
             raise self._error("heartbeat", exc) from exc
-        return Beat([str(name) for name in alive], leader, statistics)
+        for reply in (heartbeat, leader, leader_ttl_ms, statistics):
+            if isinstance(reply, RedisError) and not _wrong_type(reply):
+                raise self._error("heartbeat", reply) from reply
+        corrupt, alive = heartbeat
+        if corrupt:
+            corrupt_value(self.replicas_key, str(corrupt))
+        if isinstance(statistics, RedisError):
+            statistics = None
+            corrupt_value(
+                self.statistics_key, "not a string", "ignored it until the leader's next renewal"
+            )
+        return Beat([str(name) for name in alive], self._lease(leader, leader_ttl_ms), statistics)
+
+    def _lease(self, leader: Any, ttl_ms: Any) -> str | None:
+        """The leader token if it is a lease; None if nobody holds one (the next election
+        replaces a corrupt value)."""
+        if leader is None:
+            return None
+        elect = "the next election replaces it"
+        if isinstance(leader, RedisError):
+            corrupt_value(self.leader_key, "not a string", elect)
+        elif parse_token(leader) is None:
+            corrupt_value(self.leader_key, f"not a leader token: {leader[:40]!r}", elect)
+        elif ttl_ms == -1:
+            corrupt_value(self.leader_key, "a token without a TTL", elect)
+        else:
+            return str(leader)
+        return None
 
     async def elect(self) -> str:
-        """Take the lease if it is free; the holder's token either way."""
-        reply = await self._run("elect", [self.leader_key, self.epoch_key], [self.replica])
-        return str(reply)
+        """Take the lease if nobody holds a valid one; the holder's token either way."""
+        token, *replaced = await self._run(
+            "elect", [self.leader_key, self.epoch_key], [self.replica]
+        )
+        for name in replaced:
+            key = self.leader_key if name == "leader" else self.epoch_key
+            corrupt_value(key, "not a lease" if name == "leader" else "not a counter")
+        return str(token)
 
     async def renew(self, token: str, statistics: str) -> bool:
         """Extend our lease and publish the statistics; False if the lease is not ours."""
@@ -128,13 +178,17 @@ class RedisLink:
 
     async def send(self, messages: Sequence[str]) -> None:
         """Append to the leader's inbox (in order); the inbox expires if nobody leads."""
-        try:
-            async with self._redis.pipeline(transaction=False) as pipe:
-                pipe.rpush(self.inbox_key, *messages)
-                pipe.pexpire(self.inbox_key, int(self._ttl_ms))
-                await pipe.execute()
-        except RedisError as exc:
-            raise self._error("send", exc) from exc
+        for attempt in range(2):
+            try:
+                async with self._redis.pipeline(transaction=False) as pipe:
+                    pipe.rpush(self.inbox_key, *messages)
+                    pipe.pexpire(self.inbox_key, int(self._ttl_ms))
+                    await pipe.execute()
+                return
+            except RedisError as exc:
+                if attempt or not _wrong_type(exc):
+                    raise self._error("send", exc) from exc
+                await self._replace(self.inbox_key, "not a list")
 
     async def deliver(self, token: str, replies: Mapping[str, Sequence[str]]) -> bool:
         """Append each replica's replies, fenced by our lease (one script call for all);
@@ -142,7 +196,10 @@ class RedisLink:
         keys = [self.leader_key, *(self.replies_key(replica) for replica in replies)]
         counts = [str(len(messages)) for messages in replies.values()]
         messages = [message for batch in replies.values() for message in batch]
-        return bool(await self._run("deliver", keys, [token, *counts, *messages]))
+        fenced, *replaced = await self._run("deliver", keys, [token, *counts, *messages])
+        for key in replaced:
+            corrupt_value(str(key), "not a list")
+        return bool(fenced)
 
     async def next_inbox(self) -> list[str]:
         """The leader's next messages; [] after `block_s` without any."""
@@ -171,11 +228,20 @@ class RedisLink:
                     reply = await client.blmpop(
                         self._block_s, 1, key, direction="LEFT", count=_BATCH
                     )
-                except ResponseError:
-                    self._blmpop = False  # Redis 6: BLPOP, then the rest in one transaction
+                except ResponseError as exc:
+                    if _wrong_type(exc):
+                        await self._replace(key, "not a list")
+                    else:
+                        self._blmpop = False  # Redis 6: BLPOP, then the rest in one transaction
                     return []
                 return [str(message) for message in reply[1]] if reply else []
-            first = await client.blpop([key], timeout=self._block_s)
+            try:
+                first = await client.blpop([key], timeout=self._block_s)
+            except ResponseError as exc:
+                if not _wrong_type(exc):
+                    raise
+                await self._replace(key, "not a list")
+                return []
             if first is None:
                 return []
             async with client.pipeline(transaction=True) as pipe:
@@ -185,6 +251,14 @@ class RedisLink:
         except RedisError as exc:
             raise self._error(f"reading {key}", exc) from exc
         return [str(first[1]), *(str(message) for message in rest)]
+
+    async def _replace(self, key: str, what: str) -> None:
+        """Delete a transient key that holds another type (its next write recreates it)."""
+        corrupt_value(key, what)
+        try:
+            await self._redis.delete(key)
+        except RedisError as exc:
+            raise self._error(f"replacing {key}", exc) from exc
 
     async def _run(
         self, name: str, keys: list[str], args: list[str], *, with_ttl: bool = True

@@ -25,6 +25,7 @@ import contextlib
 import itertools
 import json
 import logging
+import math
 import uuid
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, Literal, NamedTuple
@@ -34,6 +35,7 @@ from ..core.gate import AdmissionGate
 from ..core.scheduler import FairScheduler, Reservation, SchedulerStatistics, UserBacklog
 from ..core.ticket import Lease, Ticket, TierLimits
 from ..errors import QueueFull, QueueTimeout, Rejected, SchedulerClosed, StateStoreError
+from ._values import corrupt_value, parse_token
 
 if TYPE_CHECKING:  # redis is an optional extra: imported only by `open_state` for redis://
     from .redis_link import Beat, RedisLink
@@ -260,6 +262,105 @@ def _ticket_fields(ticket: Ticket) -> list[Any]:
     return [ticket.model, ticket.user, ticket.tier, ticket.weight, ticket.cost]
 
 
+def _ticket_from(fields: list[Any]) -> Ticket:
+    """The ticket a message carries; TypeError/ValueError if it is not one (the core must never
+    hold a field of the wrong type: its heaps compare them later, for everyone)."""
+    model, user, tier, weight, cost = fields
+    if not all(isinstance(text, str) for text in (model, user, tier)):
+        raise TypeError(f"ticket names: {fields[:3]!r}")
+    if not _number(weight) or not isinstance(cost, int) or isinstance(cost, bool):
+        raise TypeError(f"ticket weight and cost: {weight!r}, {cost!r}")
+    if not math.isfinite(weight):
+        raise ValueError(f"ticket weight: {weight!r}")
+    return Ticket(model, user, tier, weight, cost)
+
+
+def _number(value: Any) -> bool:
+    return isinstance(value, int | float) and not isinstance(value, bool)
+
+
+_MESSAGE_KINDS = frozenset("scbeap")
+
+
+def _read_message(text: str, tiers: tuple[TierLimits, ...]) -> list[Any]:
+    """A follower's message from the inbox: JSON `[kind, epoch, session, replica, tid, ...]`
+    (raises ValueError/TypeError if it is not one; the leader skips it)."""
+    message = json.loads(text)
+    if not isinstance(message, list) or len(message) < 5:
+        raise TypeError("not a message list")
+    kind, epoch, session, replica, tid = message[:5]
+    if kind not in _MESSAGE_KINDS or not isinstance(replica, str):
+        raise TypeError(f"kind {kind!r}, replica {replica!r}")
+    if not all(isinstance(n, int) and not isinstance(n, bool) for n in (epoch, session, tid)):
+        raise TypeError("epoch, session and id must be integers")
+    if kind in "sa" and message[7] not in {tier.name for tier in tiers}:
+        raise ValueError(f"unknown tier {message[7]!r}")
+    return message
+
+
+# Fields of each reply kind after (kind, epoch, session) and a check of each.
+_REPLY_SHAPES: dict[str, tuple[Callable[[Any], bool], ...]] = {
+    "g": (lambda tid: isinstance(tid, int), _number),
+    "p": (lambda nonce: isinstance(nonce, int),),
+    "h": (lambda leader: isinstance(leader, str),),
+    **{
+        kind: (
+            lambda tid: isinstance(tid, int),
+            lambda message: isinstance(message, str),
+            lambda retry: retry is None or _number(retry),
+            lambda scope: isinstance(scope, str),
+        )
+        for kind in "ftx"
+    },
+}
+
+
+def _read_reply(text: str) -> _Reply | None:
+    """A reply from the leader's list, or None if it is not one (skipped)."""
+    try:
+        reply = json.loads(text)
+    except ValueError:
+        return None
+    if not isinstance(reply, list) or len(reply) < 3:
+        return None
+    kind, epoch, session, *rest = reply
+    shape = _REPLY_SHAPES.get(kind) if isinstance(kind, str) else None
+    if shape is None or len(rest) != len(shape) or not all(map(lambda f, v: f(v), shape, rest)):
+        return None
+    if not all(isinstance(n, int) and not isinstance(n, bool) for n in (epoch, session)):
+        return None
+    return tuple(reply)
+
+
+class _Published(NamedTuple):
+    """The leader's statistics document, read by a follower."""
+
+    scheduler: SchedulerStatistics
+    gate: tuple[GroupStatus, ...]
+
+
+def _read_published(text: str) -> _Published | None:
+    """The leader's statistics document from `stats`; None if it is not one."""
+    try:
+        document = json.loads(text)
+        scheduler = dict(document["scheduler"])
+        scheduler["queued_by_model_tier"] = {
+            (model, tier): count for model, tier, count in scheduler["queued_by_model_tier"]
+        }
+        scheduler["in_flight_by_model"] = dict(scheduler["in_flight_by_model"])
+        statistics = SchedulerStatistics(**scheduler)
+        gate = tuple(GroupStatus(*row) for row in document["gate"])
+    except (ValueError, TypeError, KeyError):
+        return None
+    counts = [value for value in statistics[:8]]
+    counts += [*statistics.queued_by_model_tier.values(), *statistics.in_flight_by_model.values()]
+    if not all(isinstance(count, int) for count in counts):
+        return None
+    if not all(isinstance(row.model, str) and isinstance(row.mode, str) for row in gate):
+        return None
+    return _Published(statistics, gate)
+
+
 class ReplicaScheduler:
     """`FairScheduler`'s surface (`acquire`, `try_acquire`, `statistics`, `backlog`, `close`,
     `add_end_listener`, `tiers`, `gate`) for one replica, plus `start`/`aclose`.
@@ -295,7 +396,7 @@ class ReplicaScheduler:
         self._resigning: str | None = None  # the lease to hand back once closed
         self._mode: StateMode = "shared" if link else "local"
         self._alive: list[str] = [self.replica]
-        self._published: dict[str, Any] | None = None
+        self._published: _Published | None = None
         self._outbox: list[str] = []
         self._outbox_ready = asyncio.Event()
         self._outgoing: dict[str, list[str]] = {}
@@ -383,21 +484,12 @@ class ReplicaScheduler:
             return self._term.statistics()
         if self._published is None:
             return self._own_statistics()
-        document = self._published["scheduler"]
-        return SchedulerStatistics(
-            **{
-                **document,
-                "queued_by_model_tier": {
-                    (model, tier): count for model, tier, count in document["queued_by_model_tier"]
-                },
-                "in_flight_by_model": dict(document["in_flight_by_model"]),
-            }
-        )
+        return self._published.scheduler
 
     def gate_status(self) -> list[GroupStatus]:
         """The deciding gate's status: ours while we decide, else the leader's published one."""
         if self._term is None and self._published is not None:
-            return [GroupStatus(*row) for row in self._published["gate"]]
+            return list(self._published.gate)
         return self._gate.status() if self._gate is not None else []
 
     def backlog(self, model: str | None = None) -> list[UserBacklog]:
@@ -735,7 +827,16 @@ class ReplicaScheduler:
                 self._store_failed(exc)
                 continue
             for message in raw:
-                self._on_reply(tuple(json.loads(message)))
+                reply = _read_reply(message)
+                if reply is None:
+                    logger.warning(
+                        "fair_sched replica %s skipped a malformed reply in Redis key %s: %.80r",
+                        self.replica,
+                        self._link.replies_key(self.replica),
+                        message,
+                    )
+                    continue
+                self._on_reply(reply)
 
     async def _tick(self) -> None:
         # Not only cancellation: redis-py may turn a cancel into its own timeout error.
@@ -762,7 +863,14 @@ class ReplicaScheduler:
 
     async def _after_beat(self, link: RedisLink, beat: Beat) -> None:
         self._alive = beat.alive or [self.replica]
-        self._published = json.loads(beat.statistics) if beat.statistics else None
+        self._published = None
+        if beat.statistics:
+            self._published = _read_published(beat.statistics)
+            if self._published is None:
+                # Not the leader's document: reported as our own until its next renewal.
+                corrupt_value(
+                    link.statistics_key, f"not a statistics document: {beat.statistics[:40]!r}"
+                )
         if self._token is not None:
             if beat.leader != self._token:
                 self._step_down(f"the lease is now {beat.leader!r}")
@@ -777,8 +885,11 @@ class ReplicaScheduler:
             if self._token is not None:
                 return
         token = beat.leader or await link.elect()
-        epoch_text, _, leader = token.partition(":")
-        epoch = int(epoch_text)
+        parsed = parse_token(token)
+        if parsed is None:  # elect.lua and parse_token disagree: wait for the next heartbeat
+            corrupt_value(link.leader_key, f"not a leader token: {token[:40]!r}")
+            return
+        epoch, leader = parsed
         if leader == self.replica:
             if self._token != token:
                 self._lead(token, epoch)
@@ -832,10 +943,14 @@ class ReplicaScheduler:
                 return
             for message in raw:
                 try:
-                    self._handle(term, json.loads(message))
-                except (ValueError, TypeError, IndexError) as exc:
+                    self._handle(term, _read_message(message, self._core.tiers))
+                except (ValueError, TypeError, IndexError, KeyError) as exc:
                     # Not from a replica of this version: skip it, keep leading.
-                    logger.warning("fair_sched leader skipped a malformed message: %s", exc)
+                    logger.warning(
+                        "fair_sched leader skipped a malformed message in Redis key %s: %.80s",
+                        self._link.inbox_key,
+                        exc,
+                    )
 
     def _handle(self, term: _Term, message: list[Any]) -> None:
         kind, epoch, session, replica, tid = message[:5]
@@ -844,7 +959,7 @@ class ReplicaScheduler:
         key = (replica, session, tid)
         if kind == "s":
             try:
-                term.submit(key, Ticket(*message[5:10]))
+                term.submit(key, _ticket_from(message[5:10]))
             except QueueFull as exc:
                 self._reply(replica, _rejection(term.epoch, key, exc))
         elif kind == "c":
@@ -853,9 +968,11 @@ class ReplicaScheduler:
             term.started(key)
         elif kind == "e":
             tokens = message[5]
-            term.end(key, None if tokens < 0 else tokens, abandoned=message[6])
+            if not isinstance(tokens, int):
+                raise TypeError(f"tokens used: {tokens!r}")
+            term.end(key, None if tokens < 0 else tokens, abandoned=bool(message[6]))
         elif kind == "a":
-            term.adopt(key, Ticket(*message[5:10]), started=message[10])
+            term.adopt(key, _ticket_from(message[5:10]), started=bool(message[10]))
         elif kind == "p":
             # After the grants this batch's messages caused (their callbacks come first).
             asyncio.get_running_loop().call_soon(
