@@ -406,6 +406,8 @@ class ReplicaScheduler:
         self._leading: list[asyncio.Task[Any]] = []
         self._counters = dict.fromkeys(("fallbacks", "recoveries", "store_errors"), 0)
         self._hold: asyncio.TimerHandle | None = None
+        # Led, followed or ran a local term before (see `_lead`).
+        self._took_part = False
         if link is None:
             self._open_term(LOCAL_EPOCH)
 
@@ -760,17 +762,21 @@ class ReplicaScheduler:
 
     def _follow(self, epoch: int, leader: str) -> None:
         """A new leader (not us): re-send everything to it."""
+        self._took_part = True
         self._epoch = epoch
         self._leader = leader
         self._outbox.clear()
         self._resend()
 
     def _lead(self, token: str, epoch: int) -> None:
-        # The first leader on this Redis prefix (epoch 1) has nothing to wait for; a later one
-        # waits for the others' running leases (and a scrape) before granting.
+        # The first leader of a fresh cluster (epoch 1, and we never took part in a term) has
+        # nothing to wait for; any other waits for the others' running leases (and a scrape)
+        # before granting. Epoch 1 is not enough: a Redis restarted without persistence counts
+        # from 1 again while the other replicas still spend their local shares.
         self._close_term()
         self._token = token
-        self._open_term(epoch, hold=epoch > 1)
+        self._open_term(epoch, hold=epoch > 1 or self._took_part)
+        self._took_part = True
         logger.info("fair_sched replica %s leads (epoch %d)", self.replica, epoch)
         loop = asyncio.get_running_loop()
         self._leading = [
@@ -926,6 +932,7 @@ class ReplicaScheduler:
         self._close_term()
         if self._gate is not None:
             self._gate.share_with(sharers)
+        self._took_part = True
         self._open_term(LOCAL_EPOCH, hold=True)
 
     # ------------------------------------------------------------------ Redis: the leader

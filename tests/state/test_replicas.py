@@ -380,3 +380,43 @@ async def test_redis_outage_falls_back_locally_then_rejoins(
     finally:
         with contextlib.suppress(Exception):
             await cluster.aclose()
+
+
+async def test_a_leader_after_redis_lost_its_data_holds_like_any_later_leader(
+    own_redis_server: RedisServer,
+) -> None:
+    """Race: Redis restarted without persistence counts epochs from 1 again, and the replica
+    that led first after the outage took epoch 1 for a fresh cluster: it granted at once, at the
+    whole threshold, while the others still spent their local shares for up to a heartbeat (the
+    engine's queue went one over in test_redis_stopped_mid_flood_each_replica_spends_its_share).
+    Now any leader but the first of a fresh cluster holds new grants for a heartbeat."""
+    prefix = unique_prefix()
+    replicas = [
+        open_state(
+            own_redis_server.url,
+            FairScheduler(TIERS, InflightLimitGate(1)),
+            prefix=prefix,
+            heartbeat_s=0.5,  # the hold: long enough to look at it
+            lease_ttl_s=1.5,
+            replica=f"r{index}",
+        )
+        for index in range(2)
+    ]
+    try:
+        for replica in replicas:
+            replica.start()
+        await eventually(lambda: any(r.leading for r in replicas), 10)
+        first = next(r for r in replicas if r.leading)
+        lease = first.try_acquire(ticket("A"))  # a fresh cluster's first leader: no hold
+        assert lease is not None
+        lease.release()
+        own_redis_server.stop()
+        await eventually(lambda: all(r.mode == "local" for r in replicas), 10)
+        own_redis_server.start()  # empty: the next election takes epoch 1
+        await eventually(lambda: any(r.leading for r in replicas), 10)
+        leader = next(r for r in replicas if r.leading)
+        assert leader.try_acquire(ticket("A")) is None  # holding
+        lease = await asyncio.wait_for(leader.acquire(ticket("A")), 5)
+        lease.release()
+    finally:
+        await asyncio.gather(*(asyncio.wait_for(r.aclose(), 10) for r in replicas))
