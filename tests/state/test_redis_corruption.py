@@ -34,13 +34,17 @@ Write = Callable[[redis_asyncio.Redis, str, ReplicaScheduler], Any]
 
 
 async def _hash(client: redis_asyncio.Redis, key: str) -> None:
-    await client.delete(key)
-    await client.hset(key, "x", "1")
+    async with client.pipeline(transaction=True) as replace:  # a replica may write in between
+        replace.delete(key)
+        replace.hset(key, "x", "1")
+        await replace.execute()
 
 
 async def _list(client: redis_asyncio.Redis, key: str, *values: bytes) -> None:
-    await client.delete(key)
-    await client.rpush(key, *values)
+    async with client.pipeline(transaction=True) as replace:
+        replace.delete(key)
+        replace.rpush(key, *values)
+        await replace.execute()
 
 
 # (key suffix, what is written). The reply list is the follower's.
