@@ -126,7 +126,8 @@ class RedisLink:
         except RedisError as exc:
             raise self._error("heartbeat", exc) from exc
         for reply in (heartbeat, leader, leader_ttl_ms, statistics):
-            if isinstance(reply, RedisError) and not _wrong_type(reply):
+            # heartbeat.lua replaces a `replicas` key of another type itself.
+            if isinstance(reply, RedisError) and (reply is heartbeat or not _wrong_type(reply)):
                 raise self._error("heartbeat", reply) from reply
         corrupt, alive = heartbeat
         if corrupt:
