@@ -211,6 +211,12 @@ class BackendSettings(_Frozen):
     # include it; until then (or its first byte) it keeps counting against the waiting threshold.
     # A LiteLLM proxy on a busy host can take several hundred ms to forward a request.
     arrival_grace_ms: Annotated[float, Field(ge=0, le=60_000)] = 1000.0
+    # Each deployment's running slots (vLLM's --max-num-seqs), when known: free slots count from
+    # the first scrape instead of being learned. A queue in a scrape still lowers it (KV full).
+    max_num_seqs: Annotated[int, Field(gt=0)] | None = None
+    # How far behind the engine's /metrics is (vLLM's can lag seconds under load): a scrape then
+    # shows the engine as it was this long before it was sent.
+    metrics_lag_ms: Annotated[float, Field(ge=0, le=60_000)] = 0.0
     on_metrics_unavailable: MetricsUnavailableSettings | None = None
     price: PriceSettings | None = None
 

@@ -193,6 +193,8 @@ class SchedulingService:
                 model=model,
                 metrics_urls=backend.all_metrics_urls(),
                 arrival_grace_s=backend.arrival_grace_ms / 1000,
+                max_num_seqs=backend.max_num_seqs,
+                metrics_lag_s=backend.metrics_lag_ms / 1000,
                 fallback_max_inflight=(
                     backend.on_metrics_unavailable or self.settings.on_metrics_unavailable
                 ).max_inflight,

@@ -17,12 +17,24 @@ pending requests fill the slots the last scrape showed free (less those taken si
 
     max(0, waiting - free_slots) + max(0, pending - max(0, free_slots - waiting))
 
-Until the engine has been seen saturated the capacity is underestimated, which only makes the
-gate more careful. Without this, a tier that wants the queue empty (`waiting_below: 1`) would
+A scrape with a queue shows the capacity exactly (the engine queues only when it takes no more,
+slots or KV cache), and replaces what was learned. Without a queue the capacity is at least what
+runs; while the gate holds requests back and the engine runs at the learned capacity with an
+empty queue, it probes one slot more per scrape, so an engine never seen saturated is not kept
+under-filled (`max_num_seqs`, where configured, is the starting value and the ceiling). Without
+this, a tier that wants the queue empty (`waiting_below: 1`) would
 refill free slots one round trip at a time. The capacity is the peak of a sliding window
 (`capacity_window_s`, two buckets), not of all time: an engine restarted with fewer slots, or
 one short-lived spike, would otherwise count slots free for ever and let pending requests into
 the engine's queue.
+
+Work-conserving against late signals (issue #17): a pending request that already runs would
+otherwise count twice (pending, and running in the scrape) until its first byte, which a
+CPU-starved proxy sees late; that eats the queue credit that keeps the engine full. So each
+scrape also settles as many pending requests as the engine's requests grew since the previous
+one (plus our ends in between, which hide as many arrivals). With `metrics_lag_s` a scrape is
+taken to show the engine as of `started_at - metrics_lag_s`: first bytes and pending requests
+are forgotten against that time, and ends seen after it give their slots back.
 
 Several deployments behind one model name are one group: their waiting counts are summed and the
 threshold scales with the number of deployments; TPOT and KV usage are the worst deployment's; a
@@ -57,6 +69,12 @@ class BackendGroup:
     fallback_max_inflight: int = 4  # per deployment
     # How long a peak of running requests is remembered as the deployment's capacity.
     capacity_window_s: float = 60.0
+    # Each deployment's running slots when known (vLLM's --max-num-seqs): the capacity from the
+    # first scrape on, and the ceiling of what probing learns. None: learned from scrapes.
+    max_num_seqs: int | None = None
+    # How far behind the engine's /metrics is: a scrape sent at t shows the engine as of
+    # t - metrics_lag_s (vLLM's can lag seconds behind under load).
+    metrics_lag_s: float = 0.0
 
 
 class GateTransition(NamedTuple):
@@ -102,7 +120,14 @@ class _GroupState:
     # When each first byte since the scrapes came back: slots taken that no scrape can show yet.
     # Bounded: only an outage of every scrape lets it fill, and then free slots are not used.
     first_bytes: deque[float] = field(default_factory=lambda: deque(maxlen=_MAX_FIRST_BYTES))
+    # When each started request's end was seen since the scrapes' as-of time: slots freed that
+    # no scrape can show yet (only with metrics_lag_s; see _account_scraped).
+    ends: deque[float] = field(default_factory=lambda: deque(maxlen=_MAX_FIRST_BYTES))
     scrape_requested: bool = False
+    # Started leases that ended since the last scrape (see _settle_arrivals).
+    ends_since_scrape: int = 0
+    # The gate held a request back for the engine's queue since the last scrape (demand).
+    held_back: bool = False
     blocked_reason: str | None = None
 
 
@@ -155,9 +180,13 @@ class MetricsGate:
         if state is None or snapshot.url not in state.spec.metrics_urls:
             return
         if snapshot.ok:
+            previous = state.latest_ok.get(snapshot.url)
             state.latest_ok[snapshot.url] = snapshot
             state.last_error.pop(snapshot.url, None)
             self._learn_capacity(state, snapshot)
+            state.held_back = False
+            if previous is not None and previous.started_at < snapshot.started_at:
+                self._settle_arrivals(state, previous, snapshot)
             self._account_scraped(state)
         else:
             state.last_error[snapshot.url] = snapshot.error or "scrape failed"
@@ -194,6 +223,11 @@ class MetricsGate:
         else:
             state.in_flight -= 1
             self._settle(state, lease)
+            if lease.started:
+                state.ends_since_scrape += 1
+            if lease.started and state.spec.metrics_lag_s > 0:
+                state.ends.append(self._clock.now())
+                self._notify(model)
 
     # ------------------------------------------------------------------ decision
 
@@ -206,6 +240,8 @@ class MetricsGate:
         state.blocked_reason = reason
         if reason is None:
             return True
+        if reason == "waiting":
+            state.held_back = True
         if reason == "waiting" and not state.scrape_requested and self._scrape_would_settle(state):
             # Credits are spent on requests a fresh scrape can account for: ask for it now
             # rather than at the next tick. Blocked by the engine's own queue, an earlier scrape
@@ -250,6 +286,7 @@ class MetricsGate:
         return None
 
     def _learn_capacity(self, state: _GroupState, snapshot: BackendSnapshot) -> None:
+        """Learn the deployment's running slots from one scrape (see the module docstring)."""
         now = self._clock.now()
         started = state.capacity_window_started
         if started is None:
@@ -262,19 +299,43 @@ class MetricsGate:
             state.capacity = {}
             state.capacity_window_started = now
         url = snapshot.url
-        state.capacity[url] = max(state.capacity.get(url, 0.0), snapshot.running)
+        ceiling = state.spec.max_num_seqs
+        running = snapshot.running
+        if snapshot.waiting > 0:
+            # A queue forms only when the engine takes no more: what runs now is its capacity
+            # (lower than max_num_seqs when the KV cache is the limit). Authoritative, so it
+            # replaces both buckets: a probe must not leave a phantom free slot behind.
+            state.capacity[url] = running
+            state.capacity_previous[url] = running
+            return
+        known = self._capacity(state, url)
+        if ceiling is not None and url not in state.capacity and url not in state.capacity_previous:
+            running = float(ceiling)  # configured and not yet contradicted by a queue
+        elif state.held_back and 0 < running >= known:
+            # Running at the learned capacity with an empty queue while we held requests back:
+            # the engine may have more slots. Probe one more per scrape; a queue forming shows
+            # the real number. Without this an engine never seen saturated keeps slots unused,
+            # since the gate only saturates it through slots it believes free (issue #17).
+            running += 1
+        if ceiling is not None:
+            running = min(running, float(ceiling))
+        state.capacity[url] = max(state.capacity.get(url, 0.0), running)
+
+    @staticmethod
+    def _capacity(state: _GroupState, url: str) -> float:
+        learned = max(state.capacity.get(url, 0.0), state.capacity_previous.get(url, 0.0))
+        ceiling = state.spec.max_num_seqs
+        if ceiling is not None and url not in state.capacity and url not in state.capacity_previous:
+            return float(ceiling)
+        return learned
 
     @staticmethod
     def _free_slots(state: _GroupState) -> float:
         free = sum(
-            max(
-                0.0,
-                max(state.capacity.get(url, 0.0), state.capacity_previous.get(url, 0.0))
-                - snapshot.running,
-            )
+            max(0.0, MetricsGate._capacity(state, url) - snapshot.running)
             for url, snapshot in state.latest_ok.items()
         )
-        return max(0.0, free - len(state.first_bytes))
+        return max(0.0, free - len(state.first_bytes) + len(state.ends))
 
     # ------------------------------------------------------------------ observation
 
@@ -325,6 +386,28 @@ class MetricsGate:
             state.pending = deque(x for x in state.pending if x.lease_id in state.pending_ids)
         return True
 
+    def _settle_arrivals(
+        self, state: _GroupState, previous: BackendSnapshot, snapshot: BackendSnapshot
+    ) -> None:
+        """Settle as many pending leases (oldest first) as the engine's requests grew between
+        two scrapes: at least that many arrived. Waiting out the grace instead counts a request
+        that already runs as pending too, which eats the queue credit the engine needs to stay
+        full when first bytes come back late (a CPU-starved proxy, issue #17). Another client's
+        arrivals taken for ours let at most that many more in, and the next scrape shows them."""
+        grown = snapshot.waiting + snapshot.running - previous.waiting - previous.running
+        # Requests that left the engine in between hide as many arrivals: our own ends since the
+        # last scrape stand for them (seen late, like everything else the proxy sees).
+        arrived = int(grown) + state.ends_since_scrape
+        state.ends_since_scrape = 0
+        as_of = snapshot.started_at - state.spec.metrics_lag_s
+        pending = state.pending
+        while arrived > 0 and pending and pending[0].released_at <= as_of:
+            lease = pending.popleft()
+            if lease.lease_id in state.pending_ids:
+                state.pending_ids.discard(lease.lease_id)
+                state.pending_count -= 1
+                arrived -= 1
+
     def _account_scraped(self, state: _GroupState) -> None:
         """Forget what every deployment's latest scrape must already show: the first bytes that
         came back before it was sent (as running), and the leases released at least
@@ -333,11 +416,17 @@ class MetricsGate:
         count its slot free twice."""
         if len(state.latest_ok) < len(state.spec.metrics_urls):
             return
-        sent_at = min(s.started_at for s in state.latest_ok.values())
+        grace = state.spec.arrival_grace_s
+        as_of = min(s.started_at for s in state.latest_ok.values()) - state.spec.metrics_lag_s
         first_bytes = state.first_bytes
-        while first_bytes and first_bytes[0] <= sent_at:
+        while first_bytes and first_bytes[0] <= as_of:
             first_bytes.popleft()
-        seen_until = sent_at - state.spec.arrival_grace_s
+        # An end seen more than the grace after the as-of time: the engine freed that slot after
+        # the scrape's view, so the scrape still shows it taken. Closer than that it may not.
+        ends = state.ends
+        while ends and ends[0] <= as_of + grace:
+            ends.popleft()
+        seen_until = as_of - grace
         pending = state.pending
         while pending and pending[0].released_at <= seen_until:
             lease = pending.popleft()
