@@ -19,14 +19,14 @@ pending requests fill the slots the last scrape showed free (less those taken si
 
 A scrape with a queue shows the capacity exactly (the engine queues only when it takes no more,
 slots or KV cache), and replaces what was learned. Without a queue the capacity is at least what
-runs; while the gate holds requests back and the engine runs at the learned capacity with an
-empty queue, it probes one slot more per scrape, so an engine never seen saturated is not kept
-under-filled (`max_num_seqs`, where configured, is the starting value and the ceiling). Without
-this, a tier that wants the queue empty (`waiting_below: 1`) would
-refill free slots one round trip at a time. The capacity is the peak of a sliding window
-(`capacity_window_s`, two buckets), not of all time: an engine restarted with fewer slots, or
-one short-lived spike, would otherwise count slots free for ever and let pending requests into
-the engine's queue.
+runs; while the gate holds requests back, nothing it released is still on its way, and the
+engine runs at the learned capacity with an empty queue, it probes one slot more per scrape, so
+an engine never seen saturated is not kept under-filled (`max_num_seqs`, where configured, is
+the starting value and the ceiling). Without free slots, a tier that wants the queue empty
+(`waiting_below: 1`) would refill free slots one round trip at a time. The capacity is the peak
+of a sliding window (`capacity_window_s`, two buckets), not of all time: an engine restarted
+with fewer slots, or one short-lived spike, would otherwise count slots free for ever and let
+pending requests into the engine's queue.
 
 Work-conserving against late signals (issue #17): a pending request that already runs would
 otherwise count twice (pending, and running in the scrape) until its first byte, which a
@@ -35,6 +35,10 @@ scrape also settles as many pending requests as the engine's requests grew since
 one (plus our ends in between, which hide as many arrivals). With `metrics_lag_s` a scrape is
 taken to show the engine as of `started_at - metrics_lag_s`: first bytes and pending requests
 are forgotten against that time, and ends seen after it give their slots back.
+
+A tier with `waiting_below: auto` has its threshold set by a `QueueTuner` (core/tuning.py) that
+the gate owns per model group and tier, and feeds with that tier's release-to-first-byte times,
+the engine's TTFT and TPOT, and whether the queue held requests back.
 
 Several deployments behind one model name are one group: their waiting counts are summed and the
 threshold scales with the number of deployments; TPOT and KV usage are the worst deployment's; a
@@ -53,6 +57,7 @@ from .clock import Clock, LoopClock
 from .gate import CapacityListener
 from .snapshot import BackendSnapshot
 from .ticket import Lease, TierLimits
+from .tuning import QueueTuner, TunerStatus
 
 GateMode = Literal["starting", "metrics", "fallback"]
 
@@ -99,6 +104,8 @@ class GroupStatus(NamedTuple):
     in_flight: int
     last_scrape_age_s: float | None
     blocked_reason: str | None
+    # Per tier with `waiting_below: auto`: the engine queue its tuner allows now (whole group).
+    allowed_queue: tuple[tuple[str, float], ...] = ()
 
 
 @dataclass
@@ -128,6 +135,8 @@ class _GroupState:
     ends_since_scrape: int = 0
     # The gate held a request back for the engine's queue since the last scrape (demand).
     held_back: bool = False
+    # `waiting_below: auto` tiers' controllers, by tier name, made on the tier's first decision.
+    tuners: dict[str, QueueTuner] = field(default_factory=dict)
     blocked_reason: str | None = None
 
 
@@ -183,11 +192,16 @@ class MetricsGate:
             previous = state.latest_ok.get(snapshot.url)
             state.latest_ok[snapshot.url] = snapshot
             state.last_error.pop(snapshot.url, None)
-            self._learn_capacity(state, snapshot)
-            state.held_back = False
             if previous is not None and previous.started_at < snapshot.started_at:
                 self._settle_arrivals(state, previous, snapshot)
             self._account_scraped(state)
+            # After the settling: probing asks whether anything is still on its way.
+            self._learn_capacity(state, snapshot)
+            state.held_back = False
+            now = self._clock.now()
+            for tuner in state.tuners.values():
+                tuner.observe_engine(now, snapshot.ttft_s, snapshot.tpot_s)
+                tuner.tick(now)
         else:
             state.last_error[snapshot.url] = snapshot.error or "scrape failed"
         state.scrape_requested = False
@@ -201,14 +215,23 @@ class MetricsGate:
             self._unknown_in_flight[model] = self._unknown_in_flight.get(model, 0) + 1
             return
         state.in_flight += 1
+        tuner = state.tuners.get(lease.ticket.tier)
+        if tuner is not None:
+            tuner.observe_released(lease.lease_id, lease.released_at)
         state.pending.append(lease)
         state.pending_ids.add(lease.lease_id)
         state.pending_count += 1
 
     def on_started(self, lease: Lease) -> None:
         state = self._groups.get(lease.ticket.model)
-        if state is not None and self._settle(state, lease):
-            state.first_bytes.append(self._clock.now())
+        if state is None:
+            return
+        now = self._clock.now()
+        tuner = state.tuners.get(lease.ticket.tier)
+        if tuner is not None:
+            tuner.observe_first_byte(lease.lease_id, lease.released_at, now - lease.released_at)
+        if self._settle(state, lease):
+            state.first_bytes.append(now)
             self._notify(lease.ticket.model)
 
     def on_ended(self, lease: Lease) -> None:
@@ -223,6 +246,9 @@ class MetricsGate:
         else:
             state.in_flight -= 1
             self._settle(state, lease)
+            tuner = state.tuners.get(lease.ticket.tier)
+            if tuner is not None:
+                tuner.observe_ended(lease.lease_id)
             if lease.started:
                 state.ends_since_scrape += 1
             if lease.started and state.spec.metrics_lag_s > 0:
@@ -242,6 +268,9 @@ class MetricsGate:
             return True
         if reason == "waiting":
             state.held_back = True
+            tuner = state.tuners.get(tier.name)
+            if tuner is not None:
+                tuner.note_held_back()
         if reason == "waiting" and not state.scrape_requested and self._scrape_would_settle(state):
             # Credits are spent on requests a fresh scrape can account for: ask for it now
             # rather than at the next tick. Blocked by the engine's own queue, an earlier scrape
@@ -273,7 +302,7 @@ class MetricsGate:
         if self._sharers > 1:
             free_slots = float(int(free_slots) // self._sharers)
         queued_in_engine = engine_queue_estimate(waiting, state.pending_count, free_slots)
-        if queued_in_engine >= self._share(tier.waiting_below * deployments):
+        if queued_in_engine >= self._share(self._waiting_below(state, tier) * deployments):
             return "waiting"
         if tier.tpot_below_s is not None:
             tpot = _worst(snapshot.tpot_s for snapshot in snapshots)
@@ -284,6 +313,29 @@ class MetricsGate:
             if kv_usage is not None and kv_usage >= tier.kv_usage_below:
                 return "kv_usage"
         return None
+
+    def _waiting_below(self, state: _GroupState, tier: TierLimits) -> float:
+        if tier.auto_waiting_below is None:
+            return tier.waiting_below
+        tuner = state.tuners.get(tier.name)
+        if tuner is None:
+            minimum, maximum = tier.auto_waiting_below
+            tuner = state.tuners[tier.name] = QueueTuner(
+                minimum=minimum,
+                maximum=maximum,
+                ttft_target_s=tier.ttft_target_s,
+                tpot_target_s=tier.tpot_below_s,
+                initial=tier.waiting_below,
+                started_at=self._clock.now(),
+            )
+        return tuner.allowed
+
+    def tuning(self, model: str) -> dict[str, TunerStatus]:
+        """What each `waiting_below: auto` tier's tuner of this model group decided."""
+        state = self._groups.get(model)
+        if state is None:
+            return {}
+        return {name: tuner.statistics() for name, tuner in state.tuners.items()}
 
     def _learn_capacity(self, state: _GroupState, snapshot: BackendSnapshot) -> None:
         """Learn the deployment's running slots from one scrape (see the module docstring)."""
@@ -311,11 +363,12 @@ class MetricsGate:
         known = self._capacity(state, url)
         if ceiling is not None and url not in state.capacity and url not in state.capacity_previous:
             running = float(ceiling)  # configured and not yet contradicted by a queue
-        elif state.held_back and 0 < running >= known:
-            # Running at the learned capacity with an empty queue while we held requests back:
-            # the engine may have more slots. Probe one more per scrape; a queue forming shows
-            # the real number. Without this an engine never seen saturated keeps slots unused,
-            # since the gate only saturates it through slots it believes free (issue #17).
+        elif state.held_back and not state.pending_count and 0 < running >= known:
+            # Running at the learned capacity with an empty queue while we held requests back
+            # and none of ours is on its way: the engine may have more slots. Probe one more
+            # per scrape; a queue forming shows the real number. Without this an engine never
+            # seen saturated keeps slots unused, since the gate only saturates it through slots
+            # it believes free (issue #17).
             running += 1
         if ceiling is not None:
             running = min(running, float(ceiling))
@@ -361,6 +414,10 @@ class MetricsGate:
                         now - min(s.started_at for s in snapshots) if fresh else None
                     ),
                     blocked_reason=state.blocked_reason,
+                    allowed_queue=tuple(
+                        (name, tuner.allowed * len(state.spec.metrics_urls))
+                        for name, tuner in state.tuners.items()
+                    ),
                 )
             )
         return result
