@@ -246,9 +246,11 @@ class MetricsGate:
         else:
             state.in_flight -= 1
             self._settle(state, lease)
-            tuner = state.tuners.get(lease.ticket.tier)
-            if tuner is not None:
-                tuner.observe_ended(lease.lease_id)
+            for name, tuner in state.tuners.items():
+                if name == lease.ticket.tier:
+                    tuner.observe_ended(lease.lease_id)
+                if lease.started:
+                    tuner.observe_completion()
             if lease.started:
                 state.ends_since_scrape += 1
             if lease.started and state.spec.metrics_lag_s > 0:

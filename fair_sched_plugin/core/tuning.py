@@ -14,7 +14,11 @@ use it, on the queue the gate lets form in the engine:
 - under `headroom` (80%) of every target, and the gate held requests back because of the queue
   during the interval (the limit binds: more queue could be used): it grows by one;
 - in between it stays (a dead band: no hunting while the targets hold). Always within
-  [minimum, maximum].
+  [minimum, maximum];
+- and never above what the engine drains within `headroom` of the TTFT target at its recent
+  completion rate (Little's law: queue = rate x wait). Completions slow down the moment the
+  engine does, long before the first bytes of the requests queued behind them come back, so a
+  slower engine shrinks the queue within an interval or two instead of a round trip each step.
 
 Signals arrive late: a request released before a decrease still reports the old queue's latency.
 After a decrease only requests released after it count (one decrease per round trip), and the
@@ -29,9 +33,10 @@ byte grows with its queue, with L the largest queue meeting the target, the allo
 in the dead band or, after a noisy miss, in the sawtooth below it: within
 [decrease * L - 1, L + 2], after an initial ramp of about L intervals.
 
-How fast it reacts: a step to a 3x slower engine halves the queue within about two intervals and
-reaches the minimum within log(max/min) / log(1/decrease) round trips; recovery is one request
-more per interval. Pure: the gate feeds it; time comes from the caller.
+How fast it reacts: a step to a 3x slower engine lowers the drain ceiling to about a third
+within two intervals (the completion rate is smoothed); latency over target shrinks the queue by
+up to half per round trip; recovery is one request more per interval once the targets hold.
+Pure: the gate feeds it; time comes from the caller.
 """
 
 from __future__ import annotations
@@ -96,6 +101,8 @@ class QueueTuner:
         self._engine_ttft: list[float] = []
         self._engine_tpot: list[float] = []
         self._held_back = False
+        self._completions = 0
+        self._drain_rate: float | None = None
         self._latency: float | None = None
         self._last_latency: float | None = None
         self._tpot: float | None = None
@@ -124,6 +131,10 @@ class QueueTuner:
         """The request ended (without a first byte, if it was still outstanding)."""
         self._outstanding.pop(key, None)
 
+    def observe_completion(self) -> None:
+        """A request of any tier left the engine: the rate at which its queue drains."""
+        self._completions += 1
+
     def observe_engine(self, now: float, ttft_s: float | None, tpot_s: float | None) -> None:
         """One scrape's recent engine TTFT and TPOT (None where not exported); the interval's
         mean counts, so one slow scrape among many does not shrink the queue. Skipped for an
@@ -141,9 +152,13 @@ class QueueTuner:
 
     def tick(self, now: float) -> bool:
         """Decide once the interval is over; True if the allowed queue changed."""
-        if now - self._interval_started < self._interval_s:
+        elapsed = now - self._interval_started
+        if elapsed < self._interval_s:
             return False
         self._interval_started = now
+        rate = self._completions / elapsed
+        self._completions = 0
+        self._drain_rate = _smooth(self._drain_rate, rate, self._smoothing)
         latency = self._interval_latency(now)
         tpot = _mean(self._engine_tpot)
         held_back = self._held_back
@@ -156,9 +171,18 @@ class QueueTuner:
             self._latency = _smooth(self._latency, latency, self._smoothing)
         if tpot is not None:
             self._tpot = _smooth(self._tpot, tpot, self._smoothing)
+        before = self._allowed
+        ceiling = self._drain_ceiling()
+        if ceiling < before:
+            # The queue cannot drain within the target at the engine's present pace (Little's
+            # law): shrink now rather than after its first bytes come back late.
+            self._allowed = ceiling
+            self._decreased_at = now
+            self._latency = self._tpot = None
+            self._decreases += 1
+            return True
         if latency is None and tpot is None:
             return False  # nothing measured: no reason to move
-        before = self._allowed
         overshoot = self._overshoot()
         if overshoot > 1.0:
             # Proportional to how far over the target (a gradient step, as in Vegas-style
@@ -172,7 +196,7 @@ class QueueTuner:
             self._latency = self._tpot = None
             self._decreases += self._allowed < before
         elif held_back and overshoot <= self._headroom and self._settled(now):
-            self._allowed = min(self._maximum, before + 1.0)
+            self._allowed = min(self._maximum, ceiling, before + 1.0)
             self._increases += self._allowed > before
         return self._allowed != before
 
@@ -204,6 +228,13 @@ class QueueTuner:
         if own is None:
             return engine
         return own if engine is None else max(own, engine)
+
+    def _drain_ceiling(self) -> float:
+        """The largest queue the engine drains within `headroom` of the TTFT target at its
+        recent completion rate; no ceiling before a rate is known or without a TTFT target."""
+        if self._ttft_target is None or not self._drain_rate:
+            return self._maximum
+        return max(self._minimum, self._ttft_target * self._headroom * self._drain_rate)
 
     def _settled(self, now: float) -> bool:
         """Long enough since the last decrease that a slow request released after it would

@@ -153,3 +153,19 @@ def test_oscillation_stays_within_the_stated_bound() -> None:
             seen.append(tuner.allowed)
     assert min(seen) >= 0.7 * 9 - 1
     assert max(seen) <= 9 + 2
+
+
+def test_a_slower_drain_lowers_the_ceiling_before_any_first_byte_is_late() -> None:
+    """Little's law: at 10 completions/s a 1 s target (80% headroom) allows 8 queued; when the
+    engine slows to 2/s the queue shrinks to about a third within two intervals, with no first
+    byte observed at all."""
+    tuner = QueueTuner(minimum=1, maximum=32, ttft_target_s=1.0, initial=20, smoothing=1.0)
+    for _ in range(10):
+        tuner.observe_completion()
+    tuner.observe_first_byte(1, 0.5, 0.2)
+    tuner.tick(1.0)
+    assert tuner.allowed == pytest.approx(8.0)
+    for _ in range(2):
+        tuner.observe_completion()
+    tuner.tick(2.0)
+    assert tuner.allowed == pytest.approx(1.6)
