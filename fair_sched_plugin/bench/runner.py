@@ -316,8 +316,9 @@ async def _speed_change_section(
     lines = [
         "## Speed change (`waiting_below: auto`)",
         "",
-        f"A power user keeps {size.power_concurrency} streams of {size.max_tokens} tokens in "
-        f"flight, two light users send one request every {size.light_every_s} s each, all in "
+        f"A power user keeps {size.power_concurrency} streams of {size.power_tokens[0]}-"
+        f"{size.power_tokens[1]} tokens in flight, two light users send one request of "
+        f"{size.max_tokens} tokens every {size.light_every_s} s each, all in "
         f"one tier. The emulator's `slow` fault makes it {size.slow:g}x slower from "
         f"{size.before_s:.0f} s to {size.before_s + size.slow_s:.0f} s of "
         f"{size.total_s:.0f} s. Transitions: the {size.transition_s:.0f} s after each switch. "

@@ -17,6 +17,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import math
+import random
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -53,6 +54,10 @@ class SpeedChangeSize:
     power_concurrency: int = 16
     light_every_s: float = 2.0
     max_tokens: int = 48
+    # The power user's lengths vary (uniform, seeded): equal lengths make the engine run in
+    # lockstep waves whose slots all free at once, and a light user's TTFT then depends on where
+    # in the wave it arrives more than on the queue.
+    power_tokens: tuple[int, int] = (16, 80)
     ttft_target_ms: float = 2000.0
     transition_s: float = 5.0
 
@@ -114,6 +119,7 @@ async def play_speed_change(
     records: list[RequestRecord] = []
     samples: list[Sample] = []
     sent = 0
+    lengths = random.Random(17)  # the same lengths for every variant
     async with make_client(connections=size.power_concurrency + 32) as client:
         await _set_slow(client, target.engine_base, 1.0)
         await stream_one(client, target.base_url, power, WARM_UP_TOKENS, time.perf_counter())
@@ -124,22 +130,22 @@ async def play_speed_change(
         clock_zero = time.perf_counter()
         deadline = clock_zero + size.total_s
 
-        async def send(caller: Caller) -> None:
+        async def send(caller: Caller, max_tokens: int) -> None:
             nonlocal sent
             sent += 1
             records.append(
-                await stream_one(client, target.base_url, caller, size.max_tokens, clock_zero)
+                await stream_one(client, target.base_url, caller, max_tokens, clock_zero)
             )
 
         async def power_loop() -> None:
             while time.perf_counter() < deadline:
-                await send(power)
+                await send(power, lengths.randint(*size.power_tokens))
 
         async def light_loop(caller: Caller, offset_s: float) -> None:
             await asyncio.sleep(offset_s)
             tasks = []
             while time.perf_counter() < deadline:
-                tasks.append(asyncio.ensure_future(send(caller)))
+                tasks.append(asyncio.ensure_future(send(caller, size.max_tokens)))
                 await asyncio.sleep(size.light_every_s)
             await asyncio.gather(*tasks, return_exceptions=True)
 
