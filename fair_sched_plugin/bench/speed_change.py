@@ -59,7 +59,9 @@ class SpeedChangeSize:
     # in the wave it arrives more than on the queue.
     power_tokens: tuple[int, int] = (16, 80)
     ttft_target_ms: float = 2000.0
-    transition_s: float = 5.0
+    # After a switch: the queue formed before it drains at the new pace (8 queued at 1.7
+    # requests/s while slow: ~5 s), and a controller needs a few seconds to see the change.
+    transition_s: float = 8.0
 
     @property
     def total_s(self) -> float:

@@ -5,8 +5,9 @@ a gate per deployment can own one each). It is AIMD, as TCP and the concurrency-
 use it, on the queue the gate lets form in the engine:
 
 - every `interval_s` it compares the interval's latency with the tier's targets: our own
-  release-to-first-byte time of this tier's requests (its 90th percentile, so that the target
-  holds for the slow requests too, counting requests still without a first byte at their age)
+  release-to-first-byte time of this tier's requests (its 95th percentile, so that the target
+  holds for the slow requests too, counting requests still without a first byte at their age;
+  plus one completion interval, a newcomer's wait in our own queue for the next release)
   and the engine's own recent TTFT where it exports it, against `ttft_target_s`; the engine's
   recent TPOT against `tpot_target_s`;
 - over a target: the allowed queue shrinks at once, in proportion to the overshoot (x0.7 for a
@@ -223,18 +224,23 @@ class QueueTuner:
                     break  # oldest first: the rest are younger
                 if released_at >= self._decreased_at and len(samples) < _MAX_SAMPLES:
                     samples.append(now - released_at)
-        own = _percentile(samples, 0.9) if samples else None
+        own = _percentile(samples, 0.95) if samples else None
         engine = _mean(self._engine_ttft)
-        if own is None:
-            return engine
-        return own if engine is None else max(own, engine)
+        latency = engine if own is None else own if engine is None else max(own, engine)
+        if latency is None:
+            return None
+        # A client's TTFT through us also holds its wait in our queue for the next release,
+        # about one completion interval for a user without a backlog (the light users the
+        # target is for): the part of the target the engine queue may not spend.
+        return latency + (1 / self._drain_rate if self._drain_rate else 0.0)
 
     def _drain_ceiling(self) -> float:
         """The largest queue the engine drains within `headroom` of the TTFT target at its
         recent completion rate; no ceiling before a rate is known or without a TTFT target."""
         if self._ttft_target is None or not self._drain_rate:
             return self._maximum
-        return max(self._minimum, self._ttft_target * self._headroom * self._drain_rate)
+        # (queue + 1) / rate: the wait of a request released behind the whole queue.
+        return max(self._minimum, self._ttft_target * self._headroom * self._drain_rate - 1)
 
     def _settled(self, now: float) -> bool:
         """Long enough since the last decrease that a slow request released after it would
