@@ -19,6 +19,8 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 from .errors import ConfigError
 
 __all__ = [
+    "AutoBounds",
+    "AutoWaitingBelow",
     "BackendSettings",
     "FairSchedSettings",
     "IdentitySettings",
@@ -65,11 +67,30 @@ def _check_secret_reference(value: str | None) -> str | None:
     return value
 
 
+class AutoBounds(_Frozen):
+    """The range `waiting_below: auto` tunes within."""
+
+    min: Annotated[int, Field(gt=0)] = 1
+    max: Annotated[int, Field(gt=0, le=10_000)] = 32
+
+
+class AutoWaitingBelow(_Frozen):
+    """`waiting_below: {auto: {min: 1, max: 16}}`."""
+
+    auto: AutoBounds = AutoBounds()
+
+
 class TierSettings(_Frozen):
     """One priority tier; tiers are listed most urgent first."""
 
     name: str
-    waiting_below: Annotated[int, Field(gt=0)] = 3
+    # A number, or `auto` (optionally `{auto: {min, max}}`, or with `waiting_below_min/_max`):
+    # the gate then tunes it per model group to keep `ttft_target_ms` and `tpot_below_ms`.
+    waiting_below: Annotated[int, Field(gt=0)] | Literal["auto"] | AutoWaitingBelow = 3
+    waiting_below_min: Annotated[int, Field(gt=0)] | None = None
+    waiting_below_max: Annotated[int, Field(gt=0, le=10_000)] | None = None
+    # Time to first token as the client sees it through us; what `auto` keeps.
+    ttft_target_ms: Annotated[float, Field(gt=0, le=600_000)] | None = None
     tpot_below_ms: Annotated[float, Field(gt=0, le=600_000)] | None = None
     kv_usage_below: Annotated[float, Field(gt=0, le=1)] | None = None
     vllm_priority: int = 0
@@ -85,6 +106,65 @@ class TierSettings(_Frozen):
         if not _NAME.match(value):
             raise ValueError("must be 1-128 letters, digits or _.:@/-")
         return value
+
+    @field_validator("waiting_below", mode="before")
+    @classmethod
+    def _waiting_below_form(cls, value: object) -> object:
+        # One clear message instead of one per member of the union.
+        if value == "auto":
+            return value
+        if isinstance(value, str) and value.strip().isdigit():
+            value = int(value)  # as the plain integer field accepted it
+        if isinstance(value, int) and not isinstance(value, bool):
+            if value <= 0:
+                raise ValueError(f"must be greater than 0 (got {value})")
+            return value
+        if isinstance(value, Mapping) and set(value) == {"auto"}:
+            try:
+                return AutoWaitingBelow.model_validate(value)
+            except ValidationError as exc:
+                first = exc.errors()[0]
+                where = ".".join(str(part) for part in first["loc"])
+                raise ValueError(f"{where}: {first['msg']}") from None
+        raise ValueError(f"must be a number, auto or {{auto: {{min, max}}}} (got {value!r})")
+
+    @model_validator(mode="after")
+    def _auto_ok(self) -> TierSettings:
+        bounded = self.waiting_below_min is not None or self.waiting_below_max is not None
+        if isinstance(self.waiting_below, int):
+            if bounded:
+                raise ValueError("waiting_below_min/_max: only with waiting_below: auto")
+            return self
+        if bounded and isinstance(self.waiting_below, AutoWaitingBelow):
+            raise ValueError(
+                "waiting_below_min/_max: the bounds are already in waiting_below.auto; "
+                "give them in one place"
+            )
+        low, high = self.auto_bounds() or (1, 1)
+        if low > high:
+            raise ValueError(f"waiting_below: auto needs min <= max (got min {low}, max {high})")
+        if self.ttft_target_ms is None and self.tpot_below_ms is None:
+            raise ValueError("waiting_below: auto needs ttft_target_ms or tpot_below_ms to aim at")
+        return self
+
+    def auto_bounds(self) -> tuple[int, int] | None:
+        """(min, max) of `waiting_below: auto`; None for a fixed threshold."""
+        value = self.waiting_below
+        if isinstance(value, int):
+            return None
+        if isinstance(value, AutoWaitingBelow):
+            return value.auto.min, value.auto.max
+        defaults = AutoBounds()
+        return (
+            self.waiting_below_min if self.waiting_below_min is not None else defaults.min,
+            self.waiting_below_max if self.waiting_below_max is not None else defaults.max,
+        )
+
+    def initial_waiting_below(self) -> int:
+        """The fixed threshold, or where `auto` starts (its minimum: it grows only while
+        the targets hold and the queue is used)."""
+        bounds = self.auto_bounds()
+        return bounds[0] if bounds is not None else int(self.waiting_below)  # type: ignore[arg-type]
 
 
 class PrincipalMatch(_Frozen):
@@ -211,6 +291,12 @@ class BackendSettings(_Frozen):
     # include it; until then (or its first byte) it keeps counting against the waiting threshold.
     # A LiteLLM proxy on a busy host can take several hundred ms to forward a request.
     arrival_grace_ms: Annotated[float, Field(ge=0, le=60_000)] = 1000.0
+    # Each deployment's running slots (vLLM's --max-num-seqs), when known: free slots count from
+    # the first scrape instead of being learned. A queue in a scrape still lowers it (KV full).
+    max_num_seqs: Annotated[int, Field(gt=0)] | None = None
+    # How far behind the engine's /metrics is (vLLM's can lag seconds under load): a scrape then
+    # shows the engine as it was this long before it was sent.
+    metrics_lag_ms: Annotated[float, Field(ge=0, le=60_000)] = 0.0
     on_metrics_unavailable: MetricsUnavailableSettings | None = None
     price: PriceSettings | None = None
 

@@ -193,6 +193,8 @@ class SchedulingService:
                 model=model,
                 metrics_urls=backend.all_metrics_urls(),
                 arrival_grace_s=backend.arrival_grace_ms / 1000,
+                max_num_seqs=backend.max_num_seqs,
+                metrics_lag_s=backend.metrics_lag_ms / 1000,
                 fallback_max_inflight=(
                     backend.on_metrics_unavailable or self.settings.on_metrics_unavailable
                 ).max_inflight,
@@ -213,7 +215,9 @@ class SchedulingService:
         tier_limits = tuple(
             TierLimits(
                 tier.name,
-                waiting_below=tier.waiting_below,
+                waiting_below=tier.initial_waiting_below(),
+                auto_waiting_below=tier.auto_bounds(),
+                ttft_target_s=tier.ttft_target_ms / 1000 if tier.ttft_target_ms else None,
                 tpot_below_s=tier.tpot_below_ms / 1000 if tier.tpot_below_ms else None,
                 kv_usage_below=tier.kv_usage_below,
                 share=tier.share,
@@ -525,13 +529,20 @@ class SchedulingService:
         return self.scheduler.coordinated
 
     def waiting_thresholds(self) -> Mapping[str, Mapping[str, float]]:
-        return {
-            model: {
-                tier.name: tier.waiting_below * len(spec.metrics_urls)
+        # `waiting_below: auto` tiers: what this gate's tuner allows now (read without the
+        # clock, so from any thread; a follower replica reports the starting value).
+        result: dict[str, dict[str, float]] = {}
+        for model, spec in self.gate.groups().items():
+            tuning = self.gate.tuning(model)
+            deployments = len(spec.metrics_urls)
+            result[model] = {
+                tier.name: (
+                    tuning[tier.name].allowed if tier.name in tuning else tier.waiting_below
+                )
+                * deployments
                 for tier in self.scheduler.tiers
             }
-            for model, spec in self.gate.groups().items()
-        }
+        return result
 
     def tier_limits(self) -> tuple[TierLimits, ...]:
         return self.scheduler.tiers

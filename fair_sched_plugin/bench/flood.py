@@ -65,21 +65,26 @@ class Variant:
     gateway: Gateway
     engine_policy: str = "fcfs"
     # The plugin's settings: every user in one tier with this threshold, or tiers (power = batch).
-    waiting_below: int = 3
+    waiting_below: int | Literal["auto"] = 3
     tiered: bool = False
+    # With `waiting_below: auto`: the interactive tier's target.
+    ttft_target_ms: float | None = None
 
 
 def fair_sched_section(variant: Variant, engine_base: str) -> dict[str, Any]:
     """The `fair_sched:` settings of a variant (used by the plugin and by the fair proxy)."""
     power_tier = "batch" if variant.tiered else "interactive"
+    interactive: dict[str, Any] = {
+        "name": "interactive",
+        "waiting_below": variant.waiting_below,
+        "tpot_below_ms": 150,
+        "vllm_priority": 0,
+    }
+    if variant.ttft_target_ms is not None:
+        interactive["ttft_target_ms"] = variant.ttft_target_ms
     return {
         "tiers": [
-            {
-                "name": "interactive",
-                "waiting_below": variant.waiting_below,
-                "tpot_below_ms": 150,
-                "vllm_priority": 0,
-            },
+            interactive,
             {"name": "batch", "waiting_below": 1, "vllm_priority": 10},
         ],
         "default_tier": "interactive",

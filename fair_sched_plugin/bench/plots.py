@@ -105,3 +105,32 @@ def plot_bars(title: str, values: Mapping[str, float], ylabel: str, path: Path) 
     fig.savefig(path, dpi=90)
     plt.close(fig)
     return path
+
+
+def plot_speed_change(
+    results: Sequence[Any], slow_from_s: float, slow_until_s: float, path: Path
+) -> Path:
+    """The speed-change scenario: each variant's allowed engine queue (top) and its light users'
+    TTFT (bottom) over time; the slow period shaded. `results` are `SpeedChangeResult`s."""
+    plt = _pyplot()
+    fig, (top, bottom) = plt.subplots(2, 1, figsize=(9, 7), sharex=True)
+    for result in results:
+        points = [(s.at, s.allowed) for s in result.samples if s.allowed is not None]
+        if points:
+            top.step(*zip(*points, strict=True), where="post", label=result.variant.label)
+        light = sorted(
+            (r.started, r.ttft) for r in result.records if r.group == "light" and r.ttft is not None
+        )
+        if light:
+            bottom.plot(*zip(*light, strict=True), ".", markersize=4, label=result.variant.label)
+    for ax in (top, bottom):
+        ax.axvspan(slow_from_s, slow_until_s, color="#999999", alpha=0.15)
+    top.set_ylabel("allowed engine queue")
+    top.set_title("waiting_below over time (slow period shaded)")
+    top.legend(loc="upper right", fontsize="small")
+    bottom.set_ylabel("light users' TTFT (s)")
+    bottom.set_xlabel("seconds since the run started (request send time)")
+    fig.tight_layout()
+    fig.savefig(path, dpi=90)
+    plt.close(fig)
+    return path

@@ -37,8 +37,15 @@ from .scenarios import (
     play_overhead,
     play_tiers,
 )
+from .speed_change import (
+    QUICK_SPEED_SIZE,
+    SPEED_ENGINE,
+    SpeedChangeSize,
+    play_speed_change,
+    speed_change_variants,
+)
 
-ALL_SCENARIOS = ("flood", "tiers", "many-users", "overhead", "core")
+ALL_SCENARIOS = ("flood", "tiers", "many-users", "overhead", "core", "speed-change")
 # Chromium's picture of /fair-sched/ui during a flood, next to index.md.
 UI_SHOT = "fair-sched-ui.png"
 
@@ -253,6 +260,88 @@ def _core_section(args: argparse.Namespace, out: Path, progress: Progress) -> li
     ]
 
 
+async def _speed_change_section(
+    args: argparse.Namespace, out: Path, progress: Progress
+) -> list[str]:
+    if args.engine is not None:
+        return ["## Speed change", "", "Skipped: it needs the emulator's `slow` fault.", ""]
+    size = QUICK_SPEED_SIZE if args.quick else SpeedChangeSize()
+    variants = speed_change_variants(size)
+    results = []
+    async with started_targets(variants, SPEED_ENGINE, None, out / "logs", progress) as targets:
+        for target in targets:
+            results.append(await play_speed_change(target, size, progress))
+    write_json(
+        out / "speed-change.json",
+        {
+            r.variant.name: {
+                **r.summary,
+                "samples": [[s.at, s.running, s.waiting, s.parked, s.allowed] for s in r.samples],
+            }
+            for r in results
+        },
+    )
+    best_fixed = max(
+        (r.summary["tokens_per_s"] for r in results if r.variant.name != "auto"), default=0.0
+    )
+    rows = []
+    for r in results:
+        summary = r.summary
+        rows.append(
+            [
+                r.variant.label,
+                f"{summary['tokens_per_s']:,.0f}",
+                f"{summary['tokens_per_s'] / best_fixed:.2f}" if best_fixed else "-",
+                _seconds(summary["light_ttft_p95_steady_s"]),
+                _seconds(summary["light_ttft_p95_fast_s"]),
+                _seconds(summary["light_ttft_p95_slow_s"]),
+                f"{summary['mean_running_while_parked']:.2f} / {summary['max_num_seqs']}",
+                _queue(summary["mean_allowed_fast"]),
+                _queue(summary["mean_allowed_slow"]),
+                str(summary["errors"]),
+            ]
+        )
+    header = [
+        "",
+        "tokens/s",
+        "vs best fixed",
+        "light TTFT p95 (outside transitions)",
+        "fast",
+        "slow",
+        "mean running while parked",
+        "allowed queue, fast",
+        "slow",
+        "errors",
+    ]
+    lines = [
+        "## Speed change (`waiting_below: auto`)",
+        "",
+        f"A power user keeps {size.power_concurrency} streams of {size.power_tokens[0]}-"
+        f"{size.power_tokens[1]} tokens in flight, two light users send one request of "
+        f"{size.max_tokens} tokens every {size.light_every_s} s each, all in "
+        f"one tier. The emulator's `slow` fault makes it {size.slow:g}x slower from "
+        f"{size.before_s:.0f} s to {size.before_s + size.slow_s:.0f} s of "
+        f"{size.total_s:.0f} s. Transitions: the {size.transition_s:.0f} s after each switch. "
+        f"TTFT target of `auto`: {size.ttft_target_ms:.0f} ms.",
+        "",
+        markdown_table(header, rows),
+        "",
+    ]
+    try:
+        from .plots import plot_speed_change
+
+        first, second = size.switches
+        plot_speed_change(results, first, second, out / "speed-change.png")
+        lines += ["![allowed queue and TTFT over time](speed-change.png)", ""]
+    except ImportError:
+        print("matplotlib is not installed: no plot", file=sys.stderr)
+    return lines
+
+
+def _queue(value: float | None) -> str:
+    return "-" if value is None else f"{value:.1f}"
+
+
 def _bar_plot(title: str, values: dict[str, float], path: Path) -> None:
     try:
         from .plots import plot_bars
@@ -270,6 +359,7 @@ async def _http_sections(
         "tiers": _tiers_section,
         "many-users": _many_users_section,
         "overhead": _overhead_section,
+        "speed-change": _speed_change_section,
     }
     lines: list[str] = []
     for name in scenarios:

@@ -16,6 +16,7 @@ from .scheduler import (
 )
 from .snapshot import BackendSnapshot
 from .ticket import Lease, LeaseOwner, Ticket, TierLimits
+from .tuning import QueueTuner, TunerStatus
 
 __all__ = [
     "AdmissionGate",
@@ -37,9 +38,11 @@ __all__ = [
     "LoopClock",
     "MetricsGate",
     "QueueOrder",
+    "QueueTuner",
     "Reservation",
     "SchedulerStatistics",
     "Ticket",
     "TierLimits",
+    "TunerStatus",
     "UserBacklog",
 ]

@@ -17,12 +17,28 @@ pending requests fill the slots the last scrape showed free (less those taken si
 
     max(0, waiting - free_slots) + max(0, pending - max(0, free_slots - waiting))
 
-Until the engine has been seen saturated the capacity is underestimated, which only makes the
-gate more careful. Without this, a tier that wants the queue empty (`waiting_below: 1`) would
-refill free slots one round trip at a time. The capacity is the peak of a sliding window
-(`capacity_window_s`, two buckets), not of all time: an engine restarted with fewer slots, or
-one short-lived spike, would otherwise count slots free for ever and let pending requests into
-the engine's queue.
+A scrape with a queue shows the capacity exactly (the engine queues only when it takes no more,
+slots or KV cache), and replaces what was learned. Without a queue the capacity is at least what
+runs; while the gate holds requests back, nothing it released is still on its way, and the
+engine runs at the learned capacity with an empty queue, it probes one slot more per scrape, so
+an engine never seen saturated is not kept under-filled (`max_num_seqs`, where configured, is
+the starting value and the ceiling). Without free slots, a tier that wants the queue empty
+(`waiting_below: 1`) would refill free slots one round trip at a time. The capacity is the peak
+of a sliding window (`capacity_window_s`, two buckets), not of all time: an engine restarted
+with fewer slots, or one short-lived spike, would otherwise count slots free for ever and let
+pending requests into the engine's queue.
+
+Work-conserving against late signals (issue #17): a pending request that already runs would
+otherwise count twice (pending, and running in the scrape) until its first byte, which a
+CPU-starved proxy sees late; that eats the queue credit that keeps the engine full. So each
+scrape also settles as many pending requests as the engine's requests grew since the previous
+one (plus our ends in between, which hide as many arrivals). With `metrics_lag_s` a scrape is
+taken to show the engine as of `started_at - metrics_lag_s`: first bytes and pending requests
+are forgotten against that time, and ends seen after it give their slots back.
+
+A tier with `waiting_below: auto` has its threshold set by a `QueueTuner` (core/tuning.py) that
+the gate owns per model group and tier, and feeds with that tier's release-to-first-byte times,
+the engine's TTFT and TPOT, and whether the queue held requests back.
 
 Several deployments behind one model name are one group: their waiting counts are summed and the
 threshold scales with the number of deployments; TPOT and KV usage are the worst deployment's; a
@@ -41,6 +57,7 @@ from .clock import Clock, LoopClock
 from .gate import CapacityListener
 from .snapshot import BackendSnapshot
 from .ticket import Lease, TierLimits
+from .tuning import QueueTuner, TunerStatus
 
 GateMode = Literal["starting", "metrics", "fallback"]
 
@@ -57,6 +74,12 @@ class BackendGroup:
     fallback_max_inflight: int = 4  # per deployment
     # How long a peak of running requests is remembered as the deployment's capacity.
     capacity_window_s: float = 60.0
+    # Each deployment's running slots when known (vLLM's --max-num-seqs): the capacity from the
+    # first scrape on, and the ceiling of what probing learns. None: learned from scrapes.
+    max_num_seqs: int | None = None
+    # How far behind the engine's /metrics is: a scrape sent at t shows the engine as of
+    # t - metrics_lag_s (vLLM's can lag seconds behind under load).
+    metrics_lag_s: float = 0.0
 
 
 class GateTransition(NamedTuple):
@@ -81,6 +104,8 @@ class GroupStatus(NamedTuple):
     in_flight: int
     last_scrape_age_s: float | None
     blocked_reason: str | None
+    # Per tier with `waiting_below: auto`: the engine queue its tuner allows now (whole group).
+    allowed_queue: tuple[tuple[str, float], ...] = ()
 
 
 @dataclass
@@ -102,7 +127,16 @@ class _GroupState:
     # When each first byte since the scrapes came back: slots taken that no scrape can show yet.
     # Bounded: only an outage of every scrape lets it fill, and then free slots are not used.
     first_bytes: deque[float] = field(default_factory=lambda: deque(maxlen=_MAX_FIRST_BYTES))
+    # When each started request's end was seen since the scrapes' as-of time: slots freed that
+    # no scrape can show yet (only with metrics_lag_s; see _account_scraped).
+    ends: deque[float] = field(default_factory=lambda: deque(maxlen=_MAX_FIRST_BYTES))
     scrape_requested: bool = False
+    # Started leases that ended since the last scrape (see _settle_arrivals).
+    ends_since_scrape: int = 0
+    # The gate held a request back for the engine's queue since the last scrape (demand).
+    held_back: bool = False
+    # `waiting_below: auto` tiers' controllers, by tier name, made on the tier's first decision.
+    tuners: dict[str, QueueTuner] = field(default_factory=dict)
     blocked_reason: str | None = None
 
 
@@ -155,10 +189,19 @@ class MetricsGate:
         if state is None or snapshot.url not in state.spec.metrics_urls:
             return
         if snapshot.ok:
+            previous = state.latest_ok.get(snapshot.url)
             state.latest_ok[snapshot.url] = snapshot
             state.last_error.pop(snapshot.url, None)
-            self._learn_capacity(state, snapshot)
+            if previous is not None and previous.started_at < snapshot.started_at:
+                self._settle_arrivals(state, previous, snapshot)
             self._account_scraped(state)
+            # After the settling: probing asks whether anything is still on its way.
+            self._learn_capacity(state, snapshot)
+            state.held_back = False
+            now = self._clock.now()
+            for tuner in state.tuners.values():
+                tuner.observe_engine(now, snapshot.ttft_s, snapshot.tpot_s)
+                tuner.tick(now)
         else:
             state.last_error[snapshot.url] = snapshot.error or "scrape failed"
         state.scrape_requested = False
@@ -172,14 +215,23 @@ class MetricsGate:
             self._unknown_in_flight[model] = self._unknown_in_flight.get(model, 0) + 1
             return
         state.in_flight += 1
+        tuner = state.tuners.get(lease.ticket.tier)
+        if tuner is not None:
+            tuner.observe_released(lease.lease_id, lease.released_at)
         state.pending.append(lease)
         state.pending_ids.add(lease.lease_id)
         state.pending_count += 1
 
     def on_started(self, lease: Lease) -> None:
         state = self._groups.get(lease.ticket.model)
-        if state is not None and self._settle(state, lease):
-            state.first_bytes.append(self._clock.now())
+        if state is None:
+            return
+        now = self._clock.now()
+        tuner = state.tuners.get(lease.ticket.tier)
+        if tuner is not None:
+            tuner.observe_first_byte(lease.lease_id, lease.released_at, now - lease.released_at)
+        if self._settle(state, lease):
+            state.first_bytes.append(now)
             self._notify(lease.ticket.model)
 
     def on_ended(self, lease: Lease) -> None:
@@ -194,6 +246,16 @@ class MetricsGate:
         else:
             state.in_flight -= 1
             self._settle(state, lease)
+            for name, tuner in state.tuners.items():
+                if name == lease.ticket.tier:
+                    tuner.observe_ended(lease.lease_id)
+                if lease.started:
+                    tuner.observe_completion()
+            if lease.started:
+                state.ends_since_scrape += 1
+            if lease.started and state.spec.metrics_lag_s > 0:
+                state.ends.append(self._clock.now())
+                self._notify(model)
 
     # ------------------------------------------------------------------ decision
 
@@ -206,6 +268,11 @@ class MetricsGate:
         state.blocked_reason = reason
         if reason is None:
             return True
+        if reason == "waiting":
+            state.held_back = True
+            tuner = state.tuners.get(tier.name)
+            if tuner is not None:
+                tuner.note_held_back()
         if reason == "waiting" and not state.scrape_requested and self._scrape_would_settle(state):
             # Credits are spent on requests a fresh scrape can account for: ask for it now
             # rather than at the next tick. Blocked by the engine's own queue, an earlier scrape
@@ -237,7 +304,7 @@ class MetricsGate:
         if self._sharers > 1:
             free_slots = float(int(free_slots) // self._sharers)
         queued_in_engine = engine_queue_estimate(waiting, state.pending_count, free_slots)
-        if queued_in_engine >= self._share(tier.waiting_below * deployments):
+        if queued_in_engine >= self._share(self._waiting_below(state, tier) * deployments):
             return "waiting"
         if tier.tpot_below_s is not None:
             tpot = _worst(snapshot.tpot_s for snapshot in snapshots)
@@ -249,7 +316,31 @@ class MetricsGate:
                 return "kv_usage"
         return None
 
+    def _waiting_below(self, state: _GroupState, tier: TierLimits) -> float:
+        if tier.auto_waiting_below is None:
+            return tier.waiting_below
+        tuner = state.tuners.get(tier.name)
+        if tuner is None:
+            minimum, maximum = tier.auto_waiting_below
+            tuner = state.tuners[tier.name] = QueueTuner(
+                minimum=minimum,
+                maximum=maximum,
+                ttft_target_s=tier.ttft_target_s,
+                tpot_target_s=tier.tpot_below_s,
+                initial=tier.waiting_below,
+                started_at=self._clock.now(),
+            )
+        return tuner.allowed
+
+    def tuning(self, model: str) -> dict[str, TunerStatus]:
+        """What each `waiting_below: auto` tier's tuner of this model group decided."""
+        state = self._groups.get(model)
+        if state is None:
+            return {}
+        return {name: tuner.statistics() for name, tuner in state.tuners.items()}
+
     def _learn_capacity(self, state: _GroupState, snapshot: BackendSnapshot) -> None:
+        """Learn the deployment's running slots from one scrape (see the module docstring)."""
         now = self._clock.now()
         started = state.capacity_window_started
         if started is None:
@@ -262,19 +353,44 @@ class MetricsGate:
             state.capacity = {}
             state.capacity_window_started = now
         url = snapshot.url
-        state.capacity[url] = max(state.capacity.get(url, 0.0), snapshot.running)
+        ceiling = state.spec.max_num_seqs
+        running = snapshot.running
+        if snapshot.waiting > 0:
+            # A queue forms only when the engine takes no more: what runs now is its capacity
+            # (lower than max_num_seqs when the KV cache is the limit). Authoritative, so it
+            # replaces both buckets: a probe must not leave a phantom free slot behind.
+            state.capacity[url] = running
+            state.capacity_previous[url] = running
+            return
+        known = self._capacity(state, url)
+        if ceiling is not None and url not in state.capacity and url not in state.capacity_previous:
+            running = float(ceiling)  # configured and not yet contradicted by a queue
+        elif state.held_back and not state.pending_count and 0 < running >= known:
+            # Running at the learned capacity with an empty queue while we held requests back
+            # and none of ours is on its way: the engine may have more slots. Probe one more
+            # per scrape; a queue forming shows the real number. Without this an engine never
+            # seen saturated keeps slots unused, since the gate only saturates it through slots
+            # it believes free (issue #17).
+            running += 1
+        if ceiling is not None:
+            running = min(running, float(ceiling))
+        state.capacity[url] = max(state.capacity.get(url, 0.0), running)
+
+    @staticmethod
+    def _capacity(state: _GroupState, url: str) -> float:
+        learned = max(state.capacity.get(url, 0.0), state.capacity_previous.get(url, 0.0))
+        ceiling = state.spec.max_num_seqs
+        if ceiling is not None and url not in state.capacity and url not in state.capacity_previous:
+            return float(ceiling)
+        return learned
 
     @staticmethod
     def _free_slots(state: _GroupState) -> float:
         free = sum(
-            max(
-                0.0,
-                max(state.capacity.get(url, 0.0), state.capacity_previous.get(url, 0.0))
-                - snapshot.running,
-            )
+            max(0.0, MetricsGate._capacity(state, url) - snapshot.running)
             for url, snapshot in state.latest_ok.items()
         )
-        return max(0.0, free - len(state.first_bytes))
+        return max(0.0, free - len(state.first_bytes) + len(state.ends))
 
     # ------------------------------------------------------------------ observation
 
@@ -300,6 +416,10 @@ class MetricsGate:
                         now - min(s.started_at for s in snapshots) if fresh else None
                     ),
                     blocked_reason=state.blocked_reason,
+                    allowed_queue=tuple(
+                        (name, tuner.allowed * len(state.spec.metrics_urls))
+                        for name, tuner in state.tuners.items()
+                    ),
                 )
             )
         return result
@@ -325,6 +445,28 @@ class MetricsGate:
             state.pending = deque(x for x in state.pending if x.lease_id in state.pending_ids)
         return True
 
+    def _settle_arrivals(
+        self, state: _GroupState, previous: BackendSnapshot, snapshot: BackendSnapshot
+    ) -> None:
+        """Settle as many pending leases (oldest first) as the engine's requests grew between
+        two scrapes: at least that many arrived. Waiting out the grace instead counts a request
+        that already runs as pending too, which eats the queue credit the engine needs to stay
+        full when first bytes come back late (a CPU-starved proxy, issue #17). Another client's
+        arrivals taken for ours let at most that many more in, and the next scrape shows them."""
+        grown = snapshot.waiting + snapshot.running - previous.waiting - previous.running
+        # Requests that left the engine in between hide as many arrivals: our own ends since the
+        # last scrape stand for them (seen late, like everything else the proxy sees).
+        arrived = int(grown) + state.ends_since_scrape
+        state.ends_since_scrape = 0
+        as_of = snapshot.started_at - state.spec.metrics_lag_s
+        pending = state.pending
+        while arrived > 0 and pending and pending[0].released_at <= as_of:
+            lease = pending.popleft()
+            if lease.lease_id in state.pending_ids:
+                state.pending_ids.discard(lease.lease_id)
+                state.pending_count -= 1
+                arrived -= 1
+
     def _account_scraped(self, state: _GroupState) -> None:
         """Forget what every deployment's latest scrape must already show: the first bytes that
         came back before it was sent (as running), and the leases released at least
@@ -333,11 +475,17 @@ class MetricsGate:
         count its slot free twice."""
         if len(state.latest_ok) < len(state.spec.metrics_urls):
             return
-        sent_at = min(s.started_at for s in state.latest_ok.values())
+        grace = state.spec.arrival_grace_s
+        as_of = min(s.started_at for s in state.latest_ok.values()) - state.spec.metrics_lag_s
         first_bytes = state.first_bytes
-        while first_bytes and first_bytes[0] <= sent_at:
+        while first_bytes and first_bytes[0] <= as_of:
             first_bytes.popleft()
-        seen_until = sent_at - state.spec.arrival_grace_s
+        # An end seen more than the grace after the as-of time: the engine freed that slot after
+        # the scrape's view, so the scrape still shows it taken. Closer than that it may not.
+        ends = state.ends
+        while ends and ends[0] <= as_of + grace:
+            ends.popleft()
+        seen_until = as_of - grace
         pending = state.pending
         while pending and pending[0].released_at <= seen_until:
             lease = pending.popleft()

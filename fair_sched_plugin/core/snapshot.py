@@ -21,6 +21,10 @@ class BackendSnapshot(NamedTuple):
     running: float = 0.0
     kv_usage: float | None = None  # 0..1
     tpot_s: float | None = None  # recent time per output token (delta over the last interval)
+    # The engine's own recent time to first token and time in its queue (means over the last
+    # interval), where it exports them: inputs of `waiting_below: auto`, never of the gate.
+    ttft_s: float | None = None
+    queue_time_s: float | None = None
     error: str | None = None
 
     @classmethod

@@ -18,6 +18,11 @@ class TierLimits(NamedTuple):
     share: float | None = None
     # A request parked this long in this tier moves one tier up (None: never).
     promote_after_s: float | None = None
+    # `waiting_below: auto`: (minimum, maximum) of the queue the gate's tuner may allow; then
+    # `waiting_below` is only where it starts. None: `waiting_below` is fixed.
+    auto_waiting_below: tuple[int, int] | None = None
+    # Release-to-first-byte target the tuner keeps (and TTFT where the engine exports it).
+    ttft_target_s: float | None = None
 
 
 class _TicketFields(NamedTuple):

@@ -43,6 +43,8 @@ class FaultSwitches:
     """Every Nth completion request (counted over both endpoints) gets HTTP 500; 0 = never."""
     first_byte_delay_s: float = 0.0
     """Completion responses start (and the request reaches the engine) only after this delay."""
+    slow: float = 1.0
+    """Every engine step takes this many times longer (a change of speed: 3.0 is 3x slower)."""
 
     def update(self, changes: dict[str, object]) -> None:
         """Apply a partial update, validating names and types (used by the admin endpoint)."""
@@ -60,6 +62,9 @@ class FaultSwitches:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, (int, float)) or value < 0:
                 raise ValueError(f"{name} must be a number >= 0, got {value!r}")
+        slow = self.slow
+        if isinstance(slow, bool) or not isinstance(slow, (int, float)) or not slow > 0:
+            raise ValueError(f"slow must be a number > 0, got {slow!r}")
         if self.metrics_mode not in METRICS_MODES:
             raise ValueError(
                 f"metrics_mode must be one of {METRICS_MODES}, got {self.metrics_mode!r}"
@@ -417,7 +422,7 @@ class EmulatedEngine:
             + config.step_ms_per_running_seq * len(self._running)
             + config.prefill_ms_per_token * prefill_tokens
         )
-        return step_ms / 1000.0
+        return step_ms * self.faults.slow / 1000.0
 
     def _emit_one_token_each(self, step_s: float) -> None:
         now = self._now()

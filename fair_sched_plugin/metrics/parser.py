@@ -19,6 +19,7 @@ __all__ = [
     "MetricsParseError",
     "ParsedMetrics",
     "parse_metrics",
+    "recent_mean",
     "recent_prefix_cache_hit_rate",
     "recent_tpot",
 ]
@@ -32,8 +33,8 @@ class MetricsParseError(FairSchedError):
 
 
 class ParsedMetrics(NamedTuple):
-    """One scrape's signals. `tpot_sum`/`tpot_count` are the histogram's lifetime totals, the
-    prefix-cache counters lifetime token counts."""
+    """One scrape's signals. `tpot_sum`/`tpot_count` (and the TTFT and queue-time pairs) are
+    the histograms' lifetime totals, the prefix-cache counters lifetime token counts."""
 
     waiting: float
     running: float
@@ -42,6 +43,10 @@ class ParsedMetrics(NamedTuple):
     tpot_count: float | None
     prefix_cache_queries: float | None = None
     prefix_cache_hits: float | None = None
+    ttft_sum: float | None = None
+    ttft_count: float | None = None
+    queue_time_sum: float | None = None
+    queue_time_count: float | None = None
 
 
 def parse_metrics(text: str, profile: MetricProfile, model_name: str | None) -> ParsedMetrics:
@@ -61,6 +66,8 @@ def parse_metrics(text: str, profile: MetricProfile, model_name: str | None) -> 
     if running is None:
         raise MetricsParseError(f"no {' or '.join(profile.running)} sample{where}")
     tpot_sum, tpot_count = _histogram_totals(totals, profile.tpot)
+    ttft_sum, ttft_count = _histogram_totals(totals, profile.ttft)
+    queue_time_sum, queue_time_count = _histogram_totals(totals, profile.queue_time)
     queries = _first_present(totals, profile.prefix_cache_queries)
     hits = _first_present(totals, profile.prefix_cache_hits)
     return ParsedMetrics(
@@ -71,6 +78,10 @@ def parse_metrics(text: str, profile: MetricProfile, model_name: str | None) -> 
         tpot_count=tpot_count,
         prefix_cache_queries=None if queries is None else queries.total,
         prefix_cache_hits=None if hits is None else hits.total,
+        ttft_sum=ttft_sum,
+        ttft_count=ttft_count,
+        queue_time_sum=queue_time_sum,
+        queue_time_count=queue_time_count,
     )
 
 
@@ -83,8 +94,20 @@ def recent_tpot(previous: ParsedMetrics | None, current: ParsedMetrics) -> float
     """
     if previous is None:
         return None
-    old_sum, old_count = previous.tpot_sum, previous.tpot_count
-    new_sum, new_count = current.tpot_sum, current.tpot_count
+    return recent_mean(
+        (previous.tpot_sum, previous.tpot_count), (current.tpot_sum, current.tpot_count)
+    )
+
+
+def recent_mean(
+    previous: tuple[float | None, float | None], current: tuple[float | None, float | None]
+) -> float | None:
+    """A histogram's mean *between* two scrapes from its (sum, count) then and now: Δsum / Δcount.
+
+    None when either is absent, nothing was observed in the interval, or the counters went
+    backwards (the engine restarted).
+    """
+    (old_sum, old_count), (new_sum, new_count) = previous, current
     if old_sum is None or old_count is None or new_sum is None or new_count is None:
         return None
     delta_count = new_count - old_count
@@ -130,7 +153,8 @@ class _Total:
 
 
 def _names_of_interest(profile: MetricProfile) -> frozenset[str]:
-    histogram_parts = {f"{name}{suffix}" for name in profile.tpot for suffix in ("_sum", "_count")}
+    histograms = (*profile.tpot, *profile.ttft, *profile.queue_time)
+    histogram_parts = {f"{name}{suffix}" for name in histograms for suffix in ("_sum", "_count")}
     return frozenset(
         (
             *profile.waiting,

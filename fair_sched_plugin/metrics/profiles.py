@@ -41,6 +41,9 @@ class MetricProfile:
     running: tuple[str, ...]
     kv_usage: tuple[str, ...] = ()
     tpot: tuple[str, ...] = ()
+    # Histograms (seconds) that feed `waiting_below: auto`; optional.
+    ttft: tuple[str, ...] = ()
+    queue_time: tuple[str, ...] = ()
     prefix_cache_queries: tuple[str, ...] = ()
     prefix_cache_hits: tuple[str, ...] = ()
 
@@ -55,6 +58,8 @@ VLLM_PROFILE = MetricProfile(
     running=("vllm:num_requests_running",),
     kv_usage=("vllm:kv_cache_usage_perc", "vllm:gpu_cache_usage_perc"),
     tpot=("vllm:inter_token_latency_seconds", "vllm:time_per_output_token_seconds"),
+    ttft=("vllm:time_to_first_token_seconds",),
+    queue_time=("vllm:request_queue_time_seconds",),
     prefix_cache_queries=("vllm:prefix_cache_queries_total", "vllm:gpu_prefix_cache_queries_total"),
     prefix_cache_hits=("vllm:prefix_cache_hits_total", "vllm:gpu_prefix_cache_hits_total"),
 )
@@ -65,6 +70,7 @@ SGLANG_PROFILE = MetricProfile(
     running=("sglang:num_running_reqs",),
     kv_usage=("sglang:token_usage",),
     tpot=("sglang:inter_token_latency_seconds", "sglang:time_per_output_token_seconds"),
+    ttft=("sglang:time_to_first_token_seconds",),
 )
 
 TGI_PROFILE = MetricProfile(

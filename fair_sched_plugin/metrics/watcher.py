@@ -19,6 +19,7 @@ from .parser import (
     MetricsParseError,
     ParsedMetrics,
     parse_metrics,
+    recent_mean,
     recent_prefix_cache_hit_rate,
     recent_tpot,
 )
@@ -209,7 +210,17 @@ class MetricsWatcher:
             # falls back safely, and keep the loop alive.
             self._log_bug_once(_SCRAPING, exc)
             return self._failed(started_at, f"internal error: {type(exc).__name__}")
-        tpot_s = recent_tpot(self._previous, parsed)
+        previous = self._previous
+        tpot_s = recent_tpot(previous, parsed)
+        ttft_s = queue_time_s = None
+        if previous is not None:
+            ttft_s = recent_mean(
+                (previous.ttft_sum, previous.ttft_count), (parsed.ttft_sum, parsed.ttft_count)
+            )
+            queue_time_s = recent_mean(
+                (previous.queue_time_sum, previous.queue_time_count),
+                (parsed.queue_time_sum, parsed.queue_time_count),
+            )
         self._prefix_cache_hit_rate = recent_prefix_cache_hit_rate(self._previous, parsed)
         self._previous = parsed
         self._bug_streaks.discard(_SCRAPING)
@@ -221,6 +232,8 @@ class MetricsWatcher:
             running=parsed.running,
             kv_usage=parsed.kv_usage,
             tpot_s=tpot_s,
+            ttft_s=ttft_s,
+            queue_time_s=queue_time_s,
         )
 
     async def _fetch(self) -> str:

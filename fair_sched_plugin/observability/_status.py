@@ -133,7 +133,8 @@ class StatusDocument:
             "tiers": [
                 {
                     "name": tier.name,
-                    "waiting_below": tier.waiting_below,
+                    "waiting_below": "auto" if tier.auto_bounds() else tier.waiting_below,
+                    "ttft_target_ms": tier.ttft_target_ms,
                     "tpot_below_ms": tier.tpot_below_ms,
                     "kv_usage_below": tier.kv_usage_below,
                     "vllm_priority": tier.vllm_priority,

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 from typing import Any
 
@@ -122,3 +123,25 @@ async def test_subprocess_emulator_serves_and_flips_faults() -> None:
     assert reply.json()["usage"]["completion_tokens"] == 3
     assert 'vllm:generation_tokens_total{engine="0",model_name="emulated-model"} 3.0' in metrics
     assert process.process.returncode is not None  # stopped on exit
+
+
+async def test_the_slow_fault_stretches_every_step() -> None:
+    """`slow` changes the engine's speed while it runs (issue #17's change of speed). A ratio of
+    two runs on this machine, never an absolute time: 4x slower steps take at least 2x longer."""
+    config = dataclasses.replace(fast_config(), base_step_ms=5.0, step_ms_per_running_seq=0.0)
+    async with run_emulator(config) as emu, open_client(emu) as http:
+        timings = []
+        for slow in (1.0, 4.0):
+            emu.engine.faults.update({"slow": slow})
+            steps_before = emu.engine.statistics().steps
+            started = asyncio.get_running_loop().time()
+            response = await http.post("/v1/chat/completions", json=chat_body(max_tokens=20))
+            assert response.status_code == 200
+            timings.append(asyncio.get_running_loop().time() - started)
+            assert emu.engine.statistics().steps - steps_before >= 20
+    assert timings[1] >= 2 * timings[0]
+
+
+def test_the_slow_fault_must_be_positive() -> None:
+    with pytest.raises(ValueError, match="slow must be a number > 0"):
+        FaultSwitches(slow=0).validate()

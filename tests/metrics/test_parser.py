@@ -18,6 +18,7 @@ from fair_sched_plugin.metrics import (
     recent_prefix_cache_hit_rate,
     recent_tpot,
 )
+from fair_sched_plugin.metrics.parser import recent_mean
 
 from .conftest import vllm_text
 
@@ -314,3 +315,19 @@ def test_recent_tpot_between_the_two_real_captures_is_a_reset(
     first = parse_metrics(midburst_text, VLLM_PROFILE, "tiny")
     second = parse_metrics(kvfull_text, VLLM_PROFILE, "tiny")
     assert recent_tpot(first, second) is None
+
+
+def test_midburst_capture_has_the_ttft_and_queue_time_histograms(midburst_text: str) -> None:
+    """Inputs of `waiting_below: auto` (issue #17), from the real vLLM 0.32 capture."""
+    parsed = parse_metrics(midburst_text, VLLM_PROFILE, "tiny")
+    assert (parsed.ttft_sum, parsed.ttft_count) == (pytest.approx(83.53219795227051), 124)
+    assert (parsed.queue_time_sum, parsed.queue_time_count) == (pytest.approx(77.450443792), 116)
+    bare = MetricProfile("bare", ("vllm:num_requests_waiting",), ("vllm:num_requests_running",))
+    assert parse_metrics(midburst_text, bare, "tiny").ttft_sum is None  # not in the profile
+
+
+def test_recent_mean_is_the_delta_between_two_scrapes() -> None:
+    assert recent_mean((10.0, 20.0), (13.0, 26.0)) == 0.5
+    assert recent_mean((10.0, 20.0), (10.0, 20.0)) is None  # nothing observed in between
+    assert recent_mean((10.0, 20.0), (1.0, 2.0)) is None  # the engine restarted
+    assert recent_mean((None, None), (1.0, 2.0)) is None  # not exported

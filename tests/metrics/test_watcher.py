@@ -93,6 +93,27 @@ async def test_recent_tpot_comes_from_consecutive_scrapes(
     assert snapshot.tpot_s == pytest.approx(0.08)
 
 
+async def test_recent_engine_ttft_and_queue_time_come_from_consecutive_scrapes(
+    watcher: MetricsWatcher, engine: FakeEngine, snapshots: Snapshots
+) -> None:
+    """Inputs of `waiting_below: auto` (issue #17): the means over the last interval."""
+    histograms = (
+        "# TYPE vllm:time_to_first_token_seconds histogram\n"
+        'vllm:time_to_first_token_seconds_sum{{engine="0",model_name="tiny"}} {ttft_sum}\n'
+        'vllm:time_to_first_token_seconds_count{{engine="0",model_name="tiny"}} {count}\n'
+        "# TYPE vllm:request_queue_time_seconds histogram\n"
+        'vllm:request_queue_time_seconds_sum{{engine="0",model_name="tiny"}} {queue_sum}\n'
+        'vllm:request_queue_time_seconds_count{{engine="0",model_name="tiny"}} {count}\n'
+    )
+    engine.text = vllm_text() + histograms.format(ttft_sum=10.0, queue_sum=5.0, count=20)
+    await snapshots.until(lambda s: s.ok and s.ttft_s is None)
+    # 10 more requests: 15 s more to first token, 12 s more queued.
+    engine.text = vllm_text() + histograms.format(ttft_sum=25.0, queue_sum=17.0, count=30)
+    snapshot = await snapshots.until(lambda s: s.ttft_s is not None)
+    assert snapshot.ttft_s == pytest.approx(1.5)
+    assert snapshot.queue_time_s == pytest.approx(1.2)
+
+
 async def test_prefix_cache_hit_rate_comes_from_consecutive_scrapes(
     watcher: MetricsWatcher, engine: FakeEngine, snapshots: Snapshots
 ) -> None:

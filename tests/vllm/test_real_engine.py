@@ -38,6 +38,7 @@ from fair_sched_plugin.proxy import build_proxy_app
 
 from ..integrations.conftest import open_client, relay_upstream, serve
 from .conftest import (
+    AUTO_LITELLM_FLOOD,
     DIRECT_FLOOD,
     FAIR_PROXY_FLOOD,
     FLOOD_REPORT,
@@ -63,10 +64,16 @@ LIGHT_KEYS = ("sk-light-1", "sk-light-2")
 BATCH_KEY = "sk-batch"
 INTERACTIVE_PRIORITY = 0
 BATCH_PRIORITY = 10
+# For `waiting_below: auto`: about four 128-token streams' worth of engine time on this engine.
+AUTO_TTFT_TARGET_MS = 2000
 
 
 def fair_section(
-    engine: VllmEngine, *, api_base: str | None = None, priority_scheduling: bool = True
+    engine: VllmEngine,
+    *,
+    api_base: str | None = None,
+    priority_scheduling: bool = True,
+    auto: bool = False,
 ) -> dict[str, Any]:
     backend: dict[str, Any] = {
         "metrics_url": engine.metrics_url,
@@ -76,9 +83,16 @@ def fair_section(
     }
     if api_base is not None:
         backend["api_base"] = api_base
+    interactive: dict[str, Any] = {
+        "name": "interactive",
+        "waiting_below": 3,
+        "vllm_priority": INTERACTIVE_PRIORITY,
+    }
+    if auto:  # issue #17: the queue tuned to a TTFT target instead of a fixed 3
+        interactive.update(waiting_below="auto", ttft_target_ms=AUTO_TTFT_TARGET_MS)
     return {
         "tiers": [
-            {"name": "interactive", "waiting_below": 3, "vllm_priority": INTERACTIVE_PRIORITY},
+            interactive,
             {"name": "batch", "waiting_below": 1, "vllm_priority": BATCH_PRIORITY},
         ],
         "default_tier": "interactive",
@@ -451,13 +465,14 @@ async def litellm_flood(
     plugin: bool,
     heavy_key: str,
     light_keys: tuple[str, ...],
+    auto: bool = False,
 ) -> Flood:
     """The power-user flood through a LiteLLM proxy subprocess, with or without the plugin."""
     from ..integrations.litellm_harness import litellm_proxy, model_entry, proxy_config
 
     config = proxy_config(
         [model_entry(SERVED_MODEL, engine.api_base, engine_model=SERVED_MODEL)],
-        fair_section(engine) if plugin else None,
+        fair_section(engine, auto=auto) if plugin else None,
         plugin=plugin,
         custom_auth=plugin,
     )
@@ -512,6 +527,26 @@ async def test_litellm_proxy_with_plugin_light_users_finish_before_power_median(
         plugin=True,
         heavy_key=POWER_KEY,
         light_keys=LIGHT_KEYS,
+    )
+    median = flood.heavy_median_done()
+    assert all(_done(s) < median for s in flood.light), flood.numbers()
+
+
+async def test_litellm_proxy_with_plugin_auto_light_users_finish_before_power_median(
+    priority_engine: VllmEngine, tmp_path: Path
+) -> None:
+    """Issue #17: the same flood with `waiting_below: auto`. Light users still before the power
+    user's median; its throughput against LiteLLM without the plugin (goal >= 0.90) and against
+    the fixed default is printed in the session summary (a ratio of two runs, never asserted on
+    a shared 2-core machine)."""
+    flood = await litellm_flood(
+        AUTO_LITELLM_FLOOD,
+        priority_engine,
+        tmp_path,
+        plugin=True,
+        heavy_key=POWER_KEY,
+        light_keys=LIGHT_KEYS,
+        auto=True,
     )
     median = flood.heavy_median_done()
     assert all(_done(s) < median for s in flood.light), flood.numbers()

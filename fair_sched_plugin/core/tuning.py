@@ -1,0 +1,270 @@
+"""`waiting_below: auto`: a controller that finds the largest engine queue meeting the targets.
+
+One `QueueTuner` per (model group, tier) with `auto`, owned by the gate (a separate object so that
+a gate per deployment can own one each). It is AIMD, as TCP and the concurrency-limits libraries
+use it, on the queue the gate lets form in the engine:
+
+- every `interval_s` it compares the interval's latency with the tier's targets: our own
+  release-to-first-byte time of this tier's requests (its 95th percentile, so that the target
+  holds for the slow requests too, counting requests still without a first byte at their age;
+  plus one completion interval, a newcomer's wait in our own queue for the next release)
+  and the engine's own recent TTFT where it exports it, against `ttft_target_s`; the engine's
+  recent TPOT against `tpot_target_s`;
+- over a target: the allowed queue shrinks at once, in proportion to the overshoot (x0.7 for a
+  small one, at most halved: a gradient step in the style of Vegas / concurrency-limits);
+- under `headroom` (80%) of every target, and the gate held requests back because of the queue
+  during the interval (the limit binds: more queue could be used): it grows by one;
+- in between it stays (a dead band: no hunting while the targets hold). Always within
+  [minimum, maximum];
+- and never above what the engine drains within `headroom` of the TTFT target at its recent
+  completion rate (Little's law: queue = rate x wait). Completions slow down the moment the
+  engine does, long before the first bytes of the requests queued behind them come back, so a
+  slower engine shrinks the queue within an interval or two instead of a round trip each step.
+
+Signals arrive late: a request released before a decrease still reports the old queue's latency.
+After a decrease only requests released after it count (one decrease per round trip), and the
+queue grows again only once a request released after it could have shown a miss; otherwise the
+controller would shrink to the minimum on latency it has already acted on, or grow on the first
+bytes that came back soonest. The latency is smoothed across intervals (`smoothing`, an EWMA
+weight of the newest interval) and the engine's means are averaged over the interval, so one
+noisy interval or scrape does not halve the queue.
+
+Oscillation bound (tests/core/test_tuning.py holds it): against an engine whose time to first
+byte grows with its queue, with L the largest queue meeting the target, the allowed queue ends
+in the dead band or, after a noisy miss, in the sawtooth below it: within
+[decrease * L - 1, L + 2], after an initial ramp of about L intervals.
+
+How fast it reacts: a step to a 3x slower engine lowers the drain ceiling to about a third
+within two intervals (the completion rate is smoothed); latency over target shrinks the queue by
+up to half per round trip; recovery is one request more per interval once the targets hold.
+Pure: the gate feeds it; time comes from the caller.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import NamedTuple
+
+__all__ = ["QueueTuner", "TunerStatus"]
+
+# Enough first bytes per interval for a percentile (bounded memory under any load).
+_MAX_SAMPLES = 4096
+
+
+class TunerStatus(NamedTuple):
+    """What one tuner decided (for metrics and the status page)."""
+
+    allowed: float
+    latency_s: float | None  # the latest interval's latency (TTFT side)
+    tpot_s: float | None
+    decreases: int
+    increases: int
+
+
+class QueueTuner:
+    """AIMD on one tier's allowed engine queue; see the module docstring."""
+
+    def __init__(
+        self,
+        *,
+        minimum: int,
+        maximum: int,
+        ttft_target_s: float | None,
+        tpot_target_s: float | None = None,
+        initial: float | None = None,
+        interval_s: float = 1.0,
+        decrease: float = 0.7,
+        smoothing: float = 0.5,
+        headroom: float = 0.8,
+        started_at: float = 0.0,
+    ) -> None:
+        if not 1 <= minimum <= maximum:
+            raise ValueError(f"need 1 <= minimum <= maximum (got {minimum}, {maximum})")
+        if ttft_target_s is None and tpot_target_s is None:
+            raise ValueError("auto needs a TTFT or a TPOT target")
+        if not 0 < decrease < 1 or not 0 < smoothing <= 1 or interval_s <= 0:
+            raise ValueError("need 0 < decrease < 1, 0 < smoothing <= 1 and interval_s > 0")
+        self._minimum = float(minimum)
+        self._maximum = float(maximum)
+        self._ttft_target = ttft_target_s
+        self._tpot_target = tpot_target_s
+        start = minimum if initial is None else initial
+        self._allowed = min(self._maximum, max(self._minimum, float(start)))
+        self._interval_s = interval_s
+        self._decrease = decrease
+        self._smoothing = smoothing
+        self._headroom = headroom
+        self._interval_started = started_at
+        self._decreased_at = -math.inf
+        self._first_bytes: list[float] = []
+        # Released requests without a first byte yet, oldest first: key -> release time.
+        self._outstanding: dict[int, float] = {}
+        self._engine_ttft: list[float] = []
+        self._engine_tpot: list[float] = []
+        self._held_back = False
+        self._completions = 0
+        self._drain_rate: float | None = None
+        self._latency: float | None = None
+        self._last_latency: float | None = None
+        self._tpot: float | None = None
+        self._decreases = 0
+        self._increases = 0
+
+    @property
+    def allowed(self) -> float:
+        """The engine queue the gate may let form now (the tier's `waiting_below`)."""
+        return self._allowed
+
+    def observe_released(self, key: int, released_at: float) -> None:
+        """A request of this tier went to the engine; until its first byte its age is a lower
+        bound of its time to first byte (see `tick`)."""
+        self._outstanding[key] = released_at
+
+    def observe_first_byte(self, key: int, released_at: float, seconds: float) -> None:
+        """One request of this tier: its time from release to first byte."""
+        self._outstanding.pop(key, None)
+        if released_at < self._decreased_at:
+            return  # it saw the queue from before the last decrease: already acted on
+        if len(self._first_bytes) < _MAX_SAMPLES:
+            self._first_bytes.append(seconds)
+
+    def observe_ended(self, key: int) -> None:
+        """The request ended (without a first byte, if it was still outstanding)."""
+        self._outstanding.pop(key, None)
+
+    def observe_completion(self) -> None:
+        """A request of any tier left the engine: the rate at which its queue drains."""
+        self._completions += 1
+
+    def observe_engine(self, now: float, ttft_s: float | None, tpot_s: float | None) -> None:
+        """One scrape's recent engine TTFT and TPOT (None where not exported); the interval's
+        mean counts, so one slow scrape among many does not shrink the queue. Skipped for an
+        interval after a decrease: the engine's means still hold the requests queued before."""
+        if now - self._decreased_at < self._interval_s:
+            return
+        if ttft_s is not None:
+            self._engine_ttft.append(ttft_s)
+        if tpot_s is not None:
+            self._engine_tpot.append(tpot_s)
+
+    def note_held_back(self) -> None:
+        """The gate held a request of this tier back because of the engine's queue."""
+        self._held_back = True
+
+    def tick(self, now: float) -> bool:
+        """Decide once the interval is over; True if the allowed queue changed."""
+        elapsed = now - self._interval_started
+        if elapsed < self._interval_s:
+            return False
+        self._interval_started = now
+        rate = self._completions / elapsed
+        self._completions = 0
+        self._drain_rate = _smooth(self._drain_rate, rate, self._smoothing)
+        latency = self._interval_latency(now)
+        tpot = _mean(self._engine_tpot)
+        held_back = self._held_back
+        self._first_bytes = []
+        self._engine_ttft = []
+        self._engine_tpot = []
+        self._held_back = False
+        if latency is not None:
+            self._last_latency = latency
+            self._latency = _smooth(self._latency, latency, self._smoothing)
+        if tpot is not None:
+            self._tpot = _smooth(self._tpot, tpot, self._smoothing)
+        before = self._allowed
+        ceiling = self._drain_ceiling()
+        if ceiling < before:
+            # The queue cannot drain within the target at the engine's present pace (Little's
+            # law): shrink now rather than after its first bytes come back late.
+            self._allowed = ceiling
+            self._decreased_at = now
+            self._latency = self._tpot = None
+            self._decreases += 1
+            return True
+        if latency is None and tpot is None:
+            return False  # nothing measured: no reason to move
+        overshoot = self._overshoot()
+        if overshoot > 1.0:
+            # Proportional to how far over the target (a gradient step, as in Vegas-style
+            # limiters), never less than `decrease` nor more than half at once.
+            self._allowed = max(
+                self._minimum, before * max(0.5, min(self._decrease, 1 / overshoot))
+            )
+            self._decreased_at = now
+            # The next decision rests on what follows the decrease only: smoothing it with the
+            # latency already acted on would shrink the queue again for the same cause.
+            self._latency = self._tpot = None
+            self._decreases += self._allowed < before
+        elif held_back and overshoot <= self._headroom and self._settled(now):
+            self._allowed = min(self._maximum, ceiling, before + 1.0)
+            self._increases += self._allowed > before
+        return self._allowed != before
+
+    def statistics(self) -> TunerStatus:
+        return TunerStatus(
+            allowed=self._allowed,
+            latency_s=self._last_latency,
+            tpot_s=self._tpot,
+            decreases=self._decreases,
+            increases=self._increases,
+        )
+
+    def _interval_latency(self, now: float) -> float | None:
+        samples = self._first_bytes
+        target = self._ttft_target
+        if target is not None:
+            # Requests still waiting for their first byte past the target have missed it
+            # already: counting their age now reacts a whole first-byte time sooner to a
+            # slower engine than waiting for those first bytes would. Those near it count too,
+            # or the first bytes that came back soonest (the lucky ones that found a free slot)
+            # would read as room to grow.
+            for released_at in self._outstanding.values():
+                if now - released_at <= target * self._headroom:
+                    break  # oldest first: the rest are younger
+                if released_at >= self._decreased_at and len(samples) < _MAX_SAMPLES:
+                    samples.append(now - released_at)
+        own = _percentile(samples, 0.95) if samples else None
+        engine = _mean(self._engine_ttft)
+        latency = engine if own is None else own if engine is None else max(own, engine)
+        if latency is None:
+            return None
+        # A client's TTFT through us also holds its wait in our queue for the next release,
+        # about one completion interval for a user without a backlog (the light users the
+        # target is for): the part of the target the engine queue may not spend.
+        return latency + (1 / self._drain_rate if self._drain_rate else 0.0)
+
+    def _drain_ceiling(self) -> float:
+        """The largest queue the engine drains within `headroom` of the TTFT target at its
+        recent completion rate; no ceiling before a rate is known or without a TTFT target."""
+        if self._ttft_target is None or not self._drain_rate:
+            return self._maximum
+        # (queue + 1) / rate: the wait of a request released behind the whole queue.
+        return max(self._minimum, self._ttft_target * self._headroom * self._drain_rate - 1)
+
+    def _settled(self, now: float) -> bool:
+        """Long enough since the last decrease that a slow request released after it would
+        have shown: first bytes that came back sooner are the lucky ones only."""
+        return now - self._decreased_at >= self._interval_s + (self._ttft_target or 0.0)
+
+    def _overshoot(self) -> float:
+        """The worst of latency / TTFT target and TPOT / TPOT target (0 when unmeasured)."""
+        ratios = [0.0]
+        if self._ttft_target is not None and self._latency is not None:
+            ratios.append(self._latency / self._ttft_target)
+        if self._tpot_target is not None and self._tpot is not None:
+            ratios.append(self._tpot / self._tpot_target)
+        return max(ratios)
+
+
+def _smooth(previous: float | None, value: float, weight: float) -> float:
+    return value if previous is None else previous + weight * (value - previous)
+
+
+def _mean(values: list[float]) -> float | None:
+    return sum(values) / len(values) if values else None
+
+
+def _percentile(values: list[float], share: float) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, math.ceil(share * len(ordered)) - 1)]

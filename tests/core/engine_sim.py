@@ -1,0 +1,150 @@
+"""A scripted engine for gate tests: FIFO queue, `max_num_seqs` slots, fixed service time, and
+every signal late the way a real deployment makes it late (requests reach the engine after
+`transit_s`, the proxy sees first bytes and ends `proxy_delay_s` after the engine, and a scrape
+shows the engine as it was `lag_s` before). Pure: FakeClock time, no sleeps, no event loop."""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from fair_sched_plugin.core import BackendSnapshot, Lease, MetricsGate, Ticket, TierLimits
+from fair_sched_plugin.testing import FakeClock
+
+URL = "http://engine/metrics"
+
+
+class _Owner:
+    def __init__(self, gate: MetricsGate) -> None:
+        self.gate = gate
+
+    def lease_started(self, lease: Lease) -> None:
+        self.gate.on_started(lease)
+
+    def lease_ended(self, lease: Lease, tokens_used: int | None, *, abandoned: bool) -> None:
+        self.gate.on_ended(lease)
+
+
+@dataclass
+class _Request:
+    lease: Lease
+    tier: str
+    arrives_at: float
+    started_at: float = 0.0
+
+
+@dataclass
+class Sample:
+    """The engine's true state at one tick, and what the gate allowed."""
+
+    at: float
+    waiting: int
+    running: int
+    parked: int
+    allowed: float | None = None
+
+
+@dataclass
+class EngineSim:
+    gate: MetricsGate
+    clock: FakeClock
+    max_num_seqs: int = 8
+    service_s: float = 1.0
+    transit_s: float = 0.05
+    proxy_delay_s: float = 0.0
+    lag_s: float = 0.0
+    poll_s: float = 0.1
+    tick_s: float = 0.01
+    prefill_s: float = 0.02
+    # Scripted changes: the engine's speed as a function of time (1.0 = normal, 3.0 = 3x slower).
+    slowdown: Callable[[float], float] = lambda at: 1.0
+    # Time to first byte as the proxy measures it, per tier: (release time, seconds).
+    ttfb: dict[str, list[tuple[float, float]]] = field(default_factory=dict)
+    samples: list[Sample] = field(default_factory=list)
+    _in_transit: deque[_Request] = field(default_factory=deque)
+    _waiting: deque[_Request] = field(default_factory=deque)
+    _running: list[_Request] = field(default_factory=list)
+    _history: deque[tuple[float, int, int]] = field(default_factory=deque)
+    _events: list[tuple[float, int, str, _Request]] = field(default_factory=list)
+    _order: itertools.count[int] = field(default_factory=itertools.count)
+    _next_scrape: float = 0.0
+    _lease_ids: itertools.count[int] = field(default_factory=lambda: itertools.count(1))
+
+    def run(
+        self,
+        seconds: float,
+        parked: dict[TierLimits, int],
+        model: str = "m",
+        allowed: Callable[[], float | None] = lambda: None,
+    ) -> list[Sample]:
+        """Run for `seconds` with `parked[tier]` requests waiting in our queue at the start
+        (most urgent tier first); return this run's samples."""
+        owner = _Owner(self.gate)
+        left = dict(parked)
+        first = len(self.samples)
+        end = self.clock.now() + seconds
+        while self.clock.now() < end:
+            now = self.clock.now()
+            self._step_engine(now)
+            self._deliver_events(now)
+            if now >= self._next_scrape:
+                self.gate.update(model, self._scrape(now))
+                self._next_scrape = now + self.poll_s
+            for tier, count in left.items():
+                while count and self.gate.may_release(model, tier):
+                    ticket = Ticket(model, "user", tier.name)
+                    lease = Lease(owner, ticket, next(self._lease_ids), now, now, 0.0)
+                    self.gate.on_released(lease)
+                    self._in_transit.append(_Request(lease, tier.name, now + self.transit_s))
+                    count -= 1
+                left[tier] = count
+                if count:
+                    break  # strict priority: a lower tier waits while a higher one is parked
+            self.samples.append(
+                Sample(now, len(self._waiting), len(self._running), sum(left.values()), allowed())
+            )
+            self.clock.advance(self.tick_s)
+        return self.samples[first:]
+
+    def _step_engine(self, now: float) -> None:
+        while self._in_transit and self._in_transit[0].arrives_at <= now:
+            self._waiting.append(self._in_transit.popleft())
+        service = self.service_s * self.slowdown(now)
+        for request in [r for r in self._running if now - r.started_at >= service]:
+            self._running.remove(request)
+            self._schedule(now + self.proxy_delay_s, "end", request)
+        while self._waiting and len(self._running) < self.max_num_seqs:
+            request = self._waiting.popleft()
+            request.started_at = now
+            self._running.append(request)
+            first_byte = now + self.prefill_s * self.slowdown(now)
+            self._schedule(first_byte + self.proxy_delay_s, "first", request)
+        self._history.append((now, len(self._waiting), len(self._running)))
+        while len(self._history) > 1 and self._history[1][0] <= now - self.lag_s:
+            self._history.popleft()
+
+    def _schedule(self, at: float, kind: str, request: _Request) -> None:
+        heapq.heappush(self._events, (at, next(self._order), kind, request))
+
+    def _deliver_events(self, now: float) -> None:
+        while self._events and self._events[0][0] <= now:
+            at, _, kind, request = heapq.heappop(self._events)
+            lease = request.lease
+            if kind == "first":
+                self.ttfb.setdefault(request.tier, []).append(
+                    (lease.released_at, at - lease.released_at)
+                )
+                lease.mark_started()
+            else:
+                lease.release()
+
+    def _scrape(self, now: float) -> BackendSnapshot:
+        _, waiting, running = self._history[0]
+        return BackendSnapshot(url=URL, started_at=now, ok=True, waiting=waiting, running=running)
+
+
+def mean(values: list[float]) -> float:
+    return sum(values) / len(values) if values else 0.0

@@ -1,0 +1,171 @@
+"""`waiting_below: auto` (issue #17): the queue tuner alone, and in the gate against a scripted
+engine (tests/core/engine_sim.py) with the fake clock: a step change of speed, lagging scrapes,
+noisy TPOT, and the oscillation bound stated in core/tuning.py."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from fair_sched_plugin.core import BackendGroup, MetricsGate, TierLimits
+from fair_sched_plugin.core.tuning import QueueTuner
+from fair_sched_plugin.testing import FakeClock
+
+from .engine_sim import URL, EngineSim, Sample, mean
+
+TARGET_S = 1.0
+AUTO = TierLimits(
+    "interactive", waiting_below=1, auto_waiting_below=(1, 32), ttft_target_s=TARGET_S
+)
+
+
+def _p95(values: list[float]) -> float:
+    ordered = sorted(values)
+    return ordered[int(0.95 * (len(ordered) - 1))]
+
+
+def _run(
+    seconds: float, gate_options: dict[str, object] | None = None, **engine: object
+) -> tuple[EngineSim, list[Sample]]:
+    clock = FakeClock(0.0)
+    group = BackendGroup("m", (URL,), **(gate_options or {}))  # type: ignore[arg-type]
+    gate = MetricsGate([group], stale_after_s=5.0, clock=clock)
+    sim = EngineSim(gate, clock, **engine)  # type: ignore[arg-type]
+
+    def allowed() -> float | None:
+        return dict(gate.status()[0].allowed_queue).get(AUTO.name)
+
+    return sim, sim.run(seconds, {AUTO: 100_000}, allowed=allowed)
+
+
+def _ttfb_p95(sim: EngineSim, start: float, end: float) -> float:
+    return _p95([s for at, s in sim.ttfb[AUTO.name] if start <= at < end])
+
+
+def test_a_step_change_of_speed_shrinks_the_queue_and_it_grows_back() -> None:
+    """8 slots, 1 s per request; 3x slower from 20 s to 40 s. Outside the transitions the
+    measured time to first byte keeps its target, and the engine stays full throughout."""
+    sim, samples = _run(60.0, slowdown=lambda at: 3.0 if 20 <= at < 40 else 1.0)
+    allowed = {round(s.at, 2): s.allowed for s in samples}
+    fast_allowed = allowed[18.0]
+    assert fast_allowed is not None and fast_allowed >= 2  # it grew from 1 to use the queue
+    slow_allowed = allowed[38.0]
+    assert slow_allowed is not None and slow_allowed <= fast_allowed / 2
+    recovered = allowed[59.0]
+    assert recovered is not None and recovered >= 2
+    assert _ttfb_p95(sim, 8.0, 18.0) <= TARGET_S
+    assert _ttfb_p95(sim, 50.0, 60.0) <= TARGET_S * 1.05
+    parked = [s.running for s in samples if s.at >= 3.0 and s.parked]
+    assert mean(parked) >= 0.95 * 8
+
+
+def test_lagging_scrapes_do_not_break_the_target_or_the_fill() -> None:
+    """The engine's /metrics 2 s behind (with `metrics_lag_s`): the tuner feeds on our own first
+    bytes, which do not lag, so the target and the fill hold as without lag."""
+    sim, samples = _run(40.0, {"metrics_lag_s": 2.0}, lag_s=2.0)
+    assert _ttfb_p95(sim, 10.0, 40.0) <= TARGET_S
+    assert mean([s.running for s in samples if s.at >= 5.0]) >= 0.95 * 8
+    assert max(s.allowed or 0 for s in samples) < 12  # no run-away growth on stale data
+
+
+def test_noisy_tpot_under_its_target_does_not_collapse_the_queue() -> None:
+    """TPOT noisy around 60% of its target with a spike to 2x in one scrape out of ten: the
+    interval mean stays under the target, the queue keeps growing while it is used."""
+    rng = random.Random(17)
+    tuner = QueueTuner(minimum=1, maximum=16, ttft_target_s=None, tpot_target_s=0.15)
+    now = 0.0
+    for _ in range(300):  # 30 s of scrapes every 100 ms
+        now += 0.1
+        tpot = 0.30 if rng.random() < 0.1 else rng.uniform(0.05, 0.11)
+        tuner.observe_engine(now, None, tpot)
+        tuner.note_held_back()
+        tuner.tick(now)
+    assert tuner.allowed == 16
+    assert tuner.statistics().decreases == 0
+
+
+def test_tpot_over_its_target_shrinks_the_queue_in_proportion() -> None:
+    tuner = QueueTuner(minimum=1, maximum=16, ttft_target_s=None, tpot_target_s=0.1, initial=16)
+    tuner.observe_engine(0.5, None, 0.3)  # 3x over: halved (never more at once)
+    tuner.tick(1.0)
+    assert tuner.allowed == 8
+    tuner.observe_engine(2.5, None, 0.11)  # 10% over: x0.7
+    tuner.tick(3.0)
+    assert tuner.allowed == pytest.approx(5.6)
+
+
+def test_first_bytes_from_before_a_decrease_are_not_acted_on_twice() -> None:
+    """Requests released before a decrease report the old, longer queue; only requests released
+    after it say whether the decrease was enough."""
+    tuner = QueueTuner(minimum=1, maximum=16, ttft_target_s=1.0, initial=10)
+    tuner.observe_released(1, 0.0)
+    tuner.observe_first_byte(1, 0.0, 2.0)
+    tuner.tick(1.0)
+    assert tuner.allowed == 5
+    tuner.observe_first_byte(2, 0.5, 2.0)  # released before the decrease at 1.0
+    tuner.tick(2.0)
+    assert tuner.allowed == 5
+
+
+def test_requests_outstanding_past_the_target_count_before_their_first_byte() -> None:
+    tuner = QueueTuner(minimum=1, maximum=16, ttft_target_s=1.0, initial=10)
+    tuner.observe_released(1, 0.0)
+    tuner.tick(1.0)
+    assert tuner.allowed == 10  # 1 s old: not over the target yet
+    tuner.tick(2.5)  # 2.5 s without a first byte: the smoothed latency is 1.75x the target
+    assert tuner.allowed == pytest.approx(10 / 1.75)
+
+
+def test_the_queue_grows_only_while_the_gate_holds_requests_back() -> None:
+    tuner = QueueTuner(minimum=1, maximum=16, ttft_target_s=1.0)
+    for second in range(1, 6):
+        tuner.observe_first_byte(second, second - 0.5, 0.1)
+        tuner.tick(float(second))
+    assert tuner.allowed == 1  # well within the target, but the limit never bound
+    tuner.observe_first_byte(9, 5.5, 0.1)
+    tuner.note_held_back()
+    tuner.tick(6.0)
+    assert tuner.allowed == 2
+
+
+def test_oscillation_stays_within_the_stated_bound() -> None:
+    """The bound in core/tuning.py: an engine whose time to first byte is 0.1 s per request
+    queued ahead (plus 0.1 s), +-10% noise, known only when the first byte comes. L = 9 is the largest
+    queue within the 1 s target; after the first 30 s the allowed queue stays within
+    [decrease * L - 1, L + 2] = [5.3, 11]."""
+    rng = random.Random(17)
+    tuner = QueueTuner(minimum=1, maximum=32, ttft_target_s=1.0)
+    seen: list[float] = []
+    in_flight: list[tuple[int, float, float]] = []
+    now = 0.0
+    for step in range(1, 3001):  # 300 s in 100 ms steps
+        now = step * 0.1
+        ttfb = 0.1 * (int(tuner.allowed) + 1) * rng.uniform(0.9, 1.1)
+        tuner.observe_released(step, now)
+        in_flight.append((step, now, ttfb))
+        for item in [item for item in in_flight if item[1] + item[2] <= now]:
+            in_flight.remove(item)
+            tuner.observe_first_byte(item[0], item[1], item[2])
+        tuner.note_held_back()
+        tuner.tick(now)
+        if now >= 30:
+            seen.append(tuner.allowed)
+    assert min(seen) >= 0.7 * 9 - 1
+    assert max(seen) <= 9 + 2
+
+
+def test_a_slower_drain_lowers_the_ceiling_before_any_first_byte_is_late() -> None:
+    """Little's law: at 10 completions/s a 1 s target (80% headroom) allows 7 queued (the 8th
+    would wait 0.8 s); when the engine slows to 2/s the queue shrinks to the minimum at the next
+    interval, with no first byte observed at all."""
+    tuner = QueueTuner(minimum=1, maximum=32, ttft_target_s=1.0, initial=20, smoothing=1.0)
+    for _ in range(10):
+        tuner.observe_completion()
+    tuner.observe_first_byte(1, 0.5, 0.2)
+    tuner.tick(1.0)
+    assert tuner.allowed == pytest.approx(7.0)
+    for _ in range(2):
+        tuner.observe_completion()
+    tuner.tick(2.0)
+    assert tuner.allowed == 1

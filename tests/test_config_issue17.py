@@ -1,0 +1,115 @@
+"""Settings of issue #17: `waiting_below: auto` in its three forms, `ttft_target_ms`, and the
+backend keys `max_num_seqs` and `metrics_lag_ms`; what the service makes of them."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from fair_sched_plugin.config import load_settings
+from fair_sched_plugin.core import BackendSnapshot
+from fair_sched_plugin.errors import ConfigError
+from fair_sched_plugin.service import SchedulingService
+from fair_sched_plugin.testing import FakeClock
+
+
+def tier(**keys: Any) -> dict[str, Any]:
+    return {"tiers": [{"name": "interactive", **keys}]}
+
+
+@pytest.mark.parametrize(
+    ("keys", "bounds"),
+    [
+        ({"waiting_below": "auto", "ttft_target_ms": 1000}, (1, 32)),
+        ({"waiting_below": "auto", "waiting_below_min": 2, "tpot_below_ms": 150}, (2, 32)),
+        ({"waiting_below": {"auto": {"min": 2, "max": 9}}, "ttft_target_ms": 800}, (2, 9)),
+        ({"waiting_below": {"auto": {}}, "ttft_target_ms": 800}, (1, 32)),
+        ({"waiting_below": 3}, None),
+    ],
+)
+def test_the_forms_of_waiting_below(keys: dict[str, Any], bounds: tuple[int, int] | None) -> None:
+    settings = load_settings(tier(**keys))
+    assert settings.tiers[0].auto_bounds() == bounds
+    assert settings.tiers[0].initial_waiting_below() == (bounds[0] if bounds else 3)
+
+
+@pytest.mark.parametrize(
+    ("keys", "expected"),
+    [
+        ({"waiting_below": "auto"}, "tiers[0].waiting_below: auto needs ttft_target_ms or"),
+        (
+            {"waiting_below": "auto", "ttft_target_ms": 1, "waiting_below_min": 5,
+             "waiting_below_max": 2},
+            "tiers[0].waiting_below: auto needs min <= max (got min 5, max 2)",
+        ),
+        ({"waiting_below": 3, "waiting_below_min": 2}, "only with waiting_below: auto"),
+        (
+            {"waiting_below": {"auto": {"min": 2}}, "waiting_below_max": 4, "ttft_target_ms": 1},
+            "give them in one place",
+        ),
+        (
+            {"waiting_below": {"auto": {"min": 0}}, "ttft_target_ms": 1},
+            "tiers[0].waiting_below.auto.min: Input should be greater than 0",
+        ),
+        ({"waiting_below": "sometimes"}, "tiers[0].waiting_below: must be a number, auto or"),
+        ({"waiting_below": -1}, "tiers[0].waiting_below: must be greater than 0 (got -1)"),
+        ({"waiting_below": "auto", "ttft_target_ms": -5}, "tiers[0].ttft_target_ms"),
+    ],
+)  # fmt: skip
+def test_bad_auto_settings_name_the_key(keys: dict[str, Any], expected: str) -> None:
+    with pytest.raises(ConfigError) as caught:
+        load_settings(tier(**keys))
+    assert expected in str(caught.value)
+
+
+def test_bad_backend_keys_name_the_key() -> None:
+    with pytest.raises(ConfigError, match=r"backends\.m\.max_num_seqs"):
+        load_settings({"backends": {"m": {"api_base": "http://127.0.0.1:9/v1", "max_num_seqs": 0}}})
+    with pytest.raises(ConfigError, match=r"backends\.m\.metrics_lag_ms"):
+        load_settings({"backends": {"m": {"metrics_lag_ms": -1}}})
+
+
+async def test_the_service_tunes_an_auto_tier_and_reports_what_it_allows() -> None:
+    """The gate gets the tier as auto (starting at its minimum), `max_num_seqs` and the lag; the
+    service's thresholds (the `fair_sched_tier_waiting_threshold` metric and the status page)
+    report what the tuner allows now, per model (summed over deployments)."""
+    clock = FakeClock()
+    svc = SchedulingService(
+        {
+            **tier(waiting_below={"auto": {"min": 2, "max": 9}}, ttft_target_ms=500),
+            "backends": {
+                "m": {
+                    "metrics_urls": ["http://a:8000/metrics", "http://b:8000/metrics"],
+                    "max_num_seqs": 8,
+                    "metrics_lag_ms": 1500,
+                }
+            },
+        },
+        clock=clock,
+    )
+    (limits,) = svc.scheduler.tiers
+    assert (limits.waiting_below, limits.auto_waiting_below) == (2, (2, 9))
+    assert limits.ttft_target_s == 0.5
+    spec = svc.gate.groups()["m"]
+    assert (spec.max_num_seqs, spec.metrics_lag_s) == (8, 1.5)
+    assert svc.waiting_thresholds() == {"m": {"interactive": 4}}  # 2 per deployment
+    for url in spec.metrics_urls:
+        svc.gate.update("m", BackendSnapshot(url, clock.now(), ok=True, running=8))
+    svc.gate.may_release("m", limits)  # the tuner starts with the tier's first decision
+    assert svc.gate.tuning("m")["interactive"].allowed == 2
+    assert svc.waiting_thresholds() == {"m": {"interactive": 4}}
+    # The engine's queue is at the allowed 2 + 2 and its TTFT well within the target: it grows.
+    for url in spec.metrics_urls:
+        svc.gate.update("m", BackendSnapshot(url, clock.now(), ok=True, waiting=2, running=8))
+    assert not svc.gate.may_release("m", limits)  # held back by the queue: the limit binds
+    clock.advance(1.1)
+    for url in spec.metrics_urls:
+        snapshot = BackendSnapshot(url, clock.now(), ok=True, waiting=2, running=8, ttft_s=0.1)
+        svc.gate.update("m", snapshot)
+    assert svc.waiting_thresholds() == {"m": {"interactive": 6}}
+    text = svc.observability.render().decode()
+    assert 'fair_sched_tier_waiting_threshold{model="m",tier="interactive"} 6.0' in text
+    status = svc.gate_status()[0]
+    assert status.allowed_queue == (("interactive", 6.0),)
+    await svc.aclose()
