@@ -257,6 +257,8 @@ class SchedulingService:
             self._prices.values(), key=lambda price: price.cost(1000, 1000), default=None
         )
         self.budgets = BudgetBook(_budget_rules(self.settings), clock=self.clock)
+        # Shared with the other replicas (and kept over restarts) when state is in Redis.
+        self.scheduler.share_budgets(self.budgets)
         self.scheduler.add_end_listener(self._count_spend)
         # Leases granted through admit() and not yet ended, for the per-principal in-flight view.
         self._running: dict[Lease, tuple[str, str, str]] = {}
@@ -370,7 +372,7 @@ class SchedulingService:
         if usd is None:
             # Only the token count is known: scale the estimated price by it.
             usd = ticket.price * tokens / max(ticket.cost, 1)
-        self.budgets.spend(ticket.user, usd=usd, tokens=tokens)
+        self.scheduler.record_spend(ticket.user, usd=usd, tokens=tokens)
 
     def scheduling_model(self, model: object, *, unknown_models: UnknownModels = "share") -> str:
         """The name a request is scheduled under; `InvalidRequest` for one we will not schedule.

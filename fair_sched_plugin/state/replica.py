@@ -30,6 +30,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, Literal, NamedTuple
 
 from ..core.backpressure import GroupStatus, MetricsGate
+from ..core.budget import BudgetBook
 from ..core.gate import AdmissionGate
 from ..core.scheduler import FairScheduler, Reservation, SchedulerStatistics, UserBacklog
 from ..core.ticket import Lease, Ticket, TierLimits
@@ -305,6 +306,9 @@ class ReplicaScheduler:
         self._leading: list[asyncio.Task[Any]] = []
         self._counters = dict.fromkeys(("fallbacks", "recoveries", "store_errors"), 0)
         self._hold: asyncio.TimerHandle | None = None
+        self._budgets: BudgetBook | None = None
+        self._budgets_taken_over: str | None = None  # the lease whose term restored them
+        self._bad_budgets: str | None = None  # the unreadable value last logged
         if link is None:
             self._open_term(LOCAL_EPOCH)
 
@@ -474,6 +478,7 @@ class ReplicaScheduler:
         await asyncio.gather(*tasks, return_exceptions=True)
         if token is not None:
             with contextlib.suppress(StateStoreError):
+                await self._save_budgets(self._link, token)
                 await self._link.resign(token)
         await self._link.aclose()
 
@@ -757,6 +762,7 @@ class ReplicaScheduler:
             if self._mode == "local":
                 self._rejoin()
             await self._after_beat(link, beat)
+            await self._sync_budgets(link)
         except StateStoreError as exc:
             self._store_failed(exc)
 
@@ -838,6 +844,9 @@ class ReplicaScheduler:
                     logger.warning("fair_sched leader skipped a malformed message: %s", exc)
 
     def _handle(self, term: _Term, message: list[Any]) -> None:
+        if message[0] == "$":
+            self._spent_elsewhere(message)
+            return
         kind, epoch, session, replica, tid = message[:5]
         if epoch != term.epoch or not term.accepts(replica, session):
             return  # addressed to an earlier leader: its sender re-sends what still matters
@@ -897,6 +906,72 @@ class ReplicaScheduler:
                 "gate": [list(row) for row in (self._gate.status() if self._gate else [])],
             }
         )
+
+    # ------------------------------------------------------------------ budgets
+
+    def share_budgets(self, book: BudgetBook) -> None:
+        """Keep `book` the same on every replica: the acting leader's book is the truth, it
+        takes the followers' spends (`record_spend`), stores its snapshot in Redis on every
+        heartbeat (a new leader, also after a restart, restores it) and the followers load it.
+        A follower's own spends count locally at once and come back with the leader's next
+        snapshot (so its view lags the leader's by at most a heartbeat)."""
+        self._budgets = book
+
+    def record_spend(self, principal: str, *, usd: float, tokens: int) -> None:
+        """What one of this replica's requests spent: into our book, and to the leader."""
+        if self._budgets is None:
+            return
+        self._budgets.spend(principal, usd=usd, tokens=tokens)
+        if self._term is None and self._budgets.rule(principal) is not None:
+            # A fact, not a request: the leader counts it whatever epoch it was sent in.
+            self._send(["$", self._epoch, self._session, self.replica, 0, principal, usd, tokens])
+
+    def _spent_elsewhere(self, message: list[Any]) -> None:
+        principal, usd, tokens = message[5:8]
+        if self._budgets is not None and isinstance(principal, str):
+            self._budgets.spend(principal, usd=float(usd), tokens=int(tokens))
+
+    async def _sync_budgets(self, link: RedisLink) -> None:
+        """After a heartbeat: a leader stores its book (restoring the stored one first when its
+        term is new); a follower takes the leader's."""
+        if self._budgets is None or self._mode != "shared":
+            return
+        token = self._token
+        if token is None:
+            self._take_budgets(link, await link.load_budgets())
+            return
+        if self._budgets_taken_over != token:
+            self._take_budgets(link, await link.load_budgets())
+            self._budgets_taken_over = token
+        await self._save_budgets(link, token)
+
+    async def _save_budgets(self, link: RedisLink, token: str) -> None:
+        book = self._budgets
+        if book is None or not book.longest_window_s():
+            return
+        await link.save_budgets(token, json.dumps(book.snapshot()), book.longest_window_s())
+
+    def _take_budgets(self, link: RedisLink, raw: str | None) -> None:
+        """Replace our book with a stored snapshot; an unreadable one gives a fresh book (the
+        leader's next store overwrites it) and one log line per distinct bad value."""
+        book = self._budgets
+        if book is None or raw is None:
+            return
+        try:
+            book.restore(json.loads(raw), replace=True)
+        except ValueError as exc:
+            if raw != self._bad_budgets:
+                logger.error(
+                    "fair_sched budget state in Redis key %s is unreadable (%s): replica %s "
+                    "starts from a fresh budget book",
+                    link.budgets_key,
+                    exc,
+                    self.replica,
+                )
+            self._bad_budgets = raw
+            book.restore({}, replace=True)
+        else:
+            self._bad_budgets = None
 
     # ------------------------------------------------------------------ helpers
 
