@@ -54,7 +54,7 @@ from .errors import (
 from .identity import Credentials, Principal, PrincipalDirectory
 from .metrics.profiles import profile_for
 from .metrics.watcher import MetricsWatcher
-from .observability import DeploymentReading, ServiceMetrics, rejection_reason
+from .observability import BudgetStanding, DeploymentReading, ServiceMetrics, rejection_reason
 from .state import ReplicaScheduler, StateStatistics, open_state
 
 logger = logging.getLogger("fair_sched")
@@ -560,6 +560,28 @@ class SchedulingService:
 
     def recent_transitions(self) -> Sequence[GateTransition]:
         return self.transitions
+
+    def budget_standings(self) -> list[BudgetStanding]:
+        standings = []
+        for principal in sorted(self.budgets.principals()):
+            verdict = self.budgets.verdict(principal)
+            if verdict is None:
+                continue
+            rule = verdict.rule
+            standings.append(
+                BudgetStanding(
+                    principal,
+                    rule.unit,
+                    rule.limit,
+                    verdict.spent,
+                    verdict.remaining,
+                    verdict.resets_in_s,
+                    verdict.over,
+                    rule.action,
+                    rule.demote_to,
+                )
+            )
+        return standings
 
     # ------------------------------------------------------------------ internals
 

@@ -61,6 +61,10 @@ class BudgetBook:
     def rule(self, principal: str) -> BudgetRule | None:
         return self._rules.get(principal)
 
+    def principals(self) -> list[str]:
+        """The principals that have a budget rule."""
+        return list(self._rules)
+
     def verdict(self, principal: str) -> BudgetVerdict | None:
         """Where `principal` stands now; None without a budget."""
         rule = self._rules.get(principal)
