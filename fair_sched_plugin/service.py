@@ -252,6 +252,8 @@ class SchedulingService:
         self._prices = {
             model: backend.price for model, backend in self.backends.items() if backend.price
         }
+        # An adapter's own price data (LiteLLM's cost map) for models without `price`.
+        self._price_lookup: Callable[[str], PriceSettings | None] | None = None
         # Models without a price are charged as the dearest priced one (never free).
         self._fallback_price = max(
             self._prices.values(), key=lambda price: price.cost(1000, 1000), default=None
@@ -346,8 +348,30 @@ class SchedulingService:
         )
 
     def price_of(self, model: str) -> PriceSettings | None:
-        """`backends.<model>.price`, else the dearest configured price, else None."""
-        return self._prices.get(model, self._fallback_price)
+        """`backends.<model>.price`, else the adapter's price for it (`use_price_lookup`), else
+        the dearest configured price, else None."""
+        configured = self._prices.get(model)
+        if configured is not None:
+            return configured
+        if self._price_lookup is not None and model in self.known_models:
+            found = self._price_lookup(model)
+            if found is not None:
+                return found
+        return self._fallback_price
+
+    def use_price_lookup(self, lookup: Callable[[str], PriceSettings | None]) -> None:
+        """Ask `lookup` for the price of a served model that has no `backends.<model>.price`
+        (the LiteLLM adapter passes LiteLLM's own cost data; `lookup` caches if it needs to)."""
+        self._price_lookup = lookup
+
+    def cost_of_usage(
+        self, model: str, prompt_tokens: int, output_tokens: int, cached_tokens: int = 0
+    ) -> float | None:
+        """What a request's actual usage cost at `model`'s price (None: no price known)."""
+        price = self.price_of(model)
+        if price is None:
+            return None
+        return price.cost(prompt_tokens, output_tokens, cached_tokens)
 
     def _apply_budget(self, ticket: Ticket) -> Ticket:
         """Over budget: the ticket in the `demote_to` tier, or `BudgetExceeded` until the
