@@ -479,6 +479,7 @@ class ReplicaScheduler:
         if token is not None:
             with contextlib.suppress(StateStoreError):
                 await self._save_budgets(self._link, token)
+            with contextlib.suppress(StateStoreError):
                 await self._link.resign(token)
         await self._link.aclose()
 
@@ -934,7 +935,9 @@ class ReplicaScheduler:
     async def _sync_budgets(self, link: RedisLink) -> None:
         """After a heartbeat: a leader stores its book (restoring the stored one first when its
         term is new); a follower takes the leader's."""
-        if self._budgets is None or self._mode != "shared":
+        if self._budgets is None or not self._budgets.longest_window_s():
+            return  # no principal has a budget: nothing to share
+        if self._mode != "shared":
             return
         token = self._token
         if token is None:
@@ -959,7 +962,7 @@ class ReplicaScheduler:
             return
         try:
             book.restore(json.loads(raw), replace=True)
-        except ValueError as exc:
+        except (ValueError, RecursionError) as exc:  # RecursionError: absurdly deep JSON
             if raw != self._bad_budgets:
                 logger.error(
                     "fair_sched budget state in Redis key %s is unreadable (%s): replica %s "

@@ -134,7 +134,9 @@ async def eventually_stored(client: redis_asyncio.Redis, prefix: str, expected: 
     assert await stored_budgets(client, prefix) == expected
 
 
-@pytest.mark.parametrize("value", ["{not json", '{"heavy": {"spent": "lots"}}', "[1, 2]"])
+@pytest.mark.parametrize(
+    "value", ["{not json", '{"heavy": {"spent": "lots"}}', "[1, 2]", "[" * 100_000]
+)
 async def test_an_unreadable_budget_key_is_logged_and_a_fresh_book_started(
     redis_server: RedisServer, caplog: pytest.LogCaptureFixture, value: str
 ) -> None:
