@@ -43,19 +43,28 @@ async def test_budgets_demote_to_the_lower_tier_and_reject_until_the_window_ends
     async with budget_stack(tmp_path) as (base_url, emu):
         for key in ("sk-light", "sk-heavy-free"):
             await warm(base_url, key)
+        # Interleaved rounds, so drift in the shared machine's load hits both alike.
         free = await heavy_flood_with_light_user(base_url, emu, "sk-heavy-free")
         demoted = await heavy_flood_with_light_user(base_url, emu, "sk-heavy-demote")
+        free_again = await heavy_flood_with_light_user(base_url, emu, "sk-heavy-free")
+        demoted_again = await heavy_flood_with_light_user(base_url, emu, "sk-heavy-demote")
         rejected, elapsed_s = await reject_until_429(base_url)
-    ratio = statistics.mean(demoted.light_ttft) / statistics.mean(free.light_ttft)
+    # Medians of 12 light requests each: one request held up by the shared machine's load
+    # (seconds, now and then) must not decide the comparison.
+    free_ttft = statistics.median(free.light_ttft + free_again.light_ttft)
+    demoted_ttft = statistics.median(demoted.light_ttft + demoted_again.light_ttft)
+    ratio = demoted_ttft / free_ttft
     print(
-        f"\nlight TTFT mean: heavy without overspend {statistics.mean(free.light_ttft):.3f} s, "
-        f"heavy demoted {statistics.mean(demoted.light_ttft):.3f} s (ratio {ratio:.2f})"
+        f"\nlight TTFT median: heavy without overspend {free_ttft:.3f} s, "
+        f"heavy demoted {demoted_ttft:.3f} s (ratio {ratio:.2f})"
     )
     # Within budget everything runs in the principal's own tier; overspent, the engine gets the
-    # lower tier's priority for every later request.
-    assert set(free.wave1_priorities + free.wave2_priorities) == {0}
+    # lower tier's priority for every later request (in the second round, for all of them).
+    for run in (free, free_again):
+        assert set(run.wave1_priorities + run.wave2_priorities) == {0}
     assert demoted.wave1_priorities == [0] * 4
     assert demoted.wave2_priorities == [10] * len(demoted.wave2_priorities) != []
+    assert set(demoted_again.wave1_priorities + demoted_again.wave2_priorities) == {10}
     assert ratio <= 1.2
     # Reject: Retry-After is the rest of the one-minute window opened by the first spend.
     assert rejected.status_code == 429
