@@ -306,6 +306,8 @@ class FloodResult:
     light_ttft: list[float]
     wave1_priorities: list[int]
     wave2_priorities: list[int]
+    # Per light request: heavy requests the engine received between its sending and itself.
+    light_overtaken: list[int]
 
 
 async def heavy_flood_with_light_user(
@@ -328,18 +330,24 @@ async def heavy_flood_with_light_user(
         ]
         await asyncio.sleep(0.5)
         ttfts = []
+        overtaken = []
         async with open_client(base_url, "sk-light", 120.0) as client:
             body = {**fixed_body(LIGHT_TOKENS)(), "stream": True}
             for _ in range(light):
+                sent_at = len(emu.engine.received)
                 result = await stream_chat(client, "/v1/chat/completions", body)
                 assert result.status == 200 and result.ttft is not None, result.error
                 ttfts.append(result.ttft)
+                since = list(emu.engine.received)[sent_at:]
+                arrived = next(i for i, r in enumerate(since) if r.max_tokens == LIGHT_TOKENS)
+                overtaken.append(sum(r.max_tokens == HEAVY_WAVE2 for r in since[:arrived]))
         assert all(r.status_code == 200 for r in await asyncio.gather(*flood))
     received = list(emu.engine.received)[start:]
     return FloodResult(
         ttfts,
         [r.priority for r in received if r.max_tokens == HEAVY_WAVE1],
         [r.priority for r in received if r.max_tokens == HEAVY_WAVE2],
+        overtaken,
     )
 
 
