@@ -69,9 +69,10 @@ async def test_budgets_demote_to_the_lower_tier_and_reject_until_the_window_ends
     assert set(demoted_again.wave1_priorities + demoted_again.wave2_priorities) == {10}
     # Not asserted: the "light TTFT ratio <= 1.2". On the shared two cores the ratio of
     # medians came out 0.76, 0.90 and 1.31 in three runs (proxy CPU time, the same in both
-    # cases, dominates a sub-second TTFT), and the release-order count printed above showed up
-    # to 4 demoted requests reaching the engine while a light request was on its way (0 without
-    # overspend): reported as open, see the h19 report.
+    # cases, dominates a sub-second TTFT). The release-order count printed above (heavy
+    # requests reaching the engine while a light request was on its way) summed 0 vs 9 in one
+    # run and 4 vs 4 in the next (single bursts of 3-4 when the proxy was slow to take the light
+    # request): no stable difference found; reported as open in the h19 report.
     # Reject: Retry-After is the rest of the one-minute window opened by the first spend.
     assert rejected.status_code == 429
     retry_after = int(rejected.headers["retry-after"])
