@@ -14,7 +14,15 @@ from typing import Annotated, Any, Literal
 from urllib.parse import urlsplit, urlunsplit
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationError,
+    ValidationInfo,
+    field_validator,
+    model_validator,
+)
 
 from .errors import ConfigError
 
@@ -453,7 +461,7 @@ class FairSchedSettings(_Frozen):
         return value
 
     @model_validator(mode="after")
-    def _cross_references(self) -> FairSchedSettings:
+    def _cross_references(self, info: ValidationInfo) -> FairSchedSettings:
         if self.state_lease_ttl_s < 2 * self.state_heartbeat_s:
             raise ValueError(
                 f"state_lease_ttl_s: must be at least twice state_heartbeat_s "
@@ -462,7 +470,9 @@ class FairSchedSettings(_Frozen):
         tier_names = {tier.name for tier in self.tiers}
         if self.tiers[0].promote_after_s is not None:
             raise ValueError("tiers[0].promote_after_s: the first tier has no tier above it")
-        priced = [model for model, backend in self.backends.items() if backend.price is not None]
+        priced = any(backend.price is not None for backend in self.backends.values())
+        # Inside LiteLLM every deployment may have a price in LiteLLM's own cost data.
+        priced = priced or bool((info.context or {}).get(PRICES_FROM_ADAPTER))
         if self.fairness == "cost" and not priced:
             raise ValueError("fairness: cost needs a price in at least one backends.<model>.price")
         if self.default_tier is not None and self.default_tier not in tier_names:
@@ -578,37 +588,51 @@ def _format_errors(error: ValidationError) -> str:
     return "invalid fair_sched settings:\n  " + "\n  ".join(lines)
 
 
-def parse_settings(section: Mapping[str, Any] | None) -> FairSchedSettings:
-    """Validate a `fair_sched:` mapping; raise `ConfigError` naming every bad key path."""
+# Validation context key: prices come from the adapter (see `parse_settings`).
+PRICES_FROM_ADAPTER = "prices_from_adapter"
+
+
+def parse_settings(
+    section: Mapping[str, Any] | None, *, prices_from_adapter: bool = False
+) -> FairSchedSettings:
+    """Validate a `fair_sched:` mapping; raise `ConfigError` naming every bad key path.
+
+    `prices_from_adapter`: the adapter knows prices of its own (LiteLLM's cost data), so
+    `fairness: cost` and `usd` budgets need no `backends.<model>.price`.
+    """
     if section is None:
         section = {}
     if not isinstance(section, Mapping):
         raise ConfigError(f"fair_sched: must be a mapping (got {type(section).__name__})")
     try:
-        return FairSchedSettings.model_validate(dict(section))
+        return FairSchedSettings.model_validate(
+            dict(section), context={PRICES_FROM_ADAPTER: prices_from_adapter}
+        )
     except ValidationError as exc:
         raise ConfigError(_format_errors(exc)) from None
 
 
 def load_settings(
     source: str | os.PathLike[str] | Mapping[str, Any] | FairSchedSettings | None = None,
+    *,
+    prices_from_adapter: bool = False,
 ) -> FairSchedSettings:
     """Settings from a settings object, a mapping, or a YAML file.
 
     A file may hold the section at top level under `fair_sched:` (a LiteLLM config) or be the
     section itself. With no source, the file named by `FAIR_SCHED_CONFIG` is read; without that,
-    the defaults apply.
+    the defaults apply. `prices_from_adapter`: see `parse_settings`.
     """
     if isinstance(source, FairSchedSettings):
         return source
     if source is None:
         env_path = os.environ.get("FAIR_SCHED_CONFIG")
         if not env_path:
-            return parse_settings({})
+            return parse_settings({}, prices_from_adapter=prices_from_adapter)
         source = env_path
     if isinstance(source, Mapping):
         section = source.get("fair_sched", source) if "fair_sched" in source else source
-        return parse_settings(section)
+        return parse_settings(section, prices_from_adapter=prices_from_adapter)
     path = Path(source)
     try:
         text = path.read_text(encoding="utf-8")
@@ -631,4 +655,4 @@ def load_settings(
         "model_list" in document or "litellm_settings" in document
     ):
         section = {}
-    return parse_settings(section)
+    return parse_settings(section, prices_from_adapter=prices_from_adapter)

@@ -54,7 +54,7 @@ from .errors import (
 from .identity import Credentials, Principal, PrincipalDirectory
 from .metrics.profiles import profile_for
 from .metrics.watcher import MetricsWatcher
-from .observability import DeploymentReading, ServiceMetrics, rejection_reason
+from .observability import BudgetStanding, DeploymentReading, ServiceMetrics, rejection_reason
 from .state import ReplicaScheduler, StateStatistics, open_state
 
 logger = logging.getLogger("fair_sched")
@@ -256,11 +256,15 @@ class SchedulingService:
         self._prices = {
             model: backend.price for model, backend in self.backends.items() if backend.price
         }
+        # An adapter's own price data (LiteLLM's cost map) for models without `price`.
+        self._price_lookup: Callable[[str], PriceSettings | None] | None = None
         # Models without a price are charged as the dearest priced one (never free).
         self._fallback_price = max(
             self._prices.values(), key=lambda price: price.cost(1000, 1000), default=None
         )
         self.budgets = BudgetBook(_budget_rules(self.settings), clock=self.clock)
+        # Shared with the other replicas (and kept over restarts) when state is in Redis.
+        self.scheduler.share_budgets(self.budgets)
         self.scheduler.add_end_listener(self._count_spend)
         # Leases granted through admit() and not yet ended, for the per-principal in-flight view.
         self._running: dict[Lease, tuple[str, str, str]] = {}
@@ -348,8 +352,30 @@ class SchedulingService:
         )
 
     def price_of(self, model: str) -> PriceSettings | None:
-        """`backends.<model>.price`, else the dearest configured price, else None."""
-        return self._prices.get(model, self._fallback_price)
+        """`backends.<model>.price`, else the adapter's price for it (`use_price_lookup`), else
+        the dearest configured price, else None."""
+        configured = self._prices.get(model)
+        if configured is not None:
+            return configured
+        if self._price_lookup is not None and model in self.known_models:
+            found = self._price_lookup(model)
+            if found is not None:
+                return found
+        return self._fallback_price
+
+    def use_price_lookup(self, lookup: Callable[[str], PriceSettings | None]) -> None:
+        """Ask `lookup` for the price of a served model that has no `backends.<model>.price`
+        (the LiteLLM adapter passes LiteLLM's own cost data; `lookup` caches if it needs to)."""
+        self._price_lookup = lookup
+
+    def cost_of_usage(
+        self, model: str, prompt_tokens: int, output_tokens: int, cached_tokens: int = 0
+    ) -> float | None:
+        """What a request's actual usage cost at `model`'s price (None: no price known)."""
+        price = self.price_of(model)
+        if price is None:
+            return None
+        return price.cost(prompt_tokens, output_tokens, cached_tokens)
 
     def _apply_budget(self, ticket: Ticket) -> Ticket:
         """Over budget: the ticket in the `demote_to` tier, or `BudgetExceeded` until the
@@ -374,7 +400,7 @@ class SchedulingService:
         if usd is None:
             # Only the token count is known: scale the estimated price by it.
             usd = ticket.price * tokens / max(ticket.cost, 1)
-        self.budgets.spend(ticket.user, usd=usd, tokens=tokens)
+        self.scheduler.record_spend(ticket.user, usd=usd, tokens=tokens)
 
     def scheduling_model(self, model: object, *, unknown_models: UnknownModels = "share") -> str:
         """The name a request is scheduled under; `InvalidRequest` for one we will not schedule.
@@ -569,6 +595,28 @@ class SchedulingService:
 
     def recent_transitions(self) -> Sequence[GateTransition]:
         return self.transitions
+
+    def budget_standings(self) -> list[BudgetStanding]:
+        standings = []
+        for principal in sorted(self.budgets.principals()):
+            verdict = self.budgets.verdict(principal)
+            if verdict is None:
+                continue
+            rule = verdict.rule
+            standings.append(
+                BudgetStanding(
+                    principal,
+                    rule.unit,
+                    rule.limit,
+                    verdict.spent,
+                    verdict.remaining,
+                    verdict.resets_in_s,
+                    verdict.over,
+                    rule.action,
+                    rule.demote_to,
+                )
+            )
+        return standings
 
     # ------------------------------------------------------------------ internals
 

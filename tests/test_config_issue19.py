@@ -123,3 +123,14 @@ def test_a_usd_budget_with_prices_is_accepted() -> None:
         }
     )
     assert settings.principals[0].budget is not None
+
+
+def test_inside_litellm_cost_fairness_and_usd_budgets_need_no_configured_price() -> None:
+    section = {
+        "fairness": "cost",
+        "principals": [{"name": "p", "keys": ["sk-p"], "budget": {"usd": 5, "per": "day"}}],
+    }
+    with pytest.raises(ConfigError, match=r"backends\.<model>\.price"):
+        load_settings(section)
+    # LiteLLM's own cost data prices its deployments (the LiteLLM adapter loads like this).
+    assert load_settings(section, prices_from_adapter=True).fairness == "cost"

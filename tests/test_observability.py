@@ -44,6 +44,7 @@ from fair_sched_plugin.observability import (
     METRICS_PATH,
     STATUS_PATH,
     UI_PATH,
+    BudgetStanding,
     DeploymentReading,
     ServiceMetrics,
     admin_app,
@@ -693,6 +694,9 @@ class StaticView:
     def recent_transitions(self) -> list[GateTransition]:
         return []
 
+    def budget_standings(self) -> list[BudgetStanding]:
+        return [BudgetStanding("alice", "usd", 5.0, 6.0, 0.0, 120.0, True, "reject", None)]
+
 
 def test_observability_reads_only_the_service_view() -> None:
     view = StaticView()
@@ -711,6 +715,104 @@ def test_observability_reads_only_the_service_view() -> None:
     assert deployment["url"] == "http://vllm-a:8000/metrics"  # no credentials
     assert deployment["last_snapshot"]["prefix_cache_hit_rate"] == 0.25
     assert deployment["last_snapshot"]["running"] == 8
+    assert value(text, "fair_sched_budget_over_principals", unit="usd") == 1
+    assert metrics.status()["budgets"][0]["user"] == "alice"
+
+
+# ----------------------------------------------------------------------------- issue 19
+
+BUDGETS: list[dict[str, Any]] = [
+    {
+        "name": "alice",
+        "keys": [ALICE_KEY],
+        "budget": {"tokens": 100, "per": "hour", "action": "reject"},
+    },
+    {
+        "name": "bob",
+        "keys": [BOB_KEY],
+        "budget": {"tokens": 1000, "per": "minute", "action": "demote", "demote_to": "batch"},
+    },
+]
+
+
+async def spend_as_alice(service: SchedulingService, tokens: int) -> None:
+    admission = await service.admit(who(service, ALICE_KEY), "m", BODY)
+    admission.lease.release(tokens_used=tokens)
+
+
+async def test_budget_metrics_are_aggregated_without_user_labels() -> None:
+    service = make_service(principals=BUDGETS)
+    await spend_as_alice(service, 150)
+    text = scrape(service)
+    assert label_values(text, "user") == set()
+    assert value(text, "fair_sched_budget_spent", unit="tokens") == 150
+    assert value(text, "fair_sched_budget_limit", unit="tokens") == 1100
+    assert value(text, "fair_sched_budget_remaining", unit="tokens") == 1000
+    assert value(text, "fair_sched_budget_over_principals", unit="tokens") == 1
+    assert not any(
+        name == "fair_sched_budget_resets_in_seconds" for name, _ in metric_samples(text)
+    )
+    await service.aclose()
+
+
+async def test_budget_metrics_name_principals_only_with_user_labels() -> None:
+    service = make_service(principals=BUDGETS, observability={"user_labels": "principals"})
+    await spend_as_alice(service, 150)
+    text = scrape(service)
+    assert value(text, "fair_sched_budget_spent", unit="tokens", user="alice") == 150
+    assert value(text, "fair_sched_budget_remaining", unit="tokens", user="alice") == 0
+    assert value(text, "fair_sched_budget_over_principals", unit="tokens", user="alice") == 1
+    assert value(text, "fair_sched_budget_over_principals", unit="tokens", user="bob") == 0
+    resets = value(text, "fair_sched_budget_resets_in_seconds", unit="tokens", user="alice")
+    assert resets is not None and 3500 < resets <= 3600
+    await service.aclose()
+
+
+async def test_status_shows_each_principals_budget() -> None:
+    service = make_service(principals=BUDGETS)
+    await spend_as_alice(service, 150)
+    alice, bob = service.observability.status()["budgets"]
+    assert alice["user"] == "alice" and alice["unit"] == "tokens" and alice["over"] is True
+    assert alice["spent"] == 150 and alice["remaining"] == 0 and alice["action"] == "reject"
+    assert bob["spent"] == 0 and bob["remaining"] == 1000 and bob["over"] is False
+    assert bob["demote_to"] == "batch" and bob["resets_in_s"] == 60
+    await service.aclose()
+
+
+async def test_tier_shares_delivered_in_metrics_and_status() -> None:
+    service = make_service(
+        unknown_model_max_inflight=10,
+        backends={"m": {}},
+        tiers=[
+            {"name": "interactive", "waiting_below": 1, "share": 0.8},
+            {"name": "batch", "waiting_below": 1, "share": 0.2},
+        ],
+    )
+    for key in (ALICE_KEY, ALICE_KEY, ALICE_KEY, BOB_KEY):  # bob is in the batch tier
+        (await service.admit(who(service, key), "m", BODY)).lease.release()
+    text = scrape(service)
+    assert value(text, "fair_sched_tier_released_total", model="m", tier="interactive") == 3
+    assert value(text, "fair_sched_tier_released_total", model="m", tier="batch") == 1
+    assert value(text, "fair_sched_tier_share", tier="interactive") == 0.8
+    status = service.observability.status()
+    interactive, batch = status["tiers"]
+    assert (interactive["share"], interactive["released"]) == (0.8, 3)
+    assert interactive["delivered_share"] == 0.75 and batch["delivered_share"] == 0.25
+    assert status["models"]["m"]["released"] == {"interactive": 3, "batch": 1}
+    await service.aclose()
+
+
+async def test_a_demoted_request_counts_in_the_tier_it_ran_in() -> None:
+    service = make_service(principals=BUDGETS, unknown_model_max_inflight=10)
+    bob = who(service, BOB_KEY)
+    (await service.admit(bob, "m", BODY)).lease.release(tokens_used=1000)  # spends it all
+    demoted = await service.admit(bob, "m", BODY)
+    assert demoted.lease.ticket.tier == "batch"
+    demoted.lease.release()
+    text = scrape(service)
+    assert value(text, "fair_sched_tier_released_total", model="m", tier="interactive") == 1
+    assert value(text, "fair_sched_tier_released_total", model="m", tier="batch") == 1
+    await service.aclose()
 
 
 # ----------------------------------------------------------------------------- registries, threads

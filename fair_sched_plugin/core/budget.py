@@ -13,6 +13,7 @@ relative to now, so another process (with another monotonic clock) can take it o
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping
 from typing import Literal, NamedTuple
 
@@ -60,6 +61,10 @@ class BudgetBook:
     def rule(self, principal: str) -> BudgetRule | None:
         return self._rules.get(principal)
 
+    def principals(self) -> list[str]:
+        """The principals that have a budget rule."""
+        return list(self._rules)
+
     def verdict(self, principal: str) -> BudgetVerdict | None:
         """Where `principal` stands now; None without a budget."""
         rule = self._rules.get(principal)
@@ -99,18 +104,31 @@ class BudgetBook:
                 result[principal] = {"spent": verdict.spent, "resets_in_s": verdict.resets_in_s}
         return result
 
-    def restore(self, snapshot: Mapping[str, Mapping[str, float]]) -> None:
-        """Take over windows from a snapshot (principals without a rule here are skipped)."""
+    def restore(self, snapshot: object, *, replace: bool = False) -> None:
+        """Take over windows from a snapshot (principals without a rule here are skipped);
+        `replace`: the snapshot is the whole truth, windows it lacks are dropped.
+
+        The snapshot usually comes from another process (through Redis), so it is checked
+        first: `ValueError` for anything `snapshot()` would not have produced, and then
+        nothing has changed.
+        """
+        windows = _parse_snapshot(snapshot)
         now = self._clock.now()
-        for principal, entry in snapshot.items():
+        if replace:
+            self._windows.clear()
+        for principal, (spent, resets_in_s) in windows.items():
             rule = self._rules.get(principal)
             if rule is None:
                 continue
-            resets_in = min(float(entry["resets_in_s"]), rule.window_s)
+            resets_in = min(resets_in_s, rule.window_s)
             if resets_in <= 0:
                 continue
             started_at = now + resets_in - rule.window_s
-            self._windows[principal] = _Window(started_at, float(entry["spent"]))
+            self._windows[principal] = _Window(started_at, spent)
+
+    def longest_window_s(self) -> float:
+        """The longest budget window (0.0 without budgets): how long a snapshot stays useful."""
+        return max((rule.window_s for rule in self._rules.values()), default=0.0)
 
     def _current(self, principal: str, rule: BudgetRule) -> _Window | None:
         window = self._windows.get(principal)
@@ -118,3 +136,23 @@ class BudgetBook:
             del self._windows[principal]
             return None
         return window
+
+
+def _parse_snapshot(snapshot: object) -> dict[str, tuple[float, float]]:
+    """`{principal: (spent, resets_in_s)}` from a `snapshot()`-shaped mapping, or ValueError."""
+    if not isinstance(snapshot, Mapping):
+        raise ValueError(f"a budget snapshot is a mapping, not {type(snapshot).__name__}")
+    windows = {}
+    for principal, entry in snapshot.items():
+        if not isinstance(principal, str) or not isinstance(entry, Mapping):
+            raise ValueError(f"budget snapshot entry {principal!r}: not a principal's window")
+        numbers = []
+        for field in ("spent", "resets_in_s"):
+            value = entry.get(field)
+            if isinstance(value, bool) or not isinstance(value, (int, float)):
+                raise ValueError(f"budget snapshot entry {principal!r}: {field} is {value!r}")
+            if not math.isfinite(value) or (field == "spent" and value < 0):
+                raise ValueError(f"budget snapshot entry {principal!r}: {field} is {value!r}")
+            numbers.append(float(value))
+        windows[principal] = (numbers[0], numbers[1])
+    return windows

@@ -29,10 +29,12 @@ from litellm.integrations.custom_logger import CustomLogger
 
 from .._request import current_request, ensure_current_request
 from .._responses import error_response
+from ..config import PriceSettings
 from ..core import Lease
 from ..errors import ClientDisconnected, Rejected
 from ..identity import Credentials, Principal
 from ..service import UNKNOWN_MODELS, SchedulingService
+from ._proxy import running_proxy
 
 logger = logging.getLogger("fair_sched")
 
@@ -61,6 +63,7 @@ class FairSchedCallback(CustomLogger):
     def service(self) -> SchedulingService:
         if self._service is None:
             self._service = self._service_factory()
+            self._service.use_price_lookup(LiteLLMPrices())
         return self._service
 
     # ------------------------------------------------------------------ admission
@@ -131,26 +134,24 @@ class FairSchedCallback(CustomLogger):
         self, user_api_key_dict: Any, response: Any, request_data: dict[str, Any]
     ) -> AsyncGenerator[Any, None]:
         lease = _request_lease()
-        tokens: int | None = None
+        usage: Any = None
         try:
             async for chunk in response:
                 if lease is not None:
                     lease.mark_started()
-                usage = getattr(chunk, "usage", None)
-                if usage is not None:
-                    tokens = getattr(usage, "total_tokens", None) or tokens
+                usage = getattr(chunk, "usage", None) or usage
                 yield chunk
         finally:
             # Also on a mid-stream disconnect (the generator is closed or cancelled).
             if lease is not None:
-                _end(lease, tokens)
+                _end(lease, self._service, usage)
 
     async def async_post_call_success_hook(
         self, data: dict[str, Any], user_api_key_dict: Any, response: Any
     ) -> Any:
         lease = _request_lease()
         if lease is not None:
-            lease.release(tokens_used=_total_tokens(response))
+            _release_with_usage(lease, self._service, getattr(response, "usage", None))
         return response
 
     async def async_post_call_failure_hook(
@@ -162,7 +163,7 @@ class FairSchedCallback(CustomLogger):
     ) -> None:
         lease = _request_lease()
         if lease is not None:
-            _end(lease, None)
+            _end(lease, None, None)
 
     async def async_log_success_event(
         self, kwargs: dict[str, Any], response_obj: Any, start_time: Any, end_time: Any
@@ -170,14 +171,14 @@ class FairSchedCallback(CustomLogger):
         # Runs in a task LiteLLM creates from the request's context, so it sees its lease.
         lease = _request_lease()
         if lease is not None:
-            lease.release(tokens_used=_total_tokens(response_obj))
+            _release_with_usage(lease, self._service, getattr(response_obj, "usage", None))
 
     async def async_log_failure_event(
         self, kwargs: dict[str, Any], response_obj: Any, start_time: Any, end_time: Any
     ) -> None:
         lease = _request_lease()
         if lease is not None:
-            _end(lease, None)
+            _end(lease, None, None)
 
 
 def _request_lease() -> Lease | None:
@@ -186,17 +187,61 @@ def _request_lease() -> Lease | None:
     return request.lease if request is not None else None
 
 
-def _end(lease: Lease, tokens: int | None) -> None:
+def _end(lease: Lease, service: SchedulingService | None, usage: Any) -> None:
     # Completed once the engine demonstrably took it (a byte came back); otherwise the request
     # never got to the engine (another hook refused it, the router failed): the turn passes on
     # uncharged.
     if lease.started:
-        lease.release(tokens_used=tokens)
+        _release_with_usage(lease, service, usage)
     else:
         lease.abandon()
 
 
-def _total_tokens(response: Any) -> int | None:
-    usage = getattr(response, "usage", None)
-    total = getattr(usage, "total_tokens", None)
-    return total if isinstance(total, int) and total > 0 else None
+def _release_with_usage(lease: Lease, service: SchedulingService | None, usage: Any) -> None:
+    """End the lease with what the engine reported: total tokens, and their money cost at the
+    model's price (`backends.<model>.price`, else LiteLLM's own cost data) when both are known."""
+    tokens = _int_field(usage, "total_tokens")
+    prompt = _int_field(usage, "prompt_tokens")
+    output = _int_field(usage, "completion_tokens")
+    cost = None
+    if service is not None and prompt is not None and output is not None:
+        cached = _int_field(getattr(usage, "prompt_tokens_details", None), "cached_tokens") or 0
+        cost = service.cost_of_usage(lease.ticket.model, prompt, output, cached)
+    lease.release(tokens_used=tokens, cost_used=cost)
+
+
+def _int_field(holder: Any, name: str) -> int | None:
+    value = getattr(holder, name, None)
+    return value if isinstance(value, int) and not isinstance(value, bool) and value > 0 else None
+
+
+class LiteLLMPrices:
+    """LiteLLM's own price for a model group: the per-token costs LiteLLM holds for its
+    deployments (their `model_info.input_cost_per_token` / `output_cost_per_token`, else LiteLLM's
+    cost map for the deployment's model), the dearest deployment's, through the proxy router's
+    `get_model_group_info`. Asked only for served models without `backends.<model>.price`;
+    remembered per model once the router exists (the model list is bounded)."""
+
+    def __init__(self) -> None:
+        self._known: dict[str, PriceSettings | None] = {}
+
+    def __call__(self, model: str) -> PriceSettings | None:
+        if model in self._known:
+            return self._known[model]
+        router = getattr(running_proxy(), "llm_router", None)
+        if router is None:
+            return None  # not yet: asked again on the next request
+        price = None
+        try:
+            info = router.get_model_group_info(model_group=model)
+        except Exception:  # a LiteLLM lookup error means "no price", never a 500
+            logger.warning("fair_sched: LiteLLM has no cost data for model %r", model)
+            info = None
+        input_cost = getattr(info, "input_cost_per_token", None)
+        output_cost = getattr(info, "output_cost_per_token", None)
+        if isinstance(input_cost, (int, float)) and isinstance(output_cost, (int, float)):
+            price = PriceSettings(
+                input_per_mtok=float(input_cost) * 1e6, output_per_mtok=float(output_cost) * 1e6
+            )
+        self._known[model] = price
+        return price

@@ -107,13 +107,15 @@ def load_proxy_settings(proxy_server: Any | None) -> tuple[FairSchedSettings, di
     for name in model_names(document.get("model_list")):
         deployments.setdefault(name, [])
     if os.environ.get("FAIR_SCHED_CONFIG"):
-        return load_settings(os.environ["FAIR_SCHED_CONFIG"]), deployments
+        return load_settings(os.environ["FAIR_SCHED_CONFIG"], prices_from_adapter=True), deployments
     if config_path is None:
         logger.warning("fair_sched: no LiteLLM config file found; using default settings")
-        return load_settings({}), deployments
+        return load_settings({}, prices_from_adapter=True), deployments
     section = document.get("fair_sched")
     try:
-        return load_settings({"fair_sched": section or {}}), deployments
+        # LiteLLM has prices of its own (`FairSchedCallback` asks them where none is set).
+        settings = load_settings({"fair_sched": section or {}}, prices_from_adapter=True)
+        return settings, deployments
     except ConfigError as exc:
         raise ConfigError(f"{exc}\n  (in {config_path})") from None
 

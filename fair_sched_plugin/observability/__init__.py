@@ -31,7 +31,7 @@ from ._endpoints import (
 )
 from ._metrics import ServiceMetrics, register_in_default_registry
 from ._recorder import REJECTION_REASONS, RequestRecorder, rejection_reason
-from ._view import DeploymentReading, ServiceView, safe_url
+from ._view import BudgetStanding, DeploymentReading, ServiceView, safe_url
 
 __all__ = [
     "ADMIN_PATHS",
@@ -39,6 +39,7 @@ __all__ = [
     "REJECTION_REASONS",
     "STATUS_PATH",
     "UI_PATH",
+    "BudgetStanding",
     "DeploymentReading",
     "FairSchedCollector",
     "RequestRecorder",

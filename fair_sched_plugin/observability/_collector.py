@@ -144,6 +144,32 @@ class FairSchedCollector:
             "1 while this replica schedules alone (Redis unreachable), 0 while shared.",
             labels=("replica", "leader"),
         )
+        tier_released = CounterMetricFamily(
+            "fair_sched_tier_released",
+            "Requests released through this replica's service, by the tier they were released "
+            "from (after budget demotion and promotion): the tiers' delivered shares.",
+            labels=("model", "tier"),
+        )
+        tier_share = GaugeMetricFamily(
+            "fair_sched_tier_share",
+            "A tier's configured share (tiers[].share) of releases while several share tiers "
+            "have work.",
+            labels=("tier",),
+        )
+        budget = {
+            name: GaugeMetricFamily(f"fair_sched_budget_{name}", help_text, labels=("unit", *user))
+            for name, help_text in (
+                ("limit", "Budget per window of the principals with a budget (summed)."),
+                ("spent", "Spent in the principals' current budget windows (summed)."),
+                ("remaining", "Left in the principals' current budget windows (summed)."),
+                ("over_principals", "Principals over their budget now (demoted or rejected)."),
+            )
+        }
+        budget_resets = GaugeMetricFamily(
+            "fair_sched_budget_resets_in_seconds",
+            "Until the principal's budget window ends (only with user_labels: principals).",
+            labels=("unit", *user),
+        )
         all_families: list[Metric] = [
             queued,
             backlogged,
@@ -161,6 +187,10 @@ class FairSchedCollector:
             unavailable,
             state_fallbacks,
             state_local,
+            tier_released,
+            tier_share,
+            *budget.values(),
+            budget_resets,
         ]
         if describe_only:
             return all_families
@@ -264,4 +294,35 @@ class FairSchedCollector:
             state_fallbacks.add_metric([shared.replica], shared.fallbacks_total)
             local = 1.0 if shared.mode == "local" else 0.0
             state_local.add_metric([shared.replica, shared.leader or ""], local)
+
+        released_by_tier: dict[tuple[str, str], int] = {}
+        for model in names.configured_models:
+            for tier in tiers:
+                released_by_tier[(model, tier.name)] = 0
+        for labels, counts, _total in wait_values:
+            released_at = (labels[0], labels[1])
+            released_by_tier[released_at] = released_by_tier.get(released_at, 0) + sum(counts)
+        for released_at, released_count in sorted(released_by_tier.items()):
+            tier_released.add_metric(list(released_at), released_count)
+        for tier in tiers:
+            if tier.share is not None:
+                tier_share.add_metric([tier.name], tier.share)
+        budget_values: dict[str, dict[tuple[str, ...], float]] = {name: {} for name in budget}
+        for standing in state.budgets:
+            budget_labels: tuple[str, ...] = (standing.unit,)
+            if user:
+                budget_labels = (standing.unit, names.user(standing.principal))
+            for name, amount in (
+                ("limit", standing.limit),
+                ("spent", standing.spent),
+                ("remaining", standing.remaining),
+                ("over_principals", 1.0 if standing.over else 0.0),
+            ):
+                values = budget_values[name]
+                values[budget_labels] = values.get(budget_labels, 0.0) + amount
+            if user:
+                budget_resets.add_metric(list(budget_labels), standing.resets_in_s)
+        for name, by_labels in budget_values.items():
+            for budget_labels, amount in sorted(by_labels.items()):
+                budget[name].add_metric(list(budget_labels), amount)
         return all_families

@@ -65,6 +65,10 @@ class StatusDocument:
         for (model, tier, user), count in state.in_flight_by_user.items():
             if count > 0:
                 running_by_model.setdefault(model, []).append((tier, user, count))
+        # Released through this replica per (model, tier): the wait histogram counts each one.
+        released: dict[tuple[str, str], int] = {}
+        for labels, counts, _total in self._recorder.copy_waits():
+            released[(labels[0], labels[1])] = released.get((labels[0], labels[1]), 0) + sum(counts)
         models = sorted(
             view.configured_models()
             | set(view.gated_models())
@@ -74,6 +78,10 @@ class StatusDocument:
         )
         tiers = view.tier_limits()
         tier_names = [tier.name for tier in tiers]
+        released_by_tier = dict.fromkeys(tier_names, 0)
+        for (_model, tier_name), count in released.items():
+            released_by_tier[tier_name] = released_by_tier.get(tier_name, 0) + count
+        released_all = sum(released_by_tier.values())
         rejected_totals = dict.fromkeys(REJECTION_REASONS, 0)
         for labels, count in self._recorder.copy_rejected().items():
             rejected_totals[labels[2]] = rejected_totals.get(labels[2], 0) + count
@@ -93,6 +101,7 @@ class StatusDocument:
                     tier: stats.queued_by_model_tier.get((model, tier), 0) for tier in tier_names
                 },
                 "in_flight": stats.in_flight_by_model.get(model, 0),
+                "released": {tier: released.get((model, tier), 0) for tier in tier_names},
                 "backlogged_users": len(entries),
                 "backlog": [
                     {
@@ -138,6 +147,14 @@ class StatusDocument:
                     "tpot_below_ms": tier.tpot_below_ms,
                     "kv_usage_below": tier.kv_usage_below,
                     "vllm_priority": tier.vllm_priority,
+                    "share": tier.share,
+                    "promote_after_s": tier.promote_after_s,
+                    "released": released_by_tier.get(tier.name, 0),
+                    "delivered_share": (
+                        round(released_by_tier.get(tier.name, 0) / released_all, 4)
+                        if released_all
+                        else None
+                    ),
                 }
                 for tier in settings.tiers
             ],
@@ -159,6 +176,20 @@ class StatusDocument:
                 for t in list(view.recent_transitions())[-STATUS_TRANSITIONS:]
             ],
             "recent_rejections": self._recent_rejections(),
+            "budgets": [
+                {
+                    "user": standing.principal,
+                    "unit": standing.unit,
+                    "limit": standing.limit,
+                    "spent": standing.spent,
+                    "remaining": standing.remaining,
+                    "resets_in_s": _round(standing.resets_in_s, 1),
+                    "over": standing.over,
+                    "action": standing.action,
+                    "demote_to": standing.demote_to,
+                }
+                for standing in state.budgets
+            ],
         }
 
     def _recent_rejections(self) -> list[dict[str, Any]]:

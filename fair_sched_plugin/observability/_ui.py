@@ -261,6 +261,43 @@ function rejectionsCard(status) {
       : h("p", { class: "muted" }, "No rejection since the plugin started."));
 }
 
+function tiersCard(status) {
+  const tiers = status.tiers || [];
+  if (!tiers.some((t) => t.share != null || t.promote_after_s != null)) return null;
+  return h("section", { class: "card", id: "tiers" },
+    h("h2", {}, "Tier shares"),
+    h("table", {},
+      h("thead", {}, h("tr", {}, h("th", {}, "tier"), h("th", { class: "num" }, "share"),
+        h("th", { class: "num" }, "released"), h("th", { class: "num" }, "delivered"),
+        h("th", { class: "num" }, "promoted after"))),
+      h("tbody", {}, tiers.map((t) => h("tr", { "data-tier": t.name },
+        h("td", {}, t.name), h("td", { class: "num" }, t.share == null ? "strict" : pct(t.share)),
+        h("td", { class: "num" }, t.released),
+        h("td", { class: "num delivered" }, pct(t.delivered_share)),
+        h("td", { class: "num" },
+          t.promote_after_s == null ? DASH : num(t.promote_after_s, 0) + " s"))))));
+}
+
+function budgetsCard(status) {
+  const budgets = status.budgets || [];
+  if (!budgets.length) return null;
+  const amount = (b, v) => (b.unit === "usd" ? "$" + num(v, 4) : num(v, 0));
+  return h("section", { class: "card", id: "budgets" },
+    h("h2", {}, "Budgets"),
+    h("table", {},
+      h("thead", {}, h("tr", {}, h("th", {}, "principal"), h("th", { class: "num" }, "spent"),
+        h("th", {}, ""), h("th", { class: "num" }, "remaining"),
+        h("th", { class: "num" }, "window ends in"), h("th", {}, "over budget"))),
+      h("tbody", {}, budgets.map((b) => h("tr", { "data-user": b.user },
+        h("td", {}, b.user),
+        h("td", { class: "num spent" }, amount(b, b.spent) + " of " + amount(b, b.limit)),
+        h("td", {}, meter(b.limit > 0 ? Math.min(1, b.spent / b.limit) : 1)),
+        h("td", { class: "num remaining" }, amount(b, b.remaining)),
+        h("td", { class: "num" }, num(b.resets_in_s, 0) + " s"),
+        h("td", { class: b.over ? "err over" : "muted over" }, b.over
+          ? (b.action === "demote" ? "demoted to " + b.demote_to : "rejected") : "no"))))));
+}
+
 function render(status) {
   const t = status.totals;
   const stats = [["queued", t.queued], ["in flight", t.in_flight], ["released", t.released],
@@ -269,7 +306,8 @@ function render(status) {
   const totals = h("div", { class: "totals", id: "totals" }, stats.map(([label, value]) =>
     h("div", { class: "stat", "data-total": label }, h("b", {}, value), h("span", {}, label))));
   const models = Object.entries(status.models || {}).map(([name, doc]) => modelCard(name, doc));
-  $("dashboard").replaceChildren(totals, ...models, rejectionsCard(status));
+  const cards = [totals, tiersCard(status), ...models, budgetsCard(status), rejectionsCard(status)];
+  $("dashboard").replaceChildren(...cards.filter((card) => card !== null));
 }
 
 function showLogin(message) {

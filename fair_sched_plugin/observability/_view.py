@@ -39,6 +39,20 @@ class DeploymentReading(NamedTuple):
     prefix_cache_hit_rate: float | None = None  # between the last two good scrapes
 
 
+class BudgetStanding(NamedTuple):
+    """Where one principal with a budget stands now (`principals[].budget`)."""
+
+    principal: str
+    unit: str  # usd | tokens
+    limit: float
+    spent: float  # in the current window (0 when none is open)
+    remaining: float
+    resets_in_s: float  # until the current window ends (a full window when none is open)
+    over: bool
+    action: str  # demote | reject
+    demote_to: str | None
+
+
 class ServiceView(Protocol):
     """What observability may read of a service; nothing here changes it."""
 
@@ -89,6 +103,11 @@ class ServiceView(Protocol):
         """True when replicas coordinate through Redis (`redis://`)."""
         ...
 
+    def budget_standings(self) -> list[BudgetStanding]:
+        """Every principal with a budget (with Redis: the leader's book, at most a heartbeat
+        old on a follower)."""
+        ...
+
 
 class Reading(NamedTuple):
     """Everything one scrape or one status document reads, taken in one go on the event loop."""
@@ -102,6 +121,7 @@ class Reading(NamedTuple):
     state: StateStatistics
     shared: bool
     now: float | None  # the loop's clock, for ages; None outside a loop
+    budgets: list[BudgetStanding] = []
 
 
 class ViewReader:
@@ -132,6 +152,7 @@ class ViewReader:
             state=view.state_statistics(),
             shared=view.shares_state(),
             now=asyncio.get_running_loop().time() if on_loop else None,
+            budgets=view.budget_standings(),
         )
 
     def read(self) -> Reading:

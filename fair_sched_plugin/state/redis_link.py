@@ -8,8 +8,10 @@ Imported only when `state:` names Redis (the `redis` extra). Keys, all under the
 - `r:<replica>`: a list of the leader's replies to that replica (BLPOP), expiring.
 - `replicas`: a sorted set of replicas by liveness deadline (Redis's own clock), expiring.
 - `stats`: the leader's statistics document, expiring.
+- `budgets`: the leader's budget book (`BudgetBook.snapshot()` as JSON), expiring after the
+  longest budget window, so spend survives every replica restarting.
 
-Five short Lua scripts (`lua/*.lua`, keys passed explicitly) make the lease and its fencing
+Six short Lua scripts (`lua/*.lua`, keys passed explicitly) make the lease and its fencing
 atomic; everything else is plain commands. Redis 6 or later (7 saves a round trip per wake-up
 with BLMPOP), standalone or a primary.
 
@@ -33,7 +35,7 @@ from redis.exceptions import RedisError, ResponseError
 from ..errors import StateStoreError
 from ._values import corrupt_value, parse_token
 
-_SCRIPTS = ("elect", "renew", "deliver", "resign", "heartbeat")
+_SCRIPTS = ("elect", "renew", "deliver", "resign", "heartbeat", "budgets")
 
 # Most messages taken from a list in one round trip.
 _BATCH = 1000
@@ -85,6 +87,7 @@ class RedisLink:
         self.inbox_key = f"{prefix}inbox"
         self.replicas_key = f"{prefix}replicas"
         self.statistics_key = f"{prefix}stats"
+        self.budgets_key = f"{prefix}budgets"
         # Fail fast: a replica that cannot reach Redis schedules locally rather than stalling
         # its requests behind retries.
         common: dict[str, Any] = {
@@ -174,6 +177,27 @@ class RedisLink:
 
     async def resign(self, token: str) -> None:
         await self._run("resign", [self.leader_key], [token], with_ttl=False)
+
+    # ------------------------------------------------------------------ budgets
+
+    async def save_budgets(self, token: str, snapshot: str, ttl_s: float) -> bool:
+        """Store the budget book's snapshot, fenced by our lease; False if it is not ours."""
+        ttl_ms = str(max(1, int(ttl_s * 1000)))
+        reply = await self._run(
+            "budgets",
+            [self.leader_key, self.budgets_key],
+            [token, ttl_ms, snapshot],
+            with_ttl=False,
+        )
+        return bool(reply)
+
+    async def load_budgets(self) -> str | None:
+        """The stored budget snapshot (None: none stored, or it expired)."""
+        try:
+            raw = await self._redis.get(self.budgets_key)
+        except RedisError as exc:
+            raise self._error("reading budgets", exc) from exc
+        return None if raw is None else str(raw)
 
     # ------------------------------------------------------------------ messages
 

@@ -31,6 +31,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, Literal, NamedTuple
 
 from ..core.backpressure import GroupStatus, MetricsGate
+from ..core.budget import BudgetBook
 from ..core.gate import AdmissionGate
 from ..core.scheduler import FairScheduler, Reservation, SchedulerStatistics, UserBacklog
 from ..core.ticket import Lease, Ticket, TierLimits
@@ -279,7 +280,7 @@ def _number(value: Any) -> bool:
     return isinstance(value, int | float) and not isinstance(value, bool)
 
 
-_MESSAGE_KINDS = frozenset("scbeap")
+_MESSAGE_KINDS = frozenset("scbeap$")
 
 
 def _read_message(text: str, tiers: tuple[TierLimits, ...]) -> list[Any]:
@@ -295,7 +296,25 @@ def _read_message(text: str, tiers: tuple[TierLimits, ...]) -> list[Any]:
         raise TypeError("epoch, session and id must be integers")
     if kind in "sa" and message[7] not in {tier.name for tier in tiers}:
         raise ValueError(f"unknown tier {message[7]!r}")
+    if kind == "$" and not _is_spend(message[5:8]):
+        raise ValueError("a spend needs a principal, usd >= 0 and tokens >= 0")
     return message
+
+
+def _is_spend(fields: list[Any]) -> bool:
+    """`[principal, usd, tokens]` of a follower's spend message."""
+    if len(fields) != 3:
+        return False
+    principal, usd, tokens = fields
+    return (
+        isinstance(principal, str)
+        and _number(usd)
+        and math.isfinite(usd)
+        and usd >= 0
+        and isinstance(tokens, int)
+        and not isinstance(tokens, bool)
+        and tokens >= 0
+    )
 
 
 # Fields of each reply kind after (kind, epoch, session) and a check of each.
@@ -408,6 +427,9 @@ class ReplicaScheduler:
         self._hold: asyncio.TimerHandle | None = None
         # Led, followed or ran a local term before (see `_lead`).
         self._took_part = False
+        self._budgets: BudgetBook | None = None
+        self._budgets_taken_over: str | None = None  # the lease whose term restored them
+        self._bad_budgets: str | None = None  # the unreadable value last logged
         if link is None:
             self._open_term(LOCAL_EPOCH)
 
@@ -567,6 +589,8 @@ class ReplicaScheduler:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
         if token is not None:
+            with contextlib.suppress(StateStoreError):
+                await self._save_budgets(self._link, token)
             with contextlib.suppress(StateStoreError):
                 await self._link.resign(token)
         await self._link.aclose()
@@ -864,6 +888,7 @@ class ReplicaScheduler:
             if self._mode == "local":
                 self._rejoin()
             await self._after_beat(link, beat)
+            await self._sync_budgets(link)
         except StateStoreError as exc:
             self._store_failed(exc)
 
@@ -960,6 +985,9 @@ class ReplicaScheduler:
                     )
 
     def _handle(self, term: _Term, message: list[Any]) -> None:
+        if message[0] == "$":
+            self._spent_elsewhere(message)
+            return
         kind, epoch, session, replica, tid = message[:5]
         if epoch != term.epoch or not term.accepts(replica, session):
             return  # addressed to an earlier leader: its sender re-sends what still matters
@@ -1021,6 +1049,74 @@ class ReplicaScheduler:
                 "gate": [list(row) for row in (self._gate.status() if self._gate else [])],
             }
         )
+
+    # ------------------------------------------------------------------ budgets
+
+    def share_budgets(self, book: BudgetBook) -> None:
+        """Keep `book` the same on every replica: the acting leader's book is the truth, it
+        takes the followers' spends (`record_spend`), stores its snapshot in Redis on every
+        heartbeat (a new leader, also after a restart, restores it) and the followers load it.
+        A follower's own spends count locally at once and come back with the leader's next
+        snapshot (so its view lags the leader's by at most a heartbeat)."""
+        self._budgets = book
+
+    def record_spend(self, principal: str, *, usd: float, tokens: int) -> None:
+        """What one of this replica's requests spent: into our book, and to the leader."""
+        if self._budgets is None:
+            return
+        self._budgets.spend(principal, usd=usd, tokens=tokens)
+        if self._term is None and self._budgets.rule(principal) is not None:
+            # A fact, not a request: the leader counts it whatever epoch it was sent in.
+            self._send(["$", self._epoch, self._session, self.replica, 0, principal, usd, tokens])
+
+    def _spent_elsewhere(self, message: list[Any]) -> None:
+        principal, usd, tokens = message[5:8]  # checked by _read_message
+        if self._budgets is not None:
+            self._budgets.spend(principal, usd=float(usd), tokens=tokens)
+
+    async def _sync_budgets(self, link: RedisLink) -> None:
+        """After a heartbeat: a leader stores its book (restoring the stored one first when its
+        term is new); a follower takes the leader's."""
+        if self._budgets is None or not self._budgets.longest_window_s():
+            return  # no principal has a budget: nothing to share
+        if self._mode != "shared":
+            return
+        token = self._token
+        if token is None:
+            self._take_budgets(link, await link.load_budgets())
+            return
+        if self._budgets_taken_over != token:
+            self._take_budgets(link, await link.load_budgets())
+            self._budgets_taken_over = token
+        await self._save_budgets(link, token)
+
+    async def _save_budgets(self, link: RedisLink, token: str) -> None:
+        book = self._budgets
+        if book is None or not book.longest_window_s():
+            return
+        await link.save_budgets(token, json.dumps(book.snapshot()), book.longest_window_s())
+
+    def _take_budgets(self, link: RedisLink, raw: str | None) -> None:
+        """Replace our book with a stored snapshot; an unreadable one gives a fresh book (the
+        leader's next store overwrites it) and one log line per distinct bad value."""
+        book = self._budgets
+        if book is None or raw is None:
+            return
+        try:
+            book.restore(json.loads(raw), replace=True)
+        except (ValueError, RecursionError) as exc:  # RecursionError: absurdly deep JSON
+            if raw != self._bad_budgets:
+                logger.error(
+                    "fair_sched budget state in Redis key %s is unreadable (%s): replica %s "
+                    "starts from a fresh budget book",
+                    link.budgets_key,
+                    exc,
+                    self.replica,
+                )
+            self._bad_budgets = raw
+            book.restore({}, replace=True)
+        else:
+            self._bad_budgets = None
 
     # ------------------------------------------------------------------ helpers
 

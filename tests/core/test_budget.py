@@ -70,3 +70,40 @@ def test_snapshot_restores_into_another_clock() -> None:
 def test_a_demote_rule_needs_a_tier() -> None:
     with pytest.raises(ValueError, match="demote_to"):
         BudgetBook({"x": BudgetRule(1.0, "usd", 60.0, "demote")}, clock=FakeClock())
+
+
+def test_restore_with_replace_drops_windows_the_snapshot_lacks() -> None:
+    clock = FakeClock()
+    budgets = book(clock)
+    budgets.spend("ci-bot", usd=0.5)
+    budgets.spend("crawler", tokens=10)
+    budgets.restore({"crawler": {"spent": 700, "resets_in_s": 100.0}}, replace=True)
+    assert budgets.snapshot() == {"crawler": {"spent": 700.0, "resets_in_s": 100.0}}
+
+
+@pytest.mark.parametrize(
+    "snapshot",
+    [
+        ["ci-bot"],
+        {"ci-bot": 2.0},
+        {"ci-bot": {"spent": "2"}},
+        {"ci-bot": {"spent": 2.0}},
+        {"ci-bot": {"spent": -1.0, "resets_in_s": 10.0}},
+        {"ci-bot": {"spent": float("nan"), "resets_in_s": 10.0}},
+        {"ci-bot": {"spent": True, "resets_in_s": 10.0}},
+        {"ci-bot": {"spent": 1.0, "resets_in_s": 10.0}, "crawler": None},
+    ],
+)
+def test_a_malformed_snapshot_is_refused_and_changes_nothing(snapshot: object) -> None:
+    clock = FakeClock()
+    budgets = book(clock)
+    budgets.spend("crawler", tokens=10)
+    before = budgets.snapshot()
+    with pytest.raises(ValueError, match="budget snapshot"):
+        budgets.restore(snapshot, replace=True)
+    assert budgets.snapshot() == before
+
+
+def test_the_longest_window_bounds_how_long_a_snapshot_matters() -> None:
+    assert book(FakeClock()).longest_window_s() == 3600.0
+    assert BudgetBook({}, clock=FakeClock()).longest_window_s() == 0.0

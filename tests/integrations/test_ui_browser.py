@@ -105,8 +105,18 @@ async def test_the_page_shows_a_flood_live_and_nothing_without_the_key(
     # Two slots and slow steps: the flood lasts long enough to be watched.
     async with emulator(max_num_seqs=2, base_step_ms=25.0) as emu:
         section = {
+            # Shares change nothing here (only interactive users): the page shows them.
+            "tiers": [
+                {"name": "interactive", "waiting_below": 3, "tpot_below_ms": 150, "share": 0.8},
+                {"name": "batch", "waiting_below": 1, "vllm_priority": 10, "share": 0.2},
+            ],
             "principals": [
-                {"name": "flooder", "keys": [FLOODER_KEY]},
+                # A budget far from spent: the page shows what the flood spends of it.
+                {
+                    "name": "flooder",
+                    "keys": [FLOODER_KEY],
+                    "budget": {"tokens": 10**9, "per": "hour", "action": "reject"},
+                },
                 {"name": "light", "keys": [LIGHT_KEY]},
             ],
             "metrics_poll_ms": 50,
@@ -181,6 +191,11 @@ async def test_the_page_shows_a_flood_live_and_nothing_without_the_key(
                 shot_2 = tmp_path / "ui-flood-2.png"
                 await page.screenshot(path=str(shot_2), full_page=True)
                 keep(shot_2)
+                budget_row = page.locator('#budgets tr[data-user="flooder"]')
+                budget_spent = await budget_row.locator(".spent").inner_text()
+                budget_over = await budget_row.locator(".over").inner_text()
+                delivered = page.locator('#tiers tr[data-tier="interactive"] .delivered')
+                interactive_delivered = await delivered.inner_text()
             finally:
                 codes = await asyncio.wait_for(
                     asyncio.gather(*flood, *light, return_exceptions=True), FLOOD_TIMEOUT_S
@@ -197,6 +212,10 @@ async def test_the_page_shows_a_flood_live_and_nothing_without_the_key(
             # The page polls: between the two screenshots requests completed.
             assert int(second["completed"] or 0) > int(first["completed"] or 0), (first, second)
             assert first != second
+            # The flooder's budget: what completed so far is spent of it, and it is not over.
+            assert not budget_spent.startswith("0 of"), budget_spent
+            assert budget_over == "no", budget_over
+            assert interactive_delivered == "100 %", interactive_delivered
 
             # "Forget key" drops the data and the key; a reload asks again.
             await page.locator("#forget").click()
