@@ -203,12 +203,15 @@ class _ScheduledRequest:
                     headers={"WWW-Authenticate": "Bearer"},
                 ).send_asgi(send)
                 return
+            self.watch.streaming = body.get("stream") is True
             admission = await self.service.admit(
                 principal,
                 body.get("model"),
                 body,
                 disconnected=self.watch.watch(),
                 unknown_models=self.middleware._unknown_models,
+                waiting=self.watch,
+                max_wait_s=self.watch.max_wait_s(self.service.settings.queue.max_wait_s),
             )
         except Rejected as exc:
             await _responses.error_response(exc).send_asgi(send)
@@ -217,6 +220,7 @@ class _ScheduledRequest:
             return
         lease = admission.lease
         self.watch.hold(lease)
+        self.watch.admitted(admission, name_principal=self.service.names_principals)
         self.service.rewrite_priority(body, admission.engine_priority, via_extra_body=False)
         new_body = json.dumps(body).encode()
         app_scope = dict(scope)

@@ -260,6 +260,11 @@ class QueueSettings(_Frozen):
     # Inside one user's queue: arrival order, or the smallest expected work (prompt estimate +
     # requested output tokens) first.
     order: Literal["fifo", "shortest_first"] = "fifo"
+    # Waiting clients (issue 18): a parked `stream: true` request gets its 200 and SSE headers
+    # after `keepalive_after_s` (0: never), then an SSE comment every `keepalive_interval_s`, so
+    # idle timeouts of load balancers and client libraries do not cut it while it waits.
+    keepalive_after_s: Annotated[float, Field(ge=0, le=86_400)] = 10.0
+    keepalive_interval_s: Annotated[float, Field(gt=0, le=3_600)] = 10.0
 
 
 class IdentitySettings(_Frozen):

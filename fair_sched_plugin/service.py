@@ -23,6 +23,7 @@ from .config import (
     BackendSettings,
     FairSchedSettings,
     PriceSettings,
+    QueueSettings,
     default_metrics_url,
     load_settings,
 )
@@ -32,6 +33,7 @@ from .core import (
     BudgetBook,
     BudgetRule,
     Clock,
+    DrainMeter,
     FairScheduler,
     GateTransition,
     GroupStatus,
@@ -42,11 +44,13 @@ from .core import (
     Ticket,
     TierLimits,
     UserBacklog,
+    estimate_position,
 )
 from .errors import (
     BudgetExceeded,
     ClientDisconnected,
     InvalidRequest,
+    QueueTimeout,
     Rejected,
     SchedulerClosed,
     UnknownModel,
@@ -64,6 +68,7 @@ __all__ = [
     "Admission",
     "AdmissionObserver",
     "ClientDisconnected",
+    "ParkedRequest",
     "SchedulingService",
     "parse_request_body",
 ]
@@ -120,6 +125,43 @@ class AdmissionObserver(Protocol):
     def admitted(self, admission: Admission) -> None: ...
 
     def rejected(self, principal: Principal, ticket: Ticket, error: Rejected) -> None: ...
+
+
+class WaitObserver(Protocol):
+    """Told when a request parks (it was not released at once) and when it stops waiting,
+    however that ends (released, refused, client gone, cancelled). The request's watch uses it
+    for the keep-alive of streaming requests."""
+
+    def parked(self, parked: ParkedRequest) -> None: ...
+
+    def unparked(self) -> None: ...
+
+
+class ParkedRequest:
+    """One request waiting in this process: what it waits for and where it stands."""
+
+    __slots__ = ("_service", "principal", "queue", "since", "ticket")
+
+    def __init__(
+        self, service: SchedulingService, principal: Principal, ticket: Ticket, since: float
+    ) -> None:
+        self._service = service
+        self.principal = principal
+        self.ticket = ticket
+        self.since = since
+        self.queue: QueueSettings = service.settings.queue
+
+    def wait_s(self) -> float:
+        return max(0.0, self._service.clock.now() - self.since)
+
+    def position(self) -> int:
+        """Estimated release position for its model (1: next); see `core.estimate_position`."""
+        return self._service.positions_of(self.ticket.user, self.ticket.model).get(self, 1)
+
+    def eta_s(self) -> float | None:
+        """Estimated seconds until release at the measured drain rate; None before it is known."""
+        service = self._service
+        return service.drain.eta_s(self.ticket.model, self.position(), service.clock.now())
 
 
 @dataclass(frozen=True)
@@ -260,6 +302,10 @@ class SchedulingService:
         self.scheduler.add_end_listener(self._count_spend)
         # Leases granted through admit() and not yet ended, for the per-principal in-flight view.
         self._running: dict[Lease, tuple[str, str, str]] = {}
+        # Requests parked in this process, per (user, model), in arrival order.
+        self._parked: dict[tuple[str, str], dict[ParkedRequest, None]] = {}
+        # How fast each model's queue drains (releases per second), for estimates.
+        self.drain = DrainMeter()
         self.scheduler.add_end_listener(self._lease_ended)
         # Created now so the wait histogram sees every admission; reads happen at scrape time.
         self._observability = ServiceMetrics(self)
@@ -312,6 +358,12 @@ class SchedulingService:
 
     async def __aexit__(self, *exc_info: object) -> None:
         await self.aclose()
+
+    @property
+    def names_principals(self) -> bool:
+        """Whether responses may name the caller's principal (`observability.user_labels:
+        principals`, the same choice as for metric labels)."""
+        return self.settings.observability.user_labels == "principals"
 
     def add_transition_listener(self, listener: Callable[[GateTransition], None]) -> None:
         self._transition_listeners.append(listener)
@@ -406,13 +458,17 @@ class SchedulingService:
         *,
         disconnected: asyncio.Event | None = None,
         unknown_models: UnknownModels = "share",
+        waiting: WaitObserver | None = None,
+        max_wait_s: float | None = None,
     ) -> Admission:
         """Wait for this request's turn. Raises `Rejected` (400/404/429/503) or
         `ClientDisconnected`.
 
         The model and the body's shape are checked first (see `scheduling_model`); the lease is
         for the name returned there. A request whose client disconnects while parked leaves the
-        queue and never gets a lease.
+        queue and never gets a lease. `waiting` is told when the request parks and when it stops
+        waiting; `max_wait_s` (the client's `x-fair-sched-max-wait-s`) gives up sooner than
+        `queue.max_wait_s`, never later.
         """
         scheduled_as = self.scheduling_model(model, unknown_models=unknown_models)
         check_body_depth(body)
@@ -423,10 +479,11 @@ class SchedulingService:
             ticket = self._apply_budget(ticket)
             lease = self.scheduler.try_acquire(ticket)
             if lease is None:
-                lease = await self._wait(ticket, disconnected)
+                lease = await self._park(principal, ticket, disconnected, waiting, max_wait_s)
         except Rejected as exc:
             self._rejected(principal, ticket, exc)
             raise
+        self.drain.record(scheduled_as, self.clock.now())
         admission = Admission(lease, principal, self.engine_priority(scheduled_as, ticket.tier))
         if lease.active:
             self._running[lease] = (lease.ticket.model, lease.ticket.tier, lease.ticket.user)
@@ -434,26 +491,86 @@ class SchedulingService:
             observer.admitted(admission)
         return admission
 
-    async def _wait(self, ticket: Ticket, disconnected: asyncio.Event | None) -> Lease:
-        if disconnected is None:
+    async def _park(
+        self,
+        principal: Principal,
+        ticket: Ticket,
+        disconnected: asyncio.Event | None,
+        waiting: WaitObserver | None,
+        max_wait_s: float | None,
+    ) -> Lease:
+        parked = ParkedRequest(self, principal, ticket, self.clock.now())
+        mine = self._parked.setdefault((ticket.user, ticket.model), {})
+        mine[parked] = None
+        try:
+            if waiting is not None:
+                waiting.parked(parked)
+            return await self._wait(ticket, disconnected, max_wait_s)
+        finally:
+            if waiting is not None:
+                waiting.unparked()
+            mine.pop(parked, None)
+            if not mine:
+                self._parked.pop((ticket.user, ticket.model), None)
+
+    async def _wait(
+        self, ticket: Ticket, disconnected: asyncio.Event | None, max_wait_s: float | None
+    ) -> Lease:
+        if disconnected is None and max_wait_s is None:
             return await self.scheduler.acquire(ticket)
-        if disconnected.is_set():
+        if disconnected is not None and disconnected.is_set():
             raise ClientDisconnected("client disconnected before its request was scheduled")
         acquiring = asyncio.ensure_future(self.scheduler.acquire(ticket))
-        watching = asyncio.ensure_future(disconnected.wait())
+        waits: set[asyncio.Future[Any]] = {acquiring}
+        watching = None
+        if disconnected is not None:
+            watching = asyncio.ensure_future(disconnected.wait())
+            waits.add(watching)
         try:
-            await asyncio.wait({acquiring, watching}, return_when=asyncio.FIRST_COMPLETED)
+            await asyncio.wait(waits, timeout=max_wait_s, return_when=asyncio.FIRST_COMPLETED)
         except BaseException:
             # Our own task is being cancelled: make sure no lease outlives it.
             _cancel_acquire(acquiring)
             raise
         finally:
-            watching.cancel()
-        if disconnected.is_set():
+            if watching is not None:
+                watching.cancel()
+        if disconnected is not None and disconnected.is_set():
             # Disconnect wins a tie: the engine must never see a request nobody waits for.
             _cancel_acquire(acquiring)
             raise ClientDisconnected("client disconnected while its request waited")
+        if not acquiring.done():
+            # The client's own limit (`x-fair-sched-max-wait-s`) passed first.
+            _cancel_acquire(acquiring)
+            raise QueueTimeout(
+                f"the request waited its limit of {max_wait_s:g} s (x-fair-sched-max-wait-s) "
+                "without being released",
+                retry_after_s=1.0,
+            )
         return acquiring.result()
+
+    def positions_of(self, user: str, model: str) -> dict[ParkedRequest, int]:
+        """Estimated release positions of `user`'s requests parked here for `model`."""
+        mine = self._parked.get((user, model))
+        if not mine:
+            return {}
+        backlog = self.scheduler.backlog(model)
+        order = [tier.name for tier in self.scheduler.tiers]
+        positions: dict[ParkedRequest, int] = {}
+        index_in_tier: dict[str, int] = {}
+        for parked in mine:
+            tier = parked.ticket.tier
+            index_in_tier[tier] = index_in_tier.get(tier, 0) + 1
+            positions[parked] = estimate_position(index_in_tier[tier], user, tier, backlog, order)
+        return positions
+
+    def parked_of(self, user: str) -> dict[str, list[ParkedRequest]]:
+        """`user`'s requests parked in this process, per model, in arrival order."""
+        result: dict[str, list[ParkedRequest]] = {}
+        for (owner, model), mine in self._parked.items():
+            if owner == user:
+                result[model] = list(mine)
+        return result
 
     def engine_priority(self, model: str, tier_name: str) -> int | None:
         """The `priority` to send for this tier, or None where the backend does not support it."""

@@ -16,6 +16,7 @@ from .scheduler import (
 )
 from .snapshot import BackendSnapshot
 from .ticket import Lease, LeaseOwner, Ticket, TierLimits
+from .waiting import DrainMeter, estimate_position, retry_after_s
 
 __all__ = [
     "AdmissionGate",
@@ -27,6 +28,7 @@ __all__ = [
     "BudgetUnit",
     "BudgetVerdict",
     "Clock",
+    "DrainMeter",
     "FairScheduler",
     "FairnessPolicy",
     "GateTransition",
@@ -42,4 +44,6 @@ __all__ = [
     "Ticket",
     "TierLimits",
     "UserBacklog",
+    "estimate_position",
+    "retry_after_s",
 ]
