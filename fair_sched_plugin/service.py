@@ -45,11 +45,13 @@ from .core import (
     TierLimits,
     UserBacklog,
     estimate_position,
+    retry_after_s,
 )
 from .errors import (
     BudgetExceeded,
     ClientDisconnected,
     InvalidRequest,
+    QueueFull,
     QueueTimeout,
     Rejected,
     SchedulerClosed,
@@ -481,6 +483,7 @@ class SchedulingService:
             if lease is None:
                 lease = await self._park(principal, ticket, disconnected, waiting, max_wait_s)
         except Rejected as exc:
+            self._estimate_retry_after(exc, ticket)
             self._rejected(principal, ticket, exc)
             raise
         self.drain.record(scheduled_as, self.clock.now())
@@ -563,6 +566,47 @@ class SchedulingService:
             index_in_tier[tier] = index_in_tier.get(tier, 0) + 1
             positions[parked] = estimate_position(index_in_tier[tier], user, tier, backlog, order)
         return positions
+
+    def suggest_retry_after(
+        self, model: str, *, user: str = "", tier: str | None = None, own_index: int = 1
+    ) -> float | None:
+        """Seconds until a request of `user` queued `own_index`-th in its own queue would be
+        released, at the measured drain rate of `model`; None before a rate was measured."""
+        now = self.clock.now()
+        rate = self.drain.rate(model, now)
+        if rate is None:
+            return None
+        order = [limits.name for limits in self.scheduler.tiers]
+        tier = tier if tier in order else self.settings.default_tier_name
+        backlog = self.scheduler.backlog(model)
+        ahead = estimate_position(own_index, user, tier, backlog, order)
+        return retry_after_s(ahead, rate, ceiling_s=self.settings.queue.max_wait_s)
+
+    def _estimate_retry_after(self, exc: Rejected, ticket: Ticket) -> None:
+        """`Retry-After` from the measured drain rate (the core's hint stays until one is)."""
+        if isinstance(exc, BudgetExceeded) or not exc.retryable:
+            return  # a budget window ends when it ends
+        rate = self.drain.rate(ticket.model, self.clock.now())
+        if rate is None:
+            return
+        if isinstance(exc, QueueFull) and exc.scope == "total":
+            # Any release frees a place.
+            exc.retry_after_s = retry_after_s(1, rate, ceiling_s=self.settings.queue.max_wait_s)
+            return
+        if isinstance(exc, QueueFull):
+            own_index = 1  # the caller's own cap: its oldest request's release frees a place
+        else:
+            # Sent again now, it would queue behind the caller's own parked requests.
+            own_index = 1 + sum(
+                row.depth
+                for row in self.scheduler.backlog(ticket.model)
+                if row.user == ticket.user and row.tier == ticket.tier
+            )
+        estimate = self.suggest_retry_after(
+            ticket.model, user=ticket.user, tier=ticket.tier, own_index=own_index
+        )
+        if estimate is not None:
+            exc.retry_after_s = estimate
 
     def parked_of(self, user: str) -> dict[str, list[ParkedRequest]]:
         """`user`'s requests parked in this process, per model, in arrival order."""
