@@ -35,6 +35,9 @@ from .service import SchedulingService, UnknownModels, parse_request_body
 
 UserResolver = Callable[[Scope, Mapping[str, Any]], str | None]
 
+# Where a caller asks, with its own API key, where its parked requests stand.
+QUEUE_PATH = "/fair-sched/queue"
+
 DEFAULT_PATHS = (
     r"^(/v1)?/chat/completions$",
     r"^(/v1)?/completions$",
@@ -44,7 +47,7 @@ MAX_BODY_BYTES = 8 * 1024 * 1024
 # A copy of a non-streamed response body is kept up to this size to read its `usage`.
 USAGE_SNIFF_BYTES = 256 * 1024
 
-__all__ = ["DEFAULT_PATHS", "FairSchedulerMiddleware"]
+__all__ = ["DEFAULT_PATHS", "QUEUE_PATH", "FairSchedulerMiddleware"]
 
 logger = logging.getLogger("fair_sched")
 
@@ -62,6 +65,9 @@ class FairSchedulerMiddleware:
     `unknown_models="reject"` answers 404 to a model the service was not configured with, before
     it queues (the standalone proxy serves only its backends); the default schedules every such
     name in one shared queue with one in-flight cap.
+    ``GET /fair-sched/queue`` answers a caller, identified as its requests are (its API key),
+    with its own parked requests per model, their estimated positions and ETAs
+    (`serve_queue=False` leaves that path to the app).
     `pass_unmodelled=True` passes a body that is not a JSON object naming a model to the app
     unscheduled instead of answering 400: only for paths where such a body cannot reach a
     scheduled engine (LiteLLM's pass-through routes to hosted providers).
@@ -81,8 +87,10 @@ class FairSchedulerMiddleware:
         reject_unknown_keys: bool = False,
         unknown_models: UnknownModels = "share",
         pass_unmodelled: bool = False,
+        serve_queue: bool = True,
     ) -> None:
         self.app = app
+        self._serve_queue = serve_queue
         self._unknown_models: UnknownModels = unknown_models
         self._pass_unmodelled = pass_unmodelled
         self.service = service or SchedulingService(config)
@@ -114,6 +122,14 @@ class FairSchedulerMiddleware:
             and scope.get("path") in observability.ADMIN_PATHS
         ):
             await self._admin(scope, receive, send)
+            return
+        if (
+            self._serve_queue
+            and scope["type"] == "http"
+            and scope.get("path") == QUEUE_PATH
+            and scope.get("method") in ("GET", "HEAD")
+        ):
+            await self._standing(scope, send)
             return
         if (
             scope["type"] != "http"
@@ -149,6 +165,33 @@ class FairSchedulerMiddleware:
             await send(message)
 
         await self.app(scope, receive_and_track, send_and_track)
+
+    async def _standing(self, scope: Scope, send: Send) -> None:
+        credentials = self.credentials(scope, {})
+        principal = None
+        if credentials.api_key or credentials.user_id or credentials.claimed_user:
+            principal = self.service.identify(credentials)
+        if principal is None or (self._reject_unknown_keys and not principal.known):
+            await _responses.error(
+                401,
+                "send your API key to see your own queued requests",
+                code="invalid_api_key",
+                headers={"WWW-Authenticate": "Bearer"},
+            ).send_asgi(send)
+            return
+        content = json.dumps(self.service.standing_of(principal)).encode()
+        await send(
+            {
+                "type": "http.response.start",
+                "status": 200,
+                "headers": [
+                    (b"content-type", b"application/json"),
+                    (b"content-length", str(len(content)).encode()),
+                    (b"cache-control", b"no-store"),
+                ],
+            }
+        )
+        await send({"type": "http.response.body", "body": content, "more_body": False})
 
     def credentials(self, scope: Scope, body: Mapping[str, Any]) -> Credentials:
         headers = Headers(scope=scope)

@@ -616,6 +616,31 @@ class SchedulingService:
                 result[model] = list(mine)
         return result
 
+    def standing_of(self, principal: Principal) -> dict[str, Any]:
+        """The where-do-I-stand document: `principal`'s own parked requests per model, with
+        estimated positions and ETAs; nothing about anyone else's requests."""
+        now = self.clock.now()
+        models: dict[str, Any] = {}
+        for model, mine in self.parked_of(principal.name).items():
+            positions = self.positions_of(principal.name, model)
+            rate = self.drain.rate(model, now)
+            models[model] = {
+                "drain_rate_per_s": round(rate, 3) if rate is not None else None,
+                "parked": [
+                    {
+                        "position": positions.get(parked, 1),
+                        "tier": parked.ticket.tier,
+                        "wait_s": round(now - parked.since, 3),
+                        "eta_s": round(positions.get(parked, 1) / rate, 1) if rate else None,
+                    }
+                    for parked in mine
+                ],
+            }
+        document: dict[str, Any] = {"models": models}
+        if self.names_principals and principal.known:
+            document["principal"] = principal.name
+        return document
+
     def engine_priority(self, model: str, tier_name: str) -> int | None:
         """The `priority` to send for this tier, or None where the backend does not support it."""
         backend = self.backends.get(model)

@@ -548,3 +548,51 @@ async def test_client_leaving_during_keepalive_takes_the_request_out_of_the_queu
             await cancel_all(hogs)
             await assert_idle(service)
             assert not any(request.user == "gone" for request in emu.engine.received)
+
+
+# ----------------------------------------------------------------------------- where do I stand
+
+
+@pytest.mark.parametrize("kind", ["middleware", "proxy"])
+async def test_a_caller_sees_its_own_parked_requests_in_order_and_nobody_elses(kind: str) -> None:
+    """30 parked requests of alice: her query lists 30 positions in order (with ETAs once a
+    drain rate is measured); bob's query, with his own key, shows none of them; no key: 401."""
+    async with emulator(max_num_seqs=1) as emu:
+        config = fair_config(emu, waiting_below=1, **queue_settings(**KEEPALIVE_OFF))
+        app = middleware_app(emu, config) if kind == "middleware" else build_proxy_app(config)
+        async with serve(app) as url, open_client(url, key="sk-batch", timeout=60) as hog_client:
+            service = service_of(app)
+            await gate_sees_metrics(service)
+            hogs = await park_behind_full_engine(emu, service, hog_client)
+            async with (
+                open_client(url, key="sk-a", timeout=60) as alice,
+                open_client(url, key="sk-b", timeout=60) as bob,
+                open_client(url, timeout=60) as nobody,
+            ):
+                parked = [
+                    asyncio.ensure_future(
+                        alice.post("/v1/chat/completions", json=chat_body(max_tokens=1))
+                    )
+                    for _ in range(30)
+                ]
+                await wait_until(lambda: service.scheduler.statistics().queued == 30)
+                mine = (await alice.get("/fair-sched/queue")).json()
+                assert list(mine["models"]) == [MODEL]
+                entries = mine["models"][MODEL]["parked"]
+                assert [entry["position"] for entry in entries] == list(range(1, 31))
+                assert all(entry["tier"] == "interactive" for entry in entries)
+                waits = [entry["wait_s"] for entry in entries]
+                assert waits == sorted(waits, reverse=True)  # oldest first
+                assert "principal" not in mine  # not named unless configured
+
+                theirs = await bob.get("/fair-sched/queue")
+                assert theirs.status_code == 200 and theirs.json() == {"models": {}}
+                anonymous = await nobody.get("/fair-sched/queue")
+                assert anonymous.status_code == 401
+                assert "sk-a" not in anonymous.text
+
+                await cancel_all(hogs)
+                responses = await asyncio.gather(*parked)
+                assert all(response.status_code == 200 for response in responses)
+                assert (await alice.get("/fair-sched/queue")).json() == {"models": {}}
+            await assert_idle(service)

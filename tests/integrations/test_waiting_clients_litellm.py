@@ -123,6 +123,15 @@ async def test_parked_streams_through_litellm_survive_an_idle_timeout_relay(
         # Warm both (first-request imports) while the engine is free.
         for proxy in (on, off):
             assert await openai_stream(proxy.base_url, "sk-a") == expected
+        async with httpx.AsyncClient(base_url=on.base_url, trust_env=False, timeout=30) as client:
+            served = await client.post(
+                "/v1/chat/completions",
+                headers={"authorization": "Bearer sk-a"},
+                json={"model": MODEL, "messages": [{"role": "user", "content": "hi"}]},
+            )
+            assert served.status_code == 200
+            assert served.headers["x-fair-sched-tier"] == "interactive"
+            assert float(served.headers["x-fair-sched-queued-s"]) >= 0
         on_relay = await exits.enter_async_context(idle_timeout_relay(on.base_url, RELAY_IDLE_S))
         off_relay = await exits.enter_async_context(idle_timeout_relay(off.base_url, RELAY_IDLE_S))
         hog_client = await exits.enter_async_context(
@@ -141,6 +150,19 @@ async def test_parked_streams_through_litellm_survive_an_idle_timeout_relay(
                 await asyncio.wait_for(control, RELAY_IDLE_S * 4)
             assert not sdk.done() and not via_litellm.done()
             assert (await status(on.base_url))["totals"]["queued"] == 2
+            # Where do I stand, with the caller's own key: its one parked request, only.
+            async with httpx.AsyncClient(base_url=on.base_url, trust_env=False) as client:
+                mine = await client.get(
+                    "/fair-sched/queue", headers={"authorization": "Bearer sk-a"}
+                )
+                assert [e["position"] for e in mine.json()["models"][MODEL]["parked"]] in (
+                    [1],
+                    [2],
+                )
+                carol = await client.get(
+                    "/fair-sched/queue", headers={"authorization": "Bearer sk-c"}
+                )
+                assert carol.json() == {"models": {}}
         finally:
             for task in hogs:
                 task.cancel()
