@@ -34,7 +34,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from ._responses import error, error_response
 from .core import Lease
-from .errors import ClientDisconnected, InvalidRequest, LeaseExpired
+from .errors import ClientDisconnected, InvalidRequest, LeaseExpired, Rejected
 
 if TYPE_CHECKING:
     from .service import Admission, ParkedRequest
@@ -119,6 +119,9 @@ class RequestWatch:
         self._error_status: int | None = None
         self._error_body = bytearray()
         self._scope: Scope | None = None
+        # A refusal of ours that the app answers in its own words (LiteLLM reshapes an
+        # HTTPException's body): `refuse()` makes the watch send our answer instead.
+        self._refusal: Rejected | ClientDisconnected | None = None
         # Added to the response start: where the request stood (`admitted()`).
         self.response_headers: list[tuple[bytes, bytes]] = []
 
@@ -208,6 +211,11 @@ class RequestWatch:
                 param=MAX_WAIT_HEADER,
             )
         return seconds if seconds < configured_s else None
+
+    def refuse(self, refusal: Rejected | ClientDisconnected) -> None:
+        """The request was refused deeper in the app, which will answer it: the answer the
+        client gets is ours (`error_response`), whatever shape the app gives it."""
+        self._refusal = refusal
 
     def admitted(self, admission: Admission, *, name_principal: bool) -> None:
         """Say in the response headers how long the request queued, in which tier (and, where
@@ -314,6 +322,11 @@ class RequestWatch:
         if self.keepalive_started:
             await self._send_after_keepalive(message)
             return
+        if self._refusal is not None:
+            if message["type"] == "http.response.start" and not self.response_started:
+                self.response_started = self.response_complete = True
+                await error_response(self._refusal).send_asgi(self._send)
+            return  # the app's own rendering of our refusal goes nowhere
         kind = message["type"]
         if kind == "http.response.start":
             self.response_started = True
@@ -363,9 +376,12 @@ class RequestWatch:
             room = MAX_ERROR_BODY_BYTES - len(self._error_body)
             self._error_body += body[: max(0, room)]
             if not more:
-                await self._end_with_event(
-                    _error_payload(self._error_status, bytes(self._error_body))
+                payload = (
+                    error_response(self._refusal).body
+                    if self._refusal is not None
+                    else _error_payload(self._error_status, bytes(self._error_body))
                 )
+                await self._end_with_event(payload)
             return
         if body:
             for lease in self.leases:
@@ -407,6 +423,11 @@ class RequestWatch:
             self._keepalive_task = asyncio.get_running_loop().create_task(
                 self._keep_alive(after_s, parked.queue.keepalive_interval_s)
             )
+
+    def shutdown(self) -> None:
+        """The server drained past its grace period: end the request (a keep-alive stream
+        gets an error event; a started one is closed, which is the truth)."""
+        self.stop(LeaseExpired("the server shut down before the response ended"))
 
     def unparked(self) -> None:
         """The request stopped waiting: no more comments (one being sent finishes first)."""

@@ -27,6 +27,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from . import _responses, observability
 from ._request import RequestWatch
+from ._shutdown import install_sigterm_drain
 from .config import FairSchedSettings
 from .core import Lease
 from .errors import ClientDisconnected, Rejected
@@ -148,10 +149,16 @@ class FairSchedulerMiddleware:
         await _ScheduledRequest(self, scope, watch).run()
 
     async def _lifespan(self, scope: Scope, receive: Receive, send: Send) -> None:
+        uninstall_drain = None
+
         async def receive_and_track() -> Message:
+            nonlocal uninstall_drain
             message = await receive()
             if message["type"] == "lifespan.startup":
                 self.service.start()
+                # The server (uvicorn) installed its signal handlers before its startup: ours
+                # goes in front, so a SIGTERM drains the queue before the server stops.
+                uninstall_drain = install_sigterm_drain(self.service)
             return message
 
         async def send_and_track(message: Message) -> None:
@@ -161,6 +168,8 @@ class FairSchedulerMiddleware:
                 "lifespan.shutdown.failed",
                 "lifespan.startup.failed",
             ):
+                if uninstall_drain is not None:
+                    uninstall_drain()
                 await self.service.aclose()
             await send(message)
 

@@ -331,6 +331,9 @@ class FairSchedSettings(_Frozen):
     identity: IdentitySettings = IdentitySettings()
     backends: dict[str, BackendSettings] = Field(default_factory=dict)
     queue: QueueSettings = QueueSettings()
+    # Graceful drain (issue 18): after SIGTERM, how long started requests may run to their end
+    # before they are cut; parked ones are refused at once (503 shutting_down).
+    drain_grace_s: Annotated[float, Field(ge=0, le=3_600)] = 30.0
     metrics_poll_ms: Annotated[float, Field(ge=10, le=60_000)] = 100.0
     # Below 10 ms no real engine answers: every scrape would fail and the gate fall back.
     metrics_timeout_ms: Annotated[float, Field(ge=10, le=60_000)] | None = None

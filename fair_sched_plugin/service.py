@@ -138,6 +138,9 @@ class WaitObserver(Protocol):
 
     def unparked(self) -> None: ...
 
+    def shutdown(self) -> None:
+        """The server drains and the grace period is over: end the request now."""
+
 
 class ParkedRequest:
     """One request waiting in this process: what it waits for and where it stands."""
@@ -308,6 +311,10 @@ class SchedulingService:
         self._parked: dict[tuple[str, str], dict[ParkedRequest, None]] = {}
         # How fast each model's queue drains (releases per second), for estimates.
         self.drain = DrainMeter()
+        # Granted leases whose request can be ended when a drain's grace period is over.
+        self._holders: dict[Lease, WaitObserver] = {}
+        self._draining = False
+        self._drain_timer: asyncio.TimerHandle | None = None
         self.scheduler.add_end_listener(self._lease_ended)
         # Created now so the wait histogram sees every admission; reads happen at scrape time.
         self._observability = ServiceMetrics(self)
@@ -345,10 +352,45 @@ class SchedulingService:
                 watcher.start()
                 self._watchers.setdefault(model, []).append(watcher)
 
+    @property
+    def draining(self) -> bool:
+        return self._draining
+
+    def begin_drain(self) -> None:
+        """Stop admitting and refuse every parked request (503 `shutting_down` with
+        `Retry-After`); requests already running may finish within `drain_grace_s`, then they
+        are ended. What a SIGTERM starts (`_shutdown.install_sigterm_drain`). Idempotent."""
+        if self._draining or self._closed:
+            return
+        self._draining = True
+        grace_s = self.settings.drain_grace_s
+        logger.warning(
+            "fair_sched: draining: %d parked requests refused, %d running may finish within "
+            "%g s (drain_grace_s)",
+            self.scheduler.statistics().queued,
+            len(self._holders),
+            grace_s,
+        )
+        self.scheduler.close()
+        self._drain_timer = asyncio.get_running_loop().call_later(grace_s, self._end_running)
+
+    def _end_running(self) -> None:
+        self._drain_timer = None
+        if self._holders:
+            logger.warning(
+                "fair_sched: drain grace period over: ending %d running requests",
+                len(self._holders),
+            )
+        for holder in list(self._holders.values()):
+            holder.shutdown()
+
     async def aclose(self) -> None:
         if self._closed:
             return
         self._closed = True
+        if self._drain_timer is not None:
+            self._drain_timer.cancel()
+            self._drain_timer = None
         self.scheduler.close()
         watchers = [watcher for group in self._watchers.values() for watcher in group]
         await asyncio.gather(*(watcher.aclose() for watcher in watchers), return_exceptions=True)
@@ -490,6 +532,8 @@ class SchedulingService:
         admission = Admission(lease, principal, self.engine_priority(scheduled_as, ticket.tier))
         if lease.active:
             self._running[lease] = (lease.ticket.model, lease.ticket.tier, lease.ticket.user)
+            if waiting is not None:
+                self._holders[lease] = waiting
         for observer in self._admission_observers:
             observer.admitted(admission)
         return admission
@@ -755,6 +799,7 @@ class SchedulingService:
 
     def _lease_ended(self, lease: Lease, abandoned: bool) -> None:
         self._running.pop(lease, None)
+        self._holders.pop(lease, None)
 
     def _request_scrape(self, model: str) -> None:
         for watcher in self._watchers.get(model, ()):

@@ -85,6 +85,8 @@ class FairSchedCallback(CustomLogger):
                 max_wait_s=request.max_wait_s(service.settings.queue.max_wait_s),
             )
         except (Rejected, ClientDisconnected) as exc:
+            # LiteLLM re-renders the HTTPException's body; the request's watch sends ours.
+            request.refuse(exc)
             error = error_response(exc)
             raise HTTPException(
                 status_code=error.status, detail=error.body, headers=error.headers
