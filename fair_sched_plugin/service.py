@@ -47,6 +47,7 @@ from .core import (
     estimate_position,
     retry_after_s,
 )
+from .core.clock import TimerHandle
 from .errors import (
     BudgetExceeded,
     ClientDisconnected,
@@ -314,7 +315,7 @@ class SchedulingService:
         # Granted leases whose request can be ended when a drain's grace period is over.
         self._holders: dict[Lease, WaitObserver] = {}
         self._draining = False
-        self._drain_timer: asyncio.TimerHandle | None = None
+        self._drain_timer: TimerHandle | None = None
         self.scheduler.add_end_listener(self._lease_ended)
         # Created now so the wait histogram sees every admission; reads happen at scrape time.
         self._observability = ServiceMetrics(self)
@@ -372,7 +373,7 @@ class SchedulingService:
             grace_s,
         )
         self.scheduler.close()
-        self._drain_timer = asyncio.get_running_loop().call_later(grace_s, self._end_running)
+        self._drain_timer = self.clock.call_at(self.clock.now() + grace_s, self._end_running)
 
     def _end_running(self) -> None:
         self._drain_timer = None

@@ -45,6 +45,9 @@ class Recorder:
     def unparked(self) -> None:
         self.events.append("unparked")
 
+    def shutdown(self) -> None:
+        self.events.append("shutdown")
+
 
 async def test_thirty_parked_requests_of_one_principal_have_positions_in_order() -> None:
     clock = FakeClock()
@@ -169,3 +172,46 @@ async def test_shutdown_refuses_parked_requests_as_shutting_down_with_retry_afte
     assert closed.value.error_code == "shutting_down"
     assert int(closed.value.retry_after_header) >= 1
     holder.lease.release()
+
+
+class Holder(Recorder):
+    @property
+    def ended(self) -> bool:
+        return "shutdown" in self.events
+
+
+async def test_drain_refuses_parked_at_once_and_ends_running_ones_after_the_grace() -> None:
+    """`begin_drain`: the parked request gets `SchedulerClosed` (503 shutting_down) at once,
+    new ones too; a running one is ended only when `drain_grace_s` has passed on the clock."""
+    clock = FakeClock()
+    svc = make_service(clock, drain_grace_s=20)
+    alice = svc.identify(Credentials(api_key="sk-a"))
+    running = Holder()
+    admission = await svc.admit(alice, "m", BODY, waiting=running)
+    parked = asyncio.ensure_future(svc.admit(alice, "m", BODY, waiting=Holder()))
+    await settle()
+    svc.begin_drain()
+    assert svc.draining
+    with pytest.raises(SchedulerClosed):
+        await parked
+    with pytest.raises(SchedulerClosed):
+        await svc.admit(alice, "m", BODY)
+    clock.advance(19.0)
+    assert not running.ended  # still within the grace period
+    clock.advance(1.0)
+    assert running.ended
+    admission.lease.release()
+    await svc.aclose()
+
+
+async def test_a_request_that_ends_within_the_grace_is_not_ended_again() -> None:
+    clock = FakeClock()
+    svc = make_service(clock, drain_grace_s=5)
+    alice = svc.identify(Credentials(api_key="sk-a"))
+    running = Holder()
+    admission = await svc.admit(alice, "m", BODY, waiting=running)
+    svc.begin_drain()
+    admission.lease.release()
+    clock.advance(5.0)
+    assert not running.ended
+    await svc.aclose()
