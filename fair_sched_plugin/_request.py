@@ -48,6 +48,12 @@ QUEUED_HEADER = b"x-fair-sched-queued-s"
 TIER_HEADER = b"x-fair-sched-tier"
 PRINCIPAL_HEADER = b"x-fair-sched-principal"
 
+# A server's send() returns at once while its socket takes data, so an app relaying buffered
+# chunks may never let the loop turn, and a client that reset the connection is noticed only on
+# the next turn; asyncio logs every write after its fifth to a lost connection ("socket.send()
+# raised exception."). A turn every this many body chunks lets the server see it first.
+YIELD_EVERY_CHUNKS = 4
+
 # An error body longer than this is cut before it becomes an SSE error event.
 MAX_ERROR_BODY_BYTES = 64 * 1024
 SSE_HEADERS = [
@@ -119,6 +125,7 @@ class RequestWatch:
         self._error_status: int | None = None
         self._error_body = bytearray()
         self._scope: Scope | None = None
+        self._chunks_since_yield = 0
         # A refusal of ours that the app answers in its own words (LiteLLM reshapes an
         # HTTPException's body): `refuse()` makes the watch send our answer instead.
         self._refusal: Rejected | ClientDisconnected | None = None
@@ -346,17 +353,24 @@ class RequestWatch:
 
     async def _deliver(self, message: Message) -> None:
         assert self._send is not None
+        if self.disconnected.is_set():
+            return  # the client is gone: nothing to write to
         if self._send_timeout_s is None or not self.leases:
             # Only a request holding a lease is timed: others hold nothing of the engine's.
             await self._send(message)
-            return
-        # A timer rather than wait_for: no task per chunk. `stop()` cancels the app's task,
-        # which is the one blocked in this send.
-        stalled = asyncio.get_running_loop().call_later(self._send_timeout_s, self._stalled)
-        try:
-            await self._send(message)
-        finally:
-            stalled.cancel()
+        else:
+            # A timer rather than wait_for: no task per chunk. `stop()` cancels the app's
+            # task, which is the one blocked in this send.
+            stalled = asyncio.get_running_loop().call_later(self._send_timeout_s, self._stalled)
+            try:
+                await self._send(message)
+            finally:
+                stalled.cancel()
+        if message.get("more_body", False):
+            self._chunks_since_yield += 1
+            if self._chunks_since_yield >= YIELD_EVERY_CHUNKS:
+                self._chunks_since_yield = 0
+                await asyncio.sleep(0)  # see YIELD_EVERY_CHUNKS
 
     async def _send_after_keepalive(self, message: Message) -> None:
         """The app answers a client that already has our 200 and SSE headers."""
