@@ -574,8 +574,14 @@ class SchedulingService:
         if disconnected is not None:
             watching = asyncio.ensure_future(disconnected.wait())
             waits.add(watching)
+        deadline = None
+        if max_wait_s is not None:
+            # On the service's clock, like every other time it reads.
+            expired: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+            waits.add(expired)
+            deadline = self.clock.call_at(self.clock.now() + max_wait_s, _resolver(expired))
         try:
-            await asyncio.wait(waits, timeout=max_wait_s, return_when=asyncio.FIRST_COMPLETED)
+            await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
         except BaseException:
             # Our own task is being cancelled: make sure no lease outlives it.
             _cancel_acquire(acquiring)
@@ -583,12 +589,15 @@ class SchedulingService:
         finally:
             if watching is not None:
                 watching.cancel()
+            if deadline is not None:
+                deadline.cancel()
         if disconnected is not None and disconnected.is_set():
             # Disconnect wins a tie: the engine must never see a request nobody waits for.
             _cancel_acquire(acquiring)
             raise ClientDisconnected("client disconnected while its request waited")
         if not acquiring.done():
-            # The client's own limit (`x-fair-sched-max-wait-s`) passed first.
+            # The client's own limit (`x-fair-sched-max-wait-s`) passed first. (A lease granted
+            # at the same moment wins: the request is served, nothing is thrown away.)
             _cancel_acquire(acquiring)
             raise QueueTimeout(
                 f"the request waited its limit of {max_wait_s:g} s (x-fair-sched-max-wait-s) "
@@ -857,6 +866,14 @@ class SchedulingService:
             logger.info("fair_sched gate model=%s mode=%s", transition.model, transition.new)
         for listener in self._transition_listeners:
             listener(transition)
+
+
+def _resolver(future: asyncio.Future[None]) -> Callable[[], None]:
+    def resolve() -> None:
+        if not future.done():
+            future.set_result(None)
+
+    return resolve
 
 
 def _cancel_acquire(acquiring: asyncio.Future[Lease]) -> None:

@@ -146,16 +146,42 @@ async def test_without_a_measured_rate_the_schedulers_hint_stays() -> None:
 
 
 async def test_the_clients_wait_limit_gives_up_first_and_the_request_leaves_the_queue() -> None:
-    svc = make_service(FakeClock(), queue={"max_wait_s": 600})
+    clock = FakeClock()
+    svc = make_service(clock, queue={"max_wait_s": 600})
     alice = svc.identify(Credentials(api_key="sk-a"))
     holder = await svc.admit(alice, "m", BODY)
-    with pytest.raises(QueueTimeout, match="x-fair-sched-max-wait-s"):
-        # Real time here: the limit is the client's, measured by the loop.
-        await svc.admit(alice, "m", BODY, max_wait_s=0.01)
+    waiting = asyncio.ensure_future(svc.admit(alice, "m", BODY, max_wait_s=10))
+    await settle()
+    clock.advance(9.9)
+    await settle()
+    assert not waiting.done()
+    clock.advance(0.1)
+    with pytest.raises(QueueTimeout, match="x-fair-sched-max-wait-s") as timed_out:
+        await waiting
+    assert timed_out.value.status_code == 504
     await settle()
     stats = svc.scheduler.statistics()
     assert stats.queued == 0 and stats.cancelled_total == 1
     holder.lease.release()
+    await svc.aclose()
+
+
+async def test_a_grant_at_the_clients_deadline_is_served_not_thrown_away() -> None:
+    """Race: the lease is granted and the client's wait limit passes in the same loop turn.
+    The grant wins: the request gets its lease (nothing is released to nobody)."""
+    clock = FakeClock()
+    svc = make_service(clock)
+    alice = svc.identify(Credentials(api_key="sk-a"))
+    holder = await svc.admit(alice, "m", BODY)
+    waiting = asyncio.ensure_future(svc.admit(alice, "m", BODY, max_wait_s=10))
+    await settle()
+    holder.lease.release()  # grants the parked request ...
+    clock.advance(10.0)  # ... and its deadline passes before it runs again
+    admission = await asyncio.wait_for(waiting, 5)
+    assert admission.lease.active
+    admission.lease.release()
+    stats = svc.scheduler.statistics()
+    assert stats.in_flight == 0 and stats.abandoned_total == 0
     await svc.aclose()
 
 
