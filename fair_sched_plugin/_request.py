@@ -212,9 +212,9 @@ class RequestWatch:
         except ValueError:
             seconds = float("nan")
         if not seconds > 0 or seconds == float("inf"):
+            # The value is not echoed (like config errors): it may be anything pasted there.
             raise InvalidRequest(
-                f"the header {MAX_WAIT_HEADER} must be a positive number of seconds, "
-                f"got {raw[:40]!r}",
+                f"the header {MAX_WAIT_HEADER} must be a positive, finite number of seconds",
                 param=MAX_WAIT_HEADER,
             )
         return seconds if seconds < configured_s else None
