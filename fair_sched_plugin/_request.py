@@ -11,6 +11,12 @@ proxy app all run a request through `RequestWatch.run()`. It gives every adapter
 - Nobody listens any more (the client left), the lease is older than `max_lease_s`, or the client
   stopped reading for `send_timeout_s`: the app is cancelled (its upstream request closes, so the
   engine frees the sequence), the lease ends, and the connection is closed.
+- A streaming request (`streaming`) that stays parked for `queue.keepalive_after_s` gets its
+  `200` and SSE headers at once, then an SSE comment (`: queued position=N wait_s=X`, ignored by
+  SSE parsers) every `queue.keepalive_interval_s`, so idle timeouts between the client and us
+  do not cut it. Once released, the app's own response start is absorbed and its body continues
+  the same response; an error status, an exception or a refusal from then on arrives as an
+  OpenAI-style `data: {"error": ...}` event and a clean end, never as a cut stream.
 
 Code that runs in the request's context (LiteLLM's hooks) finds its watch with `current_request()`.
 """
@@ -18,16 +24,44 @@ Code that runs in the request's context (LiteLLM's hooks) finds its watch with `
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import contextvars
+import json
 import logging
+from typing import TYPE_CHECKING, Any
 
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from ._responses import error_response
+from ._responses import error, error_response
 from .core import Lease
-from .errors import ClientDisconnected, LeaseExpired
+from .errors import ClientDisconnected, InvalidRequest, LeaseExpired, Rejected
+
+if TYPE_CHECKING:
+    from .service import Admission, ParkedRequest
 
 logger = logging.getLogger("fair_sched")
+
+# The client's own limit on its wait (lowers `queue.max_wait_s`, never raises it).
+MAX_WAIT_HEADER = "x-fair-sched-max-wait-s"
+# Response headers on every scheduled request.
+QUEUED_HEADER = b"x-fair-sched-queued-s"
+TIER_HEADER = b"x-fair-sched-tier"
+PRINCIPAL_HEADER = b"x-fair-sched-principal"
+
+# A server's send() returns at once while its socket takes data, so an app relaying buffered
+# chunks may never let the loop turn, and a client that reset the connection is noticed only on
+# the next turn; asyncio logs every write after its fifth to a lost connection ("socket.send()
+# raised exception."). A turn every this many body chunks lets the server see it first.
+YIELD_EVERY_CHUNKS = 4
+
+# An error body longer than this is cut before it becomes an SSE error event.
+MAX_ERROR_BODY_BYTES = 64 * 1024
+SSE_HEADERS = [
+    (b"content-type", b"text/event-stream; charset=utf-8"),
+    (b"cache-control", b"no-cache"),
+    # nginx would otherwise buffer the comments and defeat their purpose.
+    (b"x-accel-buffering", b"no"),
+]
 
 _current: contextvars.ContextVar[RequestWatch | None] = contextvars.ContextVar(
     "fair_sched_request", default=None
@@ -81,11 +115,28 @@ class RequestWatch:
         self._lease_timer: asyncio.TimerHandle | None = None
         # Why we cancelled the app (None: we did not).
         self.stopped: LeaseExpired | ClientDisconnected | None = None
+        # Keep-alive while parked: the adapter says whether the client asked for a stream.
+        self.streaming = False
+        self.keepalive_started = False
+        self._parked: ParkedRequest | None = None
+        self._keepalive_task: asyncio.Task[None] | None = None
+        self._keepalive_sending = False
+        # After the keep-alive began: the app's error response, collected to become an event.
+        self._error_status: int | None = None
+        self._error_body = bytearray()
+        self._scope: Scope | None = None
+        self._chunks_since_yield = 0
+        # A refusal of ours that the app answers in its own words (LiteLLM reshapes an
+        # HTTPException's body): `refuse()` makes the watch send our answer instead.
+        self._refusal: Rejected | ClientDisconnected | None = None
+        # Added to the response start: where the request stood (`admitted()`).
+        self.response_headers: list[tuple[bytes, bytes]] = []
 
     # ------------------------------------------------------------------ running the app
 
     async def run(self, app: ASGIApp, scope: Scope) -> None:
         """Run `app` for this request under the rules above; re-raise what the app raises."""
+        self._scope = scope
         token = _current.set(self)
         try:
             # In a task of its own (which copies the context, so the app sees this watch) that
@@ -105,6 +156,13 @@ class RequestWatch:
                 if self.stopped is None:
                     raise asyncio.CancelledError  # the app cancelled itself: not ours to hide
                 await self._answer_stopped()
+            elif app_task.exception() is not None and self._owes_event():
+                # The client holds a 200 from our keep-alive: end it with an error event
+                # instead of a cut stream, then let the server see (and log) the exception.
+                await self._end_with_event(
+                    error(500, "the request failed on the server", code="internal_error").body
+                )
+                app_task.result()
             else:
                 app_task.result()  # re-raise what the app raised
         finally:
@@ -115,6 +173,9 @@ class RequestWatch:
 
     async def _answer_stopped(self) -> None:
         assert self.stopped is not None
+        if self._owes_event():
+            await self._end_with_event(error_response(self.stopped).body)
+            return
         if self.response_started or self.disconnected.is_set() or self._send is None:
             # Mid-response, or nobody to tell: returning without completing it makes the server
             # close the connection, which is the truth.
@@ -130,6 +191,51 @@ class RequestWatch:
         self.stopped = reason
         if self._app_task is not None:
             self._app_task.cancel()
+
+    # ------------------------------------------------------------------ where it stands
+
+    def max_wait_s(self, configured_s: float) -> float | None:
+        """The client's `x-fair-sched-max-wait-s` where it is below `configured_s`, else None.
+
+        A value that is not a positive number of seconds is refused (400 naming the header).
+        """
+        if self._scope is None:
+            return None
+        raw = None
+        for name, value in self._scope.get("headers", ()):
+            if name.lower() == MAX_WAIT_HEADER.encode():
+                raw = value.decode("latin-1").strip()
+        if raw is None:
+            return None
+        try:
+            seconds = float(raw)
+        except ValueError:
+            seconds = float("nan")
+        if not seconds > 0 or seconds == float("inf"):
+            # The value is not echoed (like config errors): it may be anything pasted there.
+            raise InvalidRequest(
+                f"the header {MAX_WAIT_HEADER} must be a positive, finite number of seconds",
+                param=MAX_WAIT_HEADER,
+            )
+        return seconds if seconds < configured_s else None
+
+    def refuse(self, refusal: Rejected | ClientDisconnected) -> None:
+        """The request was refused deeper in the app, which will answer it: the answer the
+        client gets is ours (`error_response`), whatever shape the app gives it."""
+        self._refusal = refusal
+
+    def admitted(self, admission: Admission, *, name_principal: bool) -> None:
+        """Say in the response headers how long the request queued, in which tier (and, where
+        the settings allow it, as which principal)."""
+        lease = admission.lease
+        self.response_headers = [
+            (QUEUED_HEADER, f"{lease.waited_s:.3f}".encode()),
+            (TIER_HEADER, lease.ticket.tier.encode("latin-1", "replace")),
+        ]
+        if name_principal and admission.principal.known:
+            self.response_headers.append(
+                (PRINCIPAL_HEADER, admission.principal.name.encode("latin-1", "replace"))
+            )
 
     # ------------------------------------------------------------------ leases
 
@@ -215,29 +321,178 @@ class RequestWatch:
         assert self._send is not None
         if self.stopped is not None:
             return  # cancelled: what the app still says goes nowhere
+        if self._keepalive_task is not None:
+            # A comment may be on its way out: the app's first message goes after it.
+            self.unparked()
+            await asyncio.wait({self._keepalive_task})
+            self._keepalive_task = None
+        if self.keepalive_started:
+            await self._send_after_keepalive(message)
+            return
+        if self._refusal is not None:
+            if message["type"] == "http.response.start" and not self.response_started:
+                self.response_started = self.response_complete = True
+                await error_response(self._refusal).send_asgi(self._send)
+            return  # the app's own rendering of our refusal goes nowhere
         kind = message["type"]
         if kind == "http.response.start":
             self.response_started = True
+            if self.response_headers:
+                headers = [*message.get("headers", ()), *self.response_headers]
+                message = {**message, "headers": headers}
         elif kind == "http.response.body":
             if message.get("body"):
                 for lease in self.leases:
                     lease.mark_started()
             if not message.get("more_body", False):
                 self.response_complete = True
+        await self._deliver(message)
+        if self.response_complete:
+            for lease in self.leases:
+                lease.release()
+
+    async def _deliver(self, message: Message) -> None:
+        assert self._send is not None
+        if self.disconnected.is_set():
+            return  # the client is gone: nothing to write to
         if self._send_timeout_s is None or not self.leases:
             # Only a request holding a lease is timed: others hold nothing of the engine's.
             await self._send(message)
         else:
-            # A timer rather than wait_for: no task per chunk. `stop()` cancels the app's task,
-            # which is the one blocked in this send.
+            # A timer rather than wait_for: no task per chunk. `stop()` cancels the app's
+            # task, which is the one blocked in this send.
             stalled = asyncio.get_running_loop().call_later(self._send_timeout_s, self._stalled)
             try:
                 await self._send(message)
             finally:
                 stalled.cancel()
-        if self.response_complete:
+        if message.get("more_body", False):
+            self._chunks_since_yield += 1
+            if self._chunks_since_yield >= YIELD_EVERY_CHUNKS:
+                self._chunks_since_yield = 0
+                await asyncio.sleep(0)  # see YIELD_EVERY_CHUNKS
+
+    async def _send_after_keepalive(self, message: Message) -> None:
+        """The app answers a client that already has our 200 and SSE headers."""
+        assert self._send is not None
+        kind = message["type"]
+        if kind == "http.response.start":
+            self.response_started = True
+            status = int(message.get("status", 200))
+            if status >= 400:
+                self._error_status = status
+            return  # the client has its response start already
+        if kind != "http.response.body":
+            return
+        more = message.get("more_body", False)
+        body = message.get("body", b"")
+        if self._error_status is not None:
+            room = MAX_ERROR_BODY_BYTES - len(self._error_body)
+            self._error_body += body[: max(0, room)]
+            if not more:
+                payload = (
+                    error_response(self._refusal).body
+                    if self._refusal is not None
+                    else _error_payload(self._error_status, bytes(self._error_body))
+                )
+                await self._end_with_event(payload)
+            return
+        if body:
+            for lease in self.leases:
+                lease.mark_started()
+        if not more:
+            self.response_complete = True
+        await self._deliver(message)
+        if not more:
             for lease in self.leases:
                 lease.release()
+
+    def _owes_event(self) -> bool:
+        """True while the client holds our keep-alive 200 and nothing has ended it."""
+        return (
+            self.keepalive_started
+            and not self.response_complete
+            and not self.disconnected.is_set()
+            and self._send is not None
+        )
+
+    async def _end_with_event(self, payload: dict[str, Any]) -> None:
+        """End the keep-alive response with an OpenAI-style error event (what SDKs raise)."""
+        assert self._send is not None
+        self.response_complete = True
+        event = b"data: " + json.dumps(payload).encode() + b"\n\n"
+        with contextlib.suppress(OSError, RuntimeError):
+            # The client may be gone by now; there is nobody left to tell.
+            await self._send({"type": "http.response.body", "body": event, "more_body": False})
+
+    # ------------------------------------------------------------------ keep-alive while parked
+
+    def parked(self, parked: ParkedRequest) -> None:
+        """The request waits in the queue (`service.WaitObserver`): keep a stream alive."""
+        after_s = parked.queue.keepalive_after_s
+        if not self.streaming or self._send is None or after_s <= 0:
+            return
+        self._parked = parked
+        if self._keepalive_task is None:
+            self._keepalive_task = asyncio.get_running_loop().create_task(
+                self._keep_alive(after_s, parked.queue.keepalive_interval_s)
+            )
+
+    def shutdown(self) -> None:
+        """The server drained past its grace period: end the request (a keep-alive stream
+        gets an error event; a started one is closed, which is the truth)."""
+        self.stop(LeaseExpired("the server shut down before the response ended"))
+
+    def unparked(self) -> None:
+        """The request stopped waiting: no more comments (one being sent finishes first)."""
+        self._parked = None
+        task = self._keepalive_task
+        if task is not None and not self._keepalive_sending:
+            task.cancel()
+
+    async def _keep_alive(self, after_s: float, interval_s: float) -> None:
+        send = self._send
+        assert send is not None
+        delay = after_s
+        while True:
+            await asyncio.sleep(delay)
+            delay = interval_s
+            parked = self._parked
+            if parked is None or self.disconnected.is_set():
+                return
+            messages: list[Message] = []
+            if not self.keepalive_started:
+                tier = (TIER_HEADER, parked.ticket.tier.encode("latin-1", "replace"))
+                messages.append(
+                    {"type": "http.response.start", "status": 200, "headers": [*SSE_HEADERS, tier]}
+                )
+            eta = parked.eta_s()
+            comment = f": queued position={parked.position()} wait_s={parked.wait_s():.1f}"
+            if eta is not None:
+                comment += f" eta_s={eta:.1f}"
+            messages.append(
+                {
+                    "type": "http.response.body",
+                    "body": comment.encode() + b"\n\n",
+                    "more_body": True,
+                }
+            )
+            self._keepalive_sending = True
+            try:
+                for message in messages:
+                    # A client that does not take a comment within an interval has stopped
+                    # reading: it is treated as gone (the request leaves the queue).
+                    await asyncio.wait_for(send(message), timeout=max(interval_s, 1.0))
+                    if message["type"] == "http.response.start":
+                        self.keepalive_started = True
+            except (OSError, RuntimeError, asyncio.TimeoutError) as exc:
+                logger.debug("fair_sched: keep-alive to a parked client failed: %r", exc)
+                self._client_left()
+                return
+            finally:
+                self._keepalive_sending = False
+            if self._parked is None:
+                return
 
     def _stalled(self) -> None:
         logger.warning(
@@ -249,12 +504,30 @@ class RequestWatch:
 
     def close(self) -> None:
         """End the leases and stop watching (what `run()` does on its way out)."""
+        if self._keepalive_task is not None:
+            self._keepalive_task.cancel()
         if self._lease_timer is not None:
             self._lease_timer.cancel()
             self._lease_timer = None
         if self._watcher is not None and not self._watcher.done():
             self._watcher.cancel()
         self.end_leases()
+
+
+def _error_payload(status: int, body: bytes) -> dict[str, Any]:
+    """An app's error response as an OpenAI-style error object (its own when it sent one)."""
+    with contextlib.suppress(ValueError, UnicodeDecodeError):
+        decoded = json.loads(body)
+        if isinstance(decoded, dict):
+            found = decoded.get("error", decoded.get("detail"))
+            if isinstance(found, dict) and isinstance(found.get("error"), dict):
+                found = found["error"]  # LiteLLM's HTTPException detail carries ours
+            if isinstance(found, dict) and found.get("message"):
+                return {"error": found}
+            if isinstance(found, str):
+                return {**error(status, found, code=str(status)).body}
+    text = body.decode("utf-8", "replace").strip() or f"HTTP {status}"
+    return error(status, text[:2000], code=str(status)).body
 
 
 class WatchRequests:

@@ -24,6 +24,8 @@ _ERROR_TYPES = {
     413: "invalid_request_error",
     429: "rate_limit_error",
     CLIENT_CLOSED_STATUS: "client_closed_request",
+    502: "engine_unavailable_error",
+    503: "service_unavailable_error",
     504: "timeout_error",
 }
 
@@ -69,6 +71,8 @@ def error_response(exc: Rejected | ClientDisconnected) -> ErrorResponse:
         return error(CLIENT_CLOSED_STATUS, str(exc), code="client_disconnected")
     param = exc.param if isinstance(exc, InvalidRequest) else None
     headers = {}
-    if exc.status_code in (429, 503):
+    if exc.retryable:
+        # A full queue, a wait given up, an engine or a server away: say when to come back
+        # (the service estimates it from the measured drain rate).
         headers["Retry-After"] = exc.retry_after_header
-    return error(exc.status_code, str(exc), code=exc.reason, param=param, headers=headers)
+    return error(exc.status_code, str(exc), code=exc.error_code, param=param, headers=headers)

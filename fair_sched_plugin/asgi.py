@@ -27,6 +27,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from . import _responses, observability
 from ._request import RequestWatch
+from ._shutdown import install_sigterm_drain
 from .config import FairSchedSettings
 from .core import Lease
 from .errors import ClientDisconnected, Rejected
@@ -34,6 +35,9 @@ from .identity import Credentials
 from .service import SchedulingService, UnknownModels, parse_request_body
 
 UserResolver = Callable[[Scope, Mapping[str, Any]], str | None]
+
+# Where a caller asks, with its own API key, where its parked requests stand.
+QUEUE_PATH = "/fair-sched/queue"
 
 DEFAULT_PATHS = (
     r"^(/v1)?/chat/completions$",
@@ -44,7 +48,7 @@ MAX_BODY_BYTES = 8 * 1024 * 1024
 # A copy of a non-streamed response body is kept up to this size to read its `usage`.
 USAGE_SNIFF_BYTES = 256 * 1024
 
-__all__ = ["DEFAULT_PATHS", "FairSchedulerMiddleware"]
+__all__ = ["DEFAULT_PATHS", "QUEUE_PATH", "FairSchedulerMiddleware"]
 
 logger = logging.getLogger("fair_sched")
 
@@ -62,6 +66,9 @@ class FairSchedulerMiddleware:
     `unknown_models="reject"` answers 404 to a model the service was not configured with, before
     it queues (the standalone proxy serves only its backends); the default schedules every such
     name in one shared queue with one in-flight cap.
+    ``GET /fair-sched/queue`` answers a caller, identified as its requests are (its API key),
+    with its own parked requests per model, their estimated positions and ETAs
+    (`serve_queue=False` leaves that path to the app).
     `pass_unmodelled=True` passes a body that is not a JSON object naming a model to the app
     unscheduled instead of answering 400: only for paths where such a body cannot reach a
     scheduled engine (LiteLLM's pass-through routes to hosted providers).
@@ -81,8 +88,10 @@ class FairSchedulerMiddleware:
         reject_unknown_keys: bool = False,
         unknown_models: UnknownModels = "share",
         pass_unmodelled: bool = False,
+        serve_queue: bool = True,
     ) -> None:
         self.app = app
+        self._serve_queue = serve_queue
         self._unknown_models: UnknownModels = unknown_models
         self._pass_unmodelled = pass_unmodelled
         self.service = service or SchedulingService(config)
@@ -116,6 +125,14 @@ class FairSchedulerMiddleware:
             await self._admin(scope, receive, send)
             return
         if (
+            self._serve_queue
+            and scope["type"] == "http"
+            and scope.get("path") == QUEUE_PATH
+            and scope.get("method") in ("GET", "HEAD")
+        ):
+            await self._standing(scope, send)
+            return
+        if (
             scope["type"] != "http"
             or scope.get("method") != "POST"
             or not any(pattern.search(scope.get("path", "")) for pattern in self._paths)
@@ -132,10 +149,16 @@ class FairSchedulerMiddleware:
         await _ScheduledRequest(self, scope, watch).run()
 
     async def _lifespan(self, scope: Scope, receive: Receive, send: Send) -> None:
+        uninstall_drain = None
+
         async def receive_and_track() -> Message:
+            nonlocal uninstall_drain
             message = await receive()
             if message["type"] == "lifespan.startup":
                 self.service.start()
+                # The server (uvicorn) installed its signal handlers before its startup: ours
+                # goes in front, so a SIGTERM drains the queue before the server stops.
+                uninstall_drain = install_sigterm_drain(self.service)
             return message
 
         async def send_and_track(message: Message) -> None:
@@ -145,10 +168,39 @@ class FairSchedulerMiddleware:
                 "lifespan.shutdown.failed",
                 "lifespan.startup.failed",
             ):
+                if uninstall_drain is not None:
+                    uninstall_drain()
                 await self.service.aclose()
             await send(message)
 
         await self.app(scope, receive_and_track, send_and_track)
+
+    async def _standing(self, scope: Scope, send: Send) -> None:
+        credentials = self.credentials(scope, {})
+        principal = None
+        if credentials.api_key or credentials.user_id or credentials.claimed_user:
+            principal = self.service.identify(credentials)
+        if principal is None or (self._reject_unknown_keys and not principal.known):
+            await _responses.error(
+                401,
+                "send your API key to see your own queued requests",
+                code="invalid_api_key",
+                headers={"WWW-Authenticate": "Bearer"},
+            ).send_asgi(send)
+            return
+        content = json.dumps(self.service.standing_of(principal)).encode()
+        await send(
+            {
+                "type": "http.response.start",
+                "status": 200,
+                "headers": [
+                    (b"content-type", b"application/json"),
+                    (b"content-length", str(len(content)).encode()),
+                    (b"cache-control", b"no-store"),
+                ],
+            }
+        )
+        await send({"type": "http.response.body", "body": content, "more_body": False})
 
     def credentials(self, scope: Scope, body: Mapping[str, Any]) -> Credentials:
         headers = Headers(scope=scope)
@@ -203,12 +255,15 @@ class _ScheduledRequest:
                     headers={"WWW-Authenticate": "Bearer"},
                 ).send_asgi(send)
                 return
+            self.watch.streaming = body.get("stream") is True
             admission = await self.service.admit(
                 principal,
                 body.get("model"),
                 body,
                 disconnected=self.watch.watch(),
                 unknown_models=self.middleware._unknown_models,
+                waiting=self.watch,
+                max_wait_s=self.watch.max_wait_s(self.service.settings.queue.max_wait_s),
             )
         except Rejected as exc:
             await _responses.error_response(exc).send_asgi(send)
@@ -217,6 +272,7 @@ class _ScheduledRequest:
             return
         lease = admission.lease
         self.watch.hold(lease)
+        self.watch.admitted(admission, name_principal=self.service.names_principals)
         self.service.rewrite_priority(body, admission.engine_priority, via_extra_body=False)
         new_body = json.dumps(body).encode()
         app_scope = dict(scope)

@@ -354,6 +354,11 @@ class QueueSettings(_Frozen):
     # Inside one user's queue: arrival order, or the smallest expected work (prompt estimate +
     # requested output tokens) first.
     order: Literal["fifo", "shortest_first"] = "fifo"
+    # Waiting clients (issue 18): a parked `stream: true` request gets its 200 and SSE headers
+    # after `keepalive_after_s` (0: never), then an SSE comment every `keepalive_interval_s`, so
+    # idle timeouts of load balancers and client libraries do not cut it while it waits.
+    keepalive_after_s: Annotated[float, Field(ge=0, le=86_400)] = 10.0
+    keepalive_interval_s: Annotated[float, Field(gt=0, le=3_600)] = 10.0
 
 
 class IdentitySettings(_Frozen):
@@ -420,6 +425,9 @@ class FairSchedSettings(_Frozen):
     identity: IdentitySettings = IdentitySettings()
     backends: dict[str, BackendSettings] = Field(default_factory=dict)
     queue: QueueSettings = QueueSettings()
+    # Graceful drain (issue 18): after SIGTERM, how long started requests may run to their end
+    # before they are cut; parked ones are refused at once (503 shutting_down).
+    drain_grace_s: Annotated[float, Field(ge=0, le=3_600)] = 30.0
     metrics_poll_ms: Annotated[float, Field(ge=10, le=60_000)] = 100.0
     # Below 10 ms no real engine answers: every scrape would fail and the gate fall back.
     metrics_timeout_ms: Annotated[float, Field(ge=10, le=60_000)] | None = None

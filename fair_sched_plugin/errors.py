@@ -4,8 +4,10 @@
     ├── ConfigError                   invalid `fair_sched` settings (names the key path and value)
     ├── Rejected                      a request the scheduler will not run; carries `retry_after_s`
     │   ├── QueueFull                 per-user or total queue cap reached       -> HTTP 429
-    │   ├── QueueTimeout              waited longer than `queue.max_wait_s`     -> HTTP 429
+    │   ├── QueueTimeout              waited longer than `queue.max_wait_s` (or
+    │   │                             its `x-fair-sched-max-wait-s`)            -> HTTP 504
     │   ├── BudgetExceeded            the principal spent its budget (reject)   -> HTTP 429
+    │   ├── EngineUnavailable         the engine cannot be reached              -> HTTP 502
     │   ├── SchedulerClosed           the scheduler is shutting down            -> HTTP 503
     │   ├── InvalidRequest            a body or model name we will not schedule -> HTTP 400
     │   │   └── UnknownModel          a model this server does not serve        -> HTTP 404
@@ -17,6 +19,9 @@
 
 Integrations translate these into HTTP responses with one function
 (`fair_sched_plugin._responses.error_response`); nothing third-party leaks through the API.
+The four refusals a waiting client meets are told apart by status and error `code`: queue full
+(429 `queue_full`), wait exceeded (504 `timeout`), engine unavailable (502
+`upstream_unavailable`) and shutting down (503 `shutting_down`), each with `Retry-After`.
 """
 
 from __future__ import annotations
@@ -39,10 +44,19 @@ class Rejected(FairSchedError):
 
     status_code = 429
     reason = "rejected"
+    # The error `code` clients see; the `reason` label unless a subclass says otherwise.
+    code: str | None = None
+    # Whether the answer says when to retry (`Retry-After`): not for a request that is wrong
+    # as sent, nor for one that already ran.
+    retryable = True
 
     def __init__(self, message: str, *, retry_after_s: float = 1.0) -> None:
         super().__init__(message)
         self.retry_after_s = max(0.0, retry_after_s)
+
+    @property
+    def error_code(self) -> str:
+        return self.code or self.reason
 
     @property
     def retry_after_header(self) -> str:
@@ -61,8 +75,10 @@ class QueueFull(Rejected):
 
 
 class QueueTimeout(Rejected):
-    """A request waited longer than `queue.max_wait_s` without being released."""
+    """A request waited longer than `queue.max_wait_s` (or the client's own
+    `x-fair-sched-max-wait-s`) without being released: the gateway gave up waiting (504)."""
 
+    status_code = 504
     reason = "timeout"
 
 
@@ -74,10 +90,19 @@ class BudgetExceeded(Rejected):
 
 
 class SchedulerClosed(Rejected):
-    """The scheduler was closed while the request waited."""
+    """The scheduler was closed while the request waited (the server is shutting down)."""
 
     status_code = 503
     reason = "closed"
+    code = "shutting_down"
+
+
+class EngineUnavailable(Rejected):
+    """The engine behind a model cannot be reached (refused or reset connections)."""
+
+    status_code = 502
+    reason = "engine_unavailable"
+    code = "upstream_unavailable"  # what `fair-sched proxy` has always answered
 
 
 class InvalidRequest(Rejected):
@@ -88,6 +113,7 @@ class InvalidRequest(Rejected):
 
     status_code = 400
     reason = "invalid_request"
+    retryable = False
 
     def __init__(self, message: str, *, param: str | None = None) -> None:
         super().__init__(message, retry_after_s=0.0)
@@ -106,6 +132,7 @@ class LeaseExpired(Rejected):
 
     status_code = 504
     reason = "lease_expired"
+    retryable = False
 
 
 class ClientDisconnected(FairSchedError):

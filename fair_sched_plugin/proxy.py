@@ -38,7 +38,7 @@ from . import _responses
 from ._http import KEEPALIVE_EXPIRY_S
 from .asgi import FairSchedulerMiddleware
 from .config import FairSchedSettings, load_settings
-from .errors import ConfigError, Rejected
+from .errors import ConfigError, EngineUnavailable, Rejected
 from .observability import METRICS_PATH, STATUS_PATH, endpoints
 from .service import SchedulingService, parse_request_body
 
@@ -129,11 +129,13 @@ class _ProxyRoutes:
 
     def __init__(
         self,
-        settings: FairSchedSettings,
+        service: SchedulingService,
         *,
         timeout: httpx.Timeout,
         transport: httpx.AsyncBaseTransport | None,
     ) -> None:
+        self._service = service
+        settings = service.settings
         self.api_bases = {
             model: backend.api_base.rstrip("/")
             for model, backend in settings.backends.items()
@@ -224,11 +226,18 @@ class _ProxyRoutes:
                 model,
                 _describe(exc),
             )
+            # Retry when the queue ahead would have drained at the measured rate, or at least
+            # once the gate could have noticed (metrics go stale and it falls back).
+            service = self._service
+            retry_after = service.suggest_retry_after(model) or (
+                service.settings.effective_stale_after_ms / 1000
+            )
             return _json_error(
-                _responses.error(
-                    502,
-                    f"the backend for model `{model}` cannot be reached",
-                    code="upstream_unavailable",
+                _responses.error_response(
+                    EngineUnavailable(
+                        f"the engine for model `{model}` cannot be reached",
+                        retry_after_s=retry_after,
+                    )
                 )
             )
         return _UpstreamStream(upstream)
@@ -280,7 +289,7 @@ def build_proxy_app(
     `transport` replaces the network for tests (httpx's transports).
     """
     service = service or SchedulingService(config)
-    proxy = _ProxyRoutes(service.settings, timeout=timeout, transport=transport)
+    proxy = _ProxyRoutes(service, timeout=timeout, transport=transport)
     if service.settings.observability.resolved_admin_key() is None:
         logger.warning(
             "fair_sched proxy: %s is served without authentication and %s is refused; set "

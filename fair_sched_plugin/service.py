@@ -23,6 +23,7 @@ from .config import (
     BackendSettings,
     FairSchedSettings,
     PriceSettings,
+    QueueSettings,
     default_metrics_url,
     load_settings,
 )
@@ -32,6 +33,7 @@ from .core import (
     BudgetBook,
     BudgetRule,
     Clock,
+    DrainMeter,
     FairScheduler,
     GateTransition,
     GroupStatus,
@@ -42,11 +44,16 @@ from .core import (
     Ticket,
     TierLimits,
     UserBacklog,
+    estimate_position,
+    retry_after_s,
 )
+from .core.clock import TimerHandle
 from .errors import (
     BudgetExceeded,
     ClientDisconnected,
     InvalidRequest,
+    QueueFull,
+    QueueTimeout,
     Rejected,
     SchedulerClosed,
     UnknownModel,
@@ -64,6 +71,7 @@ __all__ = [
     "Admission",
     "AdmissionObserver",
     "ClientDisconnected",
+    "ParkedRequest",
     "SchedulingService",
     "parse_request_body",
 ]
@@ -120,6 +128,46 @@ class AdmissionObserver(Protocol):
     def admitted(self, admission: Admission) -> None: ...
 
     def rejected(self, principal: Principal, ticket: Ticket, error: Rejected) -> None: ...
+
+
+class WaitObserver(Protocol):
+    """Told when a request parks (it was not released at once) and when it stops waiting,
+    however that ends (released, refused, client gone, cancelled). The request's watch uses it
+    for the keep-alive of streaming requests."""
+
+    def parked(self, parked: ParkedRequest) -> None: ...
+
+    def unparked(self) -> None: ...
+
+    def shutdown(self) -> None:
+        """The server drains and the grace period is over: end the request now."""
+
+
+class ParkedRequest:
+    """One request waiting in this process: what it waits for and where it stands."""
+
+    __slots__ = ("_service", "principal", "queue", "since", "ticket")
+
+    def __init__(
+        self, service: SchedulingService, principal: Principal, ticket: Ticket, since: float
+    ) -> None:
+        self._service = service
+        self.principal = principal
+        self.ticket = ticket
+        self.since = since
+        self.queue: QueueSettings = service.settings.queue
+
+    def wait_s(self) -> float:
+        return max(0.0, self._service.clock.now() - self.since)
+
+    def position(self) -> int:
+        """Estimated release position for its model (1: next); see `core.estimate_position`."""
+        return self._service.positions_of(self.ticket.user, self.ticket.model).get(self, 1)
+
+    def eta_s(self) -> float | None:
+        """Estimated seconds until release at the measured drain rate; None before it is known."""
+        service = self._service
+        return service.drain.eta_s(self.ticket.model, self.position(), service.clock.now())
 
 
 @dataclass(frozen=True)
@@ -268,6 +316,14 @@ class SchedulingService:
         self.scheduler.add_end_listener(self._count_spend)
         # Leases granted through admit() and not yet ended, for the per-principal in-flight view.
         self._running: dict[Lease, tuple[str, str, str]] = {}
+        # Requests parked in this process, per (user, model), in arrival order.
+        self._parked: dict[tuple[str, str], dict[ParkedRequest, None]] = {}
+        # How fast each model's queue drains (releases per second), for estimates.
+        self.drain = DrainMeter()
+        # Granted leases whose request can be ended when a drain's grace period is over.
+        self._holders: dict[Lease, WaitObserver] = {}
+        self._draining = False
+        self._drain_timer: TimerHandle | None = None
         self.scheduler.add_end_listener(self._lease_ended)
         # Created now so the wait histogram sees every admission; reads happen at scrape time.
         self._observability = ServiceMetrics(self)
@@ -305,10 +361,45 @@ class SchedulingService:
                 watcher.start()
                 self._watchers.setdefault(model, []).append(watcher)
 
+    @property
+    def draining(self) -> bool:
+        return self._draining
+
+    def begin_drain(self) -> None:
+        """Stop admitting and refuse every parked request (503 `shutting_down` with
+        `Retry-After`); requests already running may finish within `drain_grace_s`, then they
+        are ended. What a SIGTERM starts (`_shutdown.install_sigterm_drain`). Idempotent."""
+        if self._draining or self._closed:
+            return
+        self._draining = True
+        grace_s = self.settings.drain_grace_s
+        logger.warning(
+            "fair_sched: draining: %d parked requests refused, %d running may finish within "
+            "%g s (drain_grace_s)",
+            self.scheduler.statistics().queued,
+            len(self._holders),
+            grace_s,
+        )
+        self.scheduler.close()
+        self._drain_timer = self.clock.call_at(self.clock.now() + grace_s, self._end_running)
+
+    def _end_running(self) -> None:
+        self._drain_timer = None
+        if self._holders:
+            logger.warning(
+                "fair_sched: drain grace period over: ending %d running requests",
+                len(self._holders),
+            )
+        for holder in list(self._holders.values()):
+            holder.shutdown()
+
     async def aclose(self) -> None:
         if self._closed:
             return
         self._closed = True
+        if self._drain_timer is not None:
+            self._drain_timer.cancel()
+            self._drain_timer = None
         self.scheduler.close()
         watchers = [watcher for group in self._watchers.values() for watcher in group]
         await asyncio.gather(*(watcher.aclose() for watcher in watchers), return_exceptions=True)
@@ -320,6 +411,12 @@ class SchedulingService:
 
     async def __aexit__(self, *exc_info: object) -> None:
         await self.aclose()
+
+    @property
+    def names_principals(self) -> bool:
+        """Whether responses may name the caller's principal (`observability.user_labels:
+        principals`, the same choice as for metric labels)."""
+        return self.settings.observability.user_labels == "principals"
 
     def add_transition_listener(self, listener: Callable[[GateTransition], None]) -> None:
         self._transition_listeners.append(listener)
@@ -436,13 +533,17 @@ class SchedulingService:
         *,
         disconnected: asyncio.Event | None = None,
         unknown_models: UnknownModels = "share",
+        waiting: WaitObserver | None = None,
+        max_wait_s: float | None = None,
     ) -> Admission:
         """Wait for this request's turn. Raises `Rejected` (400/404/429/503) or
         `ClientDisconnected`.
 
         The model and the body's shape are checked first (see `scheduling_model`); the lease is
         for the name returned there. A request whose client disconnects while parked leaves the
-        queue and never gets a lease.
+        queue and never gets a lease. `waiting` is told when the request parks and when it stops
+        waiting; `max_wait_s` (the client's `x-fair-sched-max-wait-s`) gives up sooner than
+        `queue.max_wait_s`, never later.
         """
         scheduled_as = self.scheduling_model(model, unknown_models=unknown_models)
         check_body_depth(body)
@@ -453,37 +554,176 @@ class SchedulingService:
             ticket = self._apply_budget(ticket)
             lease = self.scheduler.try_acquire(ticket)
             if lease is None:
-                lease = await self._wait(ticket, disconnected)
+                lease = await self._park(principal, ticket, disconnected, waiting, max_wait_s)
         except Rejected as exc:
+            self._estimate_retry_after(exc, ticket)
             self._rejected(principal, ticket, exc)
             raise
+        self.drain.record(scheduled_as, self.clock.now())
         admission = Admission(lease, principal, self.engine_priority(scheduled_as, ticket.tier))
         if lease.active:
             self._running[lease] = (lease.ticket.model, lease.ticket.tier, lease.ticket.user)
+            if waiting is not None:
+                self._holders[lease] = waiting
         for observer in self._admission_observers:
             observer.admitted(admission)
         return admission
 
-    async def _wait(self, ticket: Ticket, disconnected: asyncio.Event | None) -> Lease:
-        if disconnected is None:
+    async def _park(
+        self,
+        principal: Principal,
+        ticket: Ticket,
+        disconnected: asyncio.Event | None,
+        waiting: WaitObserver | None,
+        max_wait_s: float | None,
+    ) -> Lease:
+        parked = ParkedRequest(self, principal, ticket, self.clock.now())
+        mine = self._parked.setdefault((ticket.user, ticket.model), {})
+        mine[parked] = None
+        try:
+            if waiting is not None:
+                waiting.parked(parked)
+            return await self._wait(ticket, disconnected, max_wait_s)
+        finally:
+            if waiting is not None:
+                waiting.unparked()
+            mine.pop(parked, None)
+            if not mine:
+                self._parked.pop((ticket.user, ticket.model), None)
+
+    async def _wait(
+        self, ticket: Ticket, disconnected: asyncio.Event | None, max_wait_s: float | None
+    ) -> Lease:
+        if disconnected is None and max_wait_s is None:
             return await self.scheduler.acquire(ticket)
-        if disconnected.is_set():
+        if disconnected is not None and disconnected.is_set():
             raise ClientDisconnected("client disconnected before its request was scheduled")
         acquiring = asyncio.ensure_future(self.scheduler.acquire(ticket))
-        watching = asyncio.ensure_future(disconnected.wait())
+        waits: set[asyncio.Future[Any]] = {acquiring}
+        watching = None
+        if disconnected is not None:
+            watching = asyncio.ensure_future(disconnected.wait())
+            waits.add(watching)
+        deadline = None
+        if max_wait_s is not None:
+            # On the service's clock, like every other time it reads.
+            expired: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+            waits.add(expired)
+            deadline = self.clock.call_at(self.clock.now() + max_wait_s, _resolver(expired))
         try:
-            await asyncio.wait({acquiring, watching}, return_when=asyncio.FIRST_COMPLETED)
+            await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
         except BaseException:
             # Our own task is being cancelled: make sure no lease outlives it.
             _cancel_acquire(acquiring)
             raise
         finally:
-            watching.cancel()
-        if disconnected.is_set():
+            if watching is not None:
+                watching.cancel()
+            if deadline is not None:
+                deadline.cancel()
+        if disconnected is not None and disconnected.is_set():
             # Disconnect wins a tie: the engine must never see a request nobody waits for.
             _cancel_acquire(acquiring)
             raise ClientDisconnected("client disconnected while its request waited")
+        if not acquiring.done():
+            # The client's own limit (`x-fair-sched-max-wait-s`) passed first. (A lease granted
+            # at the same moment wins: the request is served, nothing is thrown away.)
+            _cancel_acquire(acquiring)
+            raise QueueTimeout(
+                f"the request waited its limit of {max_wait_s:g} s (x-fair-sched-max-wait-s) "
+                "without being released",
+                retry_after_s=1.0,
+            )
         return acquiring.result()
+
+    def positions_of(self, user: str, model: str) -> dict[ParkedRequest, int]:
+        """Estimated release positions of `user`'s requests parked here for `model`."""
+        mine = self._parked.get((user, model))
+        if not mine:
+            return {}
+        backlog = self.scheduler.backlog(model)
+        order = [tier.name for tier in self.scheduler.tiers]
+        positions: dict[ParkedRequest, int] = {}
+        index_in_tier: dict[str, int] = {}
+        for parked in mine:
+            tier = parked.ticket.tier
+            index_in_tier[tier] = index_in_tier.get(tier, 0) + 1
+            positions[parked] = estimate_position(index_in_tier[tier], user, tier, backlog, order)
+        return positions
+
+    def suggest_retry_after(
+        self, model: str, *, user: str = "", tier: str | None = None, own_index: int = 1
+    ) -> float | None:
+        """Seconds until a request of `user` queued `own_index`-th in its own queue would be
+        released, at the measured drain rate of `model`; None before a rate was measured."""
+        now = self.clock.now()
+        rate = self.drain.rate(model, now)
+        if rate is None:
+            return None
+        order = [limits.name for limits in self.scheduler.tiers]
+        tier = tier if tier in order else self.settings.default_tier_name
+        backlog = self.scheduler.backlog(model)
+        ahead = estimate_position(own_index, user, tier, backlog, order)
+        return retry_after_s(ahead, rate, ceiling_s=self.settings.queue.max_wait_s)
+
+    def _estimate_retry_after(self, exc: Rejected, ticket: Ticket) -> None:
+        """`Retry-After` from the measured drain rate (the core's hint stays until one is)."""
+        if isinstance(exc, BudgetExceeded) or not exc.retryable:
+            return  # a budget window ends when it ends
+        rate = self.drain.rate(ticket.model, self.clock.now())
+        if rate is None:
+            return
+        if isinstance(exc, QueueFull) and exc.scope == "total":
+            # Any release frees a place.
+            exc.retry_after_s = retry_after_s(1, rate, ceiling_s=self.settings.queue.max_wait_s)
+            return
+        if isinstance(exc, QueueFull):
+            own_index = 1  # the caller's own cap: its oldest request's release frees a place
+        else:
+            # Sent again now, it would queue behind the caller's own parked requests.
+            own_index = 1 + sum(
+                row.depth
+                for row in self.scheduler.backlog(ticket.model)
+                if row.user == ticket.user and row.tier == ticket.tier
+            )
+        estimate = self.suggest_retry_after(
+            ticket.model, user=ticket.user, tier=ticket.tier, own_index=own_index
+        )
+        if estimate is not None:
+            exc.retry_after_s = estimate
+
+    def parked_of(self, user: str) -> dict[str, list[ParkedRequest]]:
+        """`user`'s requests parked in this process, per model, in arrival order."""
+        result: dict[str, list[ParkedRequest]] = {}
+        for (owner, model), mine in self._parked.items():
+            if owner == user:
+                result[model] = list(mine)
+        return result
+
+    def standing_of(self, principal: Principal) -> dict[str, Any]:
+        """The where-do-I-stand document: `principal`'s own parked requests per model, with
+        estimated positions and ETAs; nothing about anyone else's requests."""
+        now = self.clock.now()
+        models: dict[str, Any] = {}
+        for model, mine in self.parked_of(principal.name).items():
+            positions = self.positions_of(principal.name, model)
+            rate = self.drain.rate(model, now)
+            models[model] = {
+                "drain_rate_per_s": round(rate, 3) if rate is not None else None,
+                "parked": [
+                    {
+                        "position": positions.get(parked, 1),
+                        "tier": parked.ticket.tier,
+                        "wait_s": round(now - parked.since, 3),
+                        "eta_s": round(positions.get(parked, 1) / rate, 1) if rate else None,
+                    }
+                    for parked in mine
+                ],
+            }
+        document: dict[str, Any] = {"models": models}
+        if self.names_principals and principal.known:
+            document["principal"] = principal.name
+        return document
 
     def engine_priority(self, model: str, tier_name: str) -> int | None:
         """The `priority` to send for this tier, or None where the backend does not support it."""
@@ -628,6 +868,7 @@ class SchedulingService:
 
     def _lease_ended(self, lease: Lease, abandoned: bool) -> None:
         self._running.pop(lease, None)
+        self._holders.pop(lease, None)
 
     def _request_scrape(self, model: str) -> None:
         for watcher in self._watchers.get(model, ()):
@@ -684,6 +925,14 @@ class SchedulingService:
             logger.info("fair_sched gate model=%s mode=%s", transition.model, transition.new)
         for listener in self._transition_listeners:
             listener(transition)
+
+
+def _resolver(future: asyncio.Future[None]) -> Callable[[], None]:
+    def resolve() -> None:
+        if not future.done():
+            future.set_result(None)
+
+    return resolve
 
 
 def _cancel_acquire(acquiring: asyncio.Future[Lease]) -> None:

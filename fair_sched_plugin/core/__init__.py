@@ -17,6 +17,7 @@ from .scheduler import (
 from .snapshot import BackendSnapshot
 from .ticket import Lease, LeaseOwner, Ticket, TierLimits
 from .tuning import QueueTuner, TunerStatus
+from .waiting import DrainMeter, estimate_position, retry_after_s
 
 __all__ = [
     "AdmissionGate",
@@ -28,6 +29,7 @@ __all__ = [
     "BudgetUnit",
     "BudgetVerdict",
     "Clock",
+    "DrainMeter",
     "FairScheduler",
     "FairnessPolicy",
     "GateTransition",
@@ -45,4 +47,6 @@ __all__ = [
     "TierLimits",
     "TunerStatus",
     "UserBacklog",
+    "estimate_position",
+    "retry_after_s",
 ]

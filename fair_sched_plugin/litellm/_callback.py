@@ -89,14 +89,25 @@ class FairSchedCallback(CustomLogger):
         if request.lease is not None:
             return data  # scheduled already (a pass-through route, by the middleware in front)
         principal = self._principal(service, user_api_key_dict, data)
+        request.streaming = data.get("stream") is True
         try:
-            admission = await service.admit(principal, model, data, disconnected=request.watch())
+            admission = await service.admit(
+                principal,
+                model,
+                data,
+                disconnected=request.watch(),
+                waiting=request,
+                max_wait_s=request.max_wait_s(service.settings.queue.max_wait_s),
+            )
         except (Rejected, ClientDisconnected) as exc:
+            # LiteLLM re-renders the HTTPException's body; the request's watch sends ours.
+            request.refuse(exc)
             error = error_response(exc)
             raise HTTPException(
                 status_code=error.status, detail=error.body, headers=error.headers
             ) from None
         request.hold(admission.lease)
+        request.admitted(admission, name_principal=service.names_principals)
         service.rewrite_priority(data, admission.engine_priority, via_extra_body=via_extra_body)
         return data
 

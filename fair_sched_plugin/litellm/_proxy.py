@@ -7,6 +7,7 @@ section raises `ConfigError` (a `ValueError`), which stops the proxy at start-up
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import json
 import logging
@@ -20,6 +21,7 @@ from typing import Any
 import yaml
 
 from .._request import WatchRequests
+from .._shutdown import install_sigterm_drain
 from ..asgi import FairSchedulerMiddleware
 from ..config import FairSchedSettings, load_settings
 from ..errors import ConfigError
@@ -146,6 +148,8 @@ def install_request_watch(proxy_server: Any, service: SchedulingService) -> bool
     and schedule LiteLLM's pass-through routes with the middleware in front of it.
 
     Wraps the built middleware stack (add_middleware is refused once the app has started).
+    Inside the running proxy (its start-up, after uvicorn installed its signal handlers) a
+    SIGTERM is made to drain the queue first (`_shutdown.install_sigterm_drain`).
     """
     app = getattr(proxy_server, "app", None)
     stack = getattr(app, "middleware_stack", None)
@@ -171,6 +175,9 @@ def install_request_watch(proxy_server: Any, service: SchedulingService) -> bool
         app.middleware_stack = FairSchedulerMiddleware(
             hosted_scheduled, service=service, paths=self_hosted
         )
+        with contextlib.suppress(RuntimeError):  # no running loop: not inside a server
+            asyncio.get_running_loop()
+            install_sigterm_drain(service)
     return True
 
 

@@ -110,6 +110,7 @@ async def test_unreachable_backend_is_502() -> None:
         response = await client.post("/v1/chat/completions", json=chat_body())
         assert response.status_code == 502
         assert json_error(response)["code"] == "upstream_unavailable"
+        assert int(response.headers["retry-after"]) >= 1
         await assert_idle(service_of(app))
 
 

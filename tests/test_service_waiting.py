@@ -1,0 +1,243 @@
+"""The service's side of waiting clients: parked requests' positions, the measured drain rate,
+`Retry-After` from it, and the client's own wait limit (a fake clock; no sleeps)."""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+import pytest
+
+from fair_sched_plugin.errors import QueueFull, QueueTimeout, SchedulerClosed
+from fair_sched_plugin.identity import Credentials
+from fair_sched_plugin.service import UNKNOWN_MODELS, Admission, ParkedRequest, SchedulingService
+from fair_sched_plugin.testing import FakeClock
+
+BODY = {"model": "m", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 10}
+
+
+async def settle() -> None:
+    for _ in range(5):
+        await asyncio.sleep(0)
+
+
+def make_service(clock: FakeClock, **settings: Any) -> SchedulingService:
+    config = {
+        # "m" has no backend: one in-flight slot (the unknown-models cap) decides.
+        "unknown_model_max_inflight": 1,
+        "principals": [{"name": "alice", "keys": ["sk-a"]}, {"name": "bob", "keys": ["sk-b"]}],
+        **settings,
+    }
+    return SchedulingService(config, clock=clock)
+
+
+class Recorder:
+    """A `WaitObserver`: what the request's watch is told."""
+
+    def __init__(self) -> None:
+        self.events: list[str] = []
+        self.parked_request: ParkedRequest | None = None
+
+    def parked(self, parked: ParkedRequest) -> None:
+        self.events.append("parked")
+        self.parked_request = parked
+
+    def unparked(self) -> None:
+        self.events.append("unparked")
+
+    def shutdown(self) -> None:
+        self.events.append("shutdown")
+
+
+async def test_thirty_parked_requests_of_one_principal_have_positions_in_order() -> None:
+    clock = FakeClock()
+    svc = make_service(clock)
+    alice = svc.identify(Credentials(api_key="sk-a"))
+    bob = svc.identify(Credentials(api_key="sk-b"))
+    holder = await svc.admit(alice, "m", BODY)
+    parked = [asyncio.ensure_future(svc.admit(alice, "m", BODY)) for _ in range(30)]
+    await settle()
+    mine = svc.parked_of("alice")
+    assert list(mine) == [UNKNOWN_MODELS] and len(mine[UNKNOWN_MODELS]) == 30
+    positions = svc.positions_of("alice", UNKNOWN_MODELS)
+    assert list(positions.values()) == list(range(1, 31))
+    assert svc.parked_of("bob") == {}
+    # Bob queues two: round robin puts his first after alice's first, so alice's later
+    # requests move back by up to two places.
+    bobs = [asyncio.ensure_future(svc.admit(bob, "m", BODY)) for _ in range(2)]
+    await settle()
+    positions = svc.positions_of("alice", UNKNOWN_MODELS)
+    assert list(positions.values())[:3] == [2, 4, 5]
+    assert list(svc.positions_of("bob", UNKNOWN_MODELS).values()) == [2, 4]
+    holder.lease.release()
+    for task in [*parked, *bobs]:
+        task.cancel()
+    await asyncio.gather(*parked, *bobs, return_exceptions=True)
+    await svc.aclose()
+
+
+async def test_the_wait_observer_hears_parked_and_unparked_once_each() -> None:
+    clock = FakeClock()
+    svc = make_service(clock)
+    alice = svc.identify(Credentials(api_key="sk-a"))
+    now_recorder = Recorder()
+    holder = await svc.admit(alice, "m", BODY, waiting=now_recorder)
+    assert now_recorder.events == []  # released at once: never parked
+    recorder = Recorder()
+    waiting = asyncio.ensure_future(svc.admit(alice, "m", BODY, waiting=recorder))
+    await settle()
+    assert recorder.events == ["parked"]
+    assert recorder.parked_request is not None
+    clock.advance(4.0)
+    assert recorder.parked_request.wait_s() == 4.0
+    assert recorder.parked_request.position() == 1
+    holder.lease.release()
+    admission: Admission = await asyncio.wait_for(waiting, 5)
+    assert recorder.events == ["parked", "unparked"]
+    assert svc.parked_of("alice") == {}
+    admission.lease.release()
+    await svc.aclose()
+
+
+async def test_retry_after_comes_from_the_measured_drain_rate() -> None:
+    """A caller whose cap is full is told to come back when its oldest request would be
+    released at the measured rate (positions ahead / releases per second), not a constant."""
+    clock = FakeClock()
+    svc = make_service(clock, queue={"max_per_user": 2, "max_wait_s": 600})
+    alice = svc.identify(Credentials(api_key="sk-a"))
+    bob = svc.identify(Credentials(api_key="sk-b"))
+    for _ in range(5):  # one release every 2 s
+        admission = await svc.admit(alice, "m", BODY)
+        clock.advance(2.0)
+        admission.lease.release()
+    # Drain rate: 4 intervals over the 10 s since the first release.
+    assert svc.drain.rate(UNKNOWN_MODELS, clock.now()) == pytest.approx(0.4)
+    holder = await svc.admit(bob, "m", BODY)
+    parked = [asyncio.ensure_future(svc.admit(alice, "m", BODY)) for _ in range(2)]
+    parked.append(asyncio.ensure_future(svc.admit(bob, "m", BODY)))
+    await settle()
+    with pytest.raises(QueueFull) as full:
+        await svc.admit(alice, "m", BODY)
+    # Bob's admission was a sixth release (5 intervals over 10 s: 0.5/s). Alice's oldest is
+    # released after at most bob's parked one: 2 positions at 0.5/s.
+    assert svc.drain.rate(UNKNOWN_MODELS, clock.now()) == pytest.approx(0.5)
+    assert full.value.retry_after_s == pytest.approx(2 / 0.5)
+    assert full.value.retry_after_header == "4"
+    holder.lease.release()
+    for task in parked:
+        task.cancel()
+    await asyncio.gather(*parked, return_exceptions=True)
+    await svc.aclose()
+
+
+async def test_without_a_measured_rate_the_schedulers_hint_stays() -> None:
+    clock = FakeClock()
+    svc = make_service(clock, queue={"max_per_user": 1})
+    alice = svc.identify(Credentials(api_key="sk-a"))
+    holder = await svc.admit(alice, "m", BODY)
+    parked = asyncio.ensure_future(svc.admit(alice, "m", BODY))
+    await settle()
+    with pytest.raises(QueueFull) as full:
+        await svc.admit(alice, "m", BODY)
+    assert full.value.retry_after_s >= 1.0
+    holder.lease.release()
+    (await asyncio.wait_for(parked, 5)).lease.release()
+    await svc.aclose()
+
+
+async def test_the_clients_wait_limit_gives_up_first_and_the_request_leaves_the_queue() -> None:
+    clock = FakeClock()
+    svc = make_service(clock, queue={"max_wait_s": 600})
+    alice = svc.identify(Credentials(api_key="sk-a"))
+    holder = await svc.admit(alice, "m", BODY)
+    waiting = asyncio.ensure_future(svc.admit(alice, "m", BODY, max_wait_s=10))
+    await settle()
+    clock.advance(9.9)
+    await settle()
+    assert not waiting.done()
+    clock.advance(0.1)
+    with pytest.raises(QueueTimeout, match="x-fair-sched-max-wait-s") as timed_out:
+        await waiting
+    assert timed_out.value.status_code == 504
+    await settle()
+    stats = svc.scheduler.statistics()
+    assert stats.queued == 0 and stats.cancelled_total == 1
+    holder.lease.release()
+    await svc.aclose()
+
+
+async def test_a_grant_at_the_clients_deadline_is_served_not_thrown_away() -> None:
+    """Race: the lease is granted and the client's wait limit passes in the same loop turn.
+    The grant wins: the request gets its lease (nothing is released to nobody)."""
+    clock = FakeClock()
+    svc = make_service(clock)
+    alice = svc.identify(Credentials(api_key="sk-a"))
+    holder = await svc.admit(alice, "m", BODY)
+    waiting = asyncio.ensure_future(svc.admit(alice, "m", BODY, max_wait_s=10))
+    await settle()
+    holder.lease.release()  # grants the parked request ...
+    clock.advance(10.0)  # ... and its deadline passes before it runs again
+    admission = await asyncio.wait_for(waiting, 5)
+    assert admission.lease.active
+    admission.lease.release()
+    stats = svc.scheduler.statistics()
+    assert stats.in_flight == 0 and stats.abandoned_total == 0
+    await svc.aclose()
+
+
+async def test_shutdown_refuses_parked_requests_as_shutting_down_with_retry_after() -> None:
+    svc = make_service(FakeClock())
+    alice = svc.identify(Credentials(api_key="sk-a"))
+    holder = await svc.admit(alice, "m", BODY)
+    parked = asyncio.ensure_future(svc.admit(alice, "m", BODY))
+    await settle()
+    await svc.aclose()
+    with pytest.raises(SchedulerClosed) as closed:
+        await parked
+    assert closed.value.status_code == 503
+    assert closed.value.error_code == "shutting_down"
+    assert int(closed.value.retry_after_header) >= 1
+    holder.lease.release()
+
+
+class Holder(Recorder):
+    @property
+    def ended(self) -> bool:
+        return "shutdown" in self.events
+
+
+async def test_drain_refuses_parked_at_once_and_ends_running_ones_after_the_grace() -> None:
+    """`begin_drain`: the parked request gets `SchedulerClosed` (503 shutting_down) at once,
+    new ones too; a running one is ended only when `drain_grace_s` has passed on the clock."""
+    clock = FakeClock()
+    svc = make_service(clock, drain_grace_s=20)
+    alice = svc.identify(Credentials(api_key="sk-a"))
+    running = Holder()
+    admission = await svc.admit(alice, "m", BODY, waiting=running)
+    parked = asyncio.ensure_future(svc.admit(alice, "m", BODY, waiting=Holder()))
+    await settle()
+    svc.begin_drain()
+    assert svc.draining
+    with pytest.raises(SchedulerClosed):
+        await parked
+    with pytest.raises(SchedulerClosed):
+        await svc.admit(alice, "m", BODY)
+    clock.advance(19.0)
+    assert not running.ended  # still within the grace period
+    clock.advance(1.0)
+    assert running.ended
+    admission.lease.release()
+    await svc.aclose()
+
+
+async def test_a_request_that_ends_within_the_grace_is_not_ended_again() -> None:
+    clock = FakeClock()
+    svc = make_service(clock, drain_grace_s=5)
+    alice = svc.identify(Credentials(api_key="sk-a"))
+    running = Holder()
+    admission = await svc.admit(alice, "m", BODY, waiting=running)
+    svc.begin_drain()
+    admission.lease.release()
+    clock.advance(5.0)
+    assert not running.ended
+    await svc.aclose()
