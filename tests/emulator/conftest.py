@@ -32,7 +32,7 @@ async def client(emu: RunningEmulator) -> AsyncIterator[httpx.AsyncClient]:
         yield http
 
 
-def open_client(emu: RunningEmulator, timeout: float = 10.0) -> httpx.AsyncClient:
+def open_client(emu: RunningEmulator, timeout: float | httpx.Timeout = 10.0) -> httpx.AsyncClient:
     # Floods open more than httpx's default 100 connections at once.
     limits = httpx.Limits(max_connections=500, max_keepalive_connections=500)
     return httpx.AsyncClient(base_url=emu.base_url, limits=limits, timeout=timeout)
