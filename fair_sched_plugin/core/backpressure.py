@@ -192,7 +192,11 @@ class MetricsGate:
             previous = state.latest_ok.get(snapshot.url)
             state.latest_ok[snapshot.url] = snapshot
             state.last_error.pop(snapshot.url, None)
-            if previous is not None and previous.started_at < snapshot.started_at:
+            # Replicas sharing the engine (share_with) each see the others' arrivals as growth:
+            # taken for their own, they would let as many more in, n times over.
+            if self._sharers > 1:
+                state.ends_since_scrape = 0
+            elif previous is not None and previous.started_at < snapshot.started_at:
                 self._settle_arrivals(state, previous, snapshot)
             self._account_scraped(state)
             # After the settling: probing asks whether anything is still on its way.
@@ -365,12 +369,14 @@ class MetricsGate:
         known = self._capacity(state, url)
         if ceiling is not None and url not in state.capacity and url not in state.capacity_previous:
             running = float(ceiling)  # configured and not yet contradicted by a queue
-        elif state.held_back and not state.pending_count and 0 < running >= known:
+        elif state.tuners and state.held_back and not state.pending_count and 0 < running >= known:
             # Running at the learned capacity with an empty queue while we held requests back
             # and none of ours is on its way: the engine may have more slots. Probe one more
             # per scrape; a queue forming shows the real number. Without this an engine never
             # seen saturated keeps slots unused, since the gate only saturates it through slots
-            # it believes free (issue #17).
+            # it believes free (issue #17). Only for `waiting_below: auto` tiers (those have a
+            # tuner): a probe into a slot that does not exist puts one request in the engine's
+            # queue beyond the threshold until the next scrape, and a fixed threshold is a promise.
             running += 1
         if ceiling is not None:
             running = min(running, float(ceiling))

@@ -67,9 +67,8 @@ async def test_released_requests_count_until_a_late_enough_scrape_sees_them() ->
     clock.advance(0.3)
     gate.update("m", scrape(clock, waiting=0, running=3))
     await settle()
-    # Three more for the threshold, and one probes for a fourth running slot (three running,
-    # none queued, while we held requests back: the engine may take more).
-    assert sum(task.done() for task in tasks) == 7
+    # Three more for the threshold (a fixed threshold never probes for a fourth slot).
+    assert sum(task.done() for task in tasks) == 6
     await drain(scheduler)
 
 
@@ -463,11 +462,15 @@ def test_lagging_scrapes_keep_the_engine_full_with_waiting_at_the_threshold() ->
 
 
 def test_an_engine_never_seen_saturated_is_probed_for_more_slots() -> None:
-    """Four running, none queued, requests held back: one more slot is tried per scrape until a
-    queue forms; the queue then pins the capacity (no phantom slot left behind)."""
+    """`auto` tier: four running, none queued, requests held back: one more slot is tried per
+    scrape until a queue forms; the queue then pins the capacity (no phantom slot left behind)."""
     clock = FakeClock()
     gate, _, _ = make_gate(clock)
     gate.update("m", scrape(clock, running=4))
+    # An `auto` tier's tuner exists once the gate has asked it (its queue of 1 is free here).
+    assert gate.may_release(
+        "m", TierLimits("a", waiting_below=1, auto_waiting_below=(1, 8), ttft_target_s=2.0)
+    )
     for running in (4, 5):  # at the learned capacity each time
         gate.may_release("m", TierLimits("t", waiting_below=0))  # held back: demand
         clock.advance(0.1)
@@ -479,6 +482,19 @@ def test_an_engine_never_seen_saturated_is_probed_for_more_slots() -> None:
     clock.advance(0.1)
     gate.update("m", scrape(clock, running=4))
     assert gate.status()[0].free_slots == 1
+
+
+def test_a_fixed_threshold_never_probes_past_what_the_engine_showed() -> None:
+    """A probe can put one request in the engine's queue beyond the threshold; a fixed
+    threshold is a promise, so only `auto` tiers probe."""
+    clock = FakeClock()
+    gate, _, _ = make_gate(clock)
+    gate.update("m", scrape(clock, running=4))
+    for _ in range(3):
+        gate.may_release("m", TierLimits("t", waiting_below=0))  # held back: demand
+        clock.advance(0.1)
+        gate.update("m", scrape(clock, running=4))
+        assert gate.status()[0].free_slots == 0
 
 
 def test_without_demand_the_capacity_is_not_probed() -> None:
