@@ -13,6 +13,7 @@ import asyncio
 import contextlib
 import json
 import os
+import sys
 from collections.abc import AsyncIterator, Mapping
 from typing import Any
 
@@ -101,24 +102,54 @@ async def openai_stream(base_url: str, key: str) -> str:
         return "".join(parts)
 
 
-async def litellm_stream(base_url: str, key: str) -> str:
-    """`litellm.acompletion` as a client (an OpenAI-compatible server behind `api_base`)."""
-    litellm = import_litellm()
+# `litellm.acompletion` runs in a process of its own: in the test process it hung when other
+# tests had imported the plugin's LiteLLM module there first (state the SDK picks up).
+_LITELLM_CLIENT = """
+import asyncio, json, sys
+import litellm
+
+async def main(base_url, key, model, messages, max_tokens):
     response = await litellm.acompletion(
-        model=f"openai/{MODEL}",
-        api_base=f"{base_url}/v1",
-        api_key=key,
-        messages=MESSAGES,
-        max_tokens=MAX_TOKENS,
-        stream=True,
-        max_retries=0,
+        model=f"openai/{model}", api_base=f"{base_url}/v1", api_key=key,
+        messages=json.loads(messages), max_tokens=int(max_tokens), stream=True, max_retries=0,
     )
     parts = []
     async for chunk in response:
         content = chunk.choices[0].delta.content
         if content:
             parts.append(content)
-    return "".join(parts)
+    sys.stdout.write("".join(parts))
+
+asyncio.run(main(*sys.argv[1:]))
+"""
+
+
+async def litellm_stream(base_url: str, key: str) -> str:
+    """`litellm.acompletion` as a client (an OpenAI-compatible server behind `api_base`)."""
+    process = await asyncio.create_subprocess_exec(
+        sys.executable,
+        "-c",
+        _LITELLM_CLIENT,
+        base_url,
+        key,
+        MODEL,
+        json.dumps(MESSAGES),
+        str(MAX_TOKENS),
+        stdout=asyncio.subprocess.PIPE,
+        stderr=asyncio.subprocess.PIPE,
+        env={**os.environ, "LITELLM_LOCAL_MODEL_COST_MAP": "True"},
+    )
+    try:
+        out, err = await process.communicate()
+    finally:
+        if process.returncode is None:
+            process.kill()
+            await process.wait()
+    if process.returncode != 0:
+        raise openai.APIConnectionError(
+            message=err.decode(errors="replace")[-2000:], request=httpx.Request("POST", base_url)
+        )
+    return out.decode()
 
 
 def import_litellm() -> Any:
@@ -135,7 +166,9 @@ async def expected_text(emu: RunningEmulator) -> str:
 
 
 async def wait_queued(service: SchedulingService, count: int) -> None:
-    await wait_until(lambda: service.scheduler.statistics().queued >= count, timeout_s=20)
+    # Generous: in a fresh virtualenv litellm.acompletion's first call compiles the modules it
+    # imports lazily, which took over 20 s on a 2-core CI machine before its request was sent.
+    await wait_until(lambda: service.scheduler.statistics().queued >= count, timeout_s=120)
 
 
 @contextlib.asynccontextmanager
@@ -185,8 +218,8 @@ async def test_parked_stream_survives_an_idle_timeout_relay_with_keepalive(kind:
         async with parked_pair(emu, kind) as (on, on_url, off, off_url, hogs):
             sdk = asyncio.ensure_future(openai_stream(on_url, "sk-a"))
             via_litellm = asyncio.ensure_future(litellm_stream(on_url, "sk-b"))
-            control = asyncio.ensure_future(openai_stream(off_url, "sk-c"))
             await wait_queued(on, 2)
+            control = asyncio.ensure_future(openai_stream(off_url, "sk-c"))
             await wait_queued(off, 1)
             # The control is cut once it was silent for the relay's idle time; the others were
             # parked at least as long (they parked first).

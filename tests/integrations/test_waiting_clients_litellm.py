@@ -65,7 +65,8 @@ async def status(base_url: str) -> dict[str, Any]:
         return document
 
 
-async def wait_for_status(base_url: str, check: Any, timeout_s: float = 20.0) -> None:
+async def wait_for_status(base_url: str, check: Any, timeout_s: float = 120.0) -> None:
+    # Generous: see wait_queued (a fresh virtualenv's first litellm.acompletion call is slow).
     loop = asyncio.get_running_loop()
     give_up_at = loop.time() + timeout_s
     while not check(await status(base_url)):
@@ -143,8 +144,8 @@ async def test_parked_streams_through_litellm_survive_an_idle_timeout_relay(
             await wait_for_status(off.base_url, engine_waiting)
             sdk = asyncio.ensure_future(openai_stream(on_relay.url, "sk-a"))
             via_litellm = asyncio.ensure_future(litellm_stream(on_relay.url, "sk-b"))
-            control = asyncio.ensure_future(openai_stream(off_relay.url, "sk-c"))
             await wait_for_status(on.base_url, queued(2))
+            control = asyncio.ensure_future(openai_stream(off_relay.url, "sk-c"))
             await wait_for_status(off.base_url, queued(1))
             with pytest.raises(openai.APIConnectionError):
                 await asyncio.wait_for(control, RELAY_IDLE_S * 4)
