@@ -162,8 +162,16 @@ class MetricsGate:
         self._request_scrape = request_scrape
         self._listener: CapacityListener | None = None
         self._sharers = 1
+        self._growth_settles = True
 
     # ------------------------------------------------------------------ inputs
+
+    def ends_arrive_out_of_step(self) -> None:
+        """Stop settling pending releases by the engine's growth between scrapes: that rule adds
+        the ends seen since the last scrape, which is only right when ends are seen as they
+        happen. A leader hears other replicas' ends through Redis, after scrapes that already
+        showed them, and would settle (and release) as many requests too many."""
+        self._growth_settles = False
 
     def share_with(self, replicas: int) -> None:
         """Spend only 1/`replicas` of every threshold, cap and free slot (at least 1 each
@@ -194,7 +202,7 @@ class MetricsGate:
             state.last_error.pop(snapshot.url, None)
             # Replicas sharing the engine (share_with) each see the others' arrivals as growth:
             # taken for their own, they would let as many more in, n times over.
-            if self._sharers > 1:
+            if self._sharers > 1 or not self._growth_settles:
                 state.ends_since_scrape = 0
             elif previous is not None and previous.started_at < snapshot.started_at:
                 self._settle_arrivals(state, previous, snapshot)

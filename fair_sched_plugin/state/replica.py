@@ -399,6 +399,8 @@ class ReplicaScheduler:
         self._core = core
         self._gate = gate
         self._link = link
+        if gate is not None and link is not None:
+            gate.ends_arrive_out_of_step()
         self.replica = replica or (link.replica if link else uuid.uuid4().hex[:12])
         self._heartbeat_s = heartbeat_s
         self._tids = itertools.count(1)
