@@ -62,6 +62,7 @@ from .identity import Credentials, Principal, PrincipalDirectory
 from .metrics.profiles import profile_for
 from .metrics.watcher import MetricsWatcher
 from .observability import BudgetStanding, DeploymentReading, ServiceMetrics, rejection_reason
+from .prefix import prompt_prefix
 from .state import ReplicaScheduler, StateStatistics, open_state
 
 logger = logging.getLogger("fair_sched")
@@ -446,6 +447,7 @@ class SchedulingService:
             weight=principal.weight,
             cost=prompt_tokens + output_tokens,
             price=price.cost(prompt_tokens, output_tokens) if price is not None else 0.0,
+            prefix=prompt_prefix(body),
         )
 
     def price_of(self, model: str) -> PriceSettings | None:

@@ -12,7 +12,7 @@ from collections.abc import Callable
 
 from .core.clock import TimerHandle
 from .core.gate import CapacityListener
-from .core.ticket import Lease, TierLimits
+from .core.ticket import Lease, Ticket, TierLimits
 
 __all__ = ["FakeClock", "ManualGate"]
 
@@ -83,6 +83,9 @@ class ManualGate:
 
     def may_release(self, model: str, tier: TierLimits) -> bool:
         return self._open or self._budget > 0
+
+    def place(self, ticket: Ticket, tier: TierLimits) -> str | None:
+        return None
 
     def on_released(self, lease: Lease) -> None:
         if not self._open:

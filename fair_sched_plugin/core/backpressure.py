@@ -56,7 +56,7 @@ from typing import Literal, NamedTuple
 from .clock import Clock, LoopClock
 from .gate import CapacityListener
 from .snapshot import BackendSnapshot
-from .ticket import Lease, TierLimits
+from .ticket import Lease, Ticket, TierLimits
 from .tuning import QueueTuner, TunerStatus
 
 GateMode = Literal["starting", "metrics", "fallback"]
@@ -219,6 +219,9 @@ class MetricsGate:
         state.scrape_requested = False
         self._refresh_mode(state)
         self._notify(model)
+
+    def place(self, ticket: Ticket, tier: TierLimits) -> str | None:
+        return None
 
     def on_released(self, lease: Lease) -> None:
         state = self._groups.get(lease.ticket.model)

@@ -11,7 +11,7 @@ from collections import defaultdict
 from collections.abc import Callable
 from typing import Protocol
 
-from .ticket import Lease, TierLimits
+from .ticket import Lease, Ticket, TierLimits
 
 # Called with a model name, or None for "every model".
 CapacityListener = Callable[[str | None], None]
@@ -23,6 +23,11 @@ class AdmissionGate(Protocol):
 
     def may_release(self, model: str, tier: TierLimits) -> bool:
         """May one more request of this tier go to this model's engine now?"""
+
+    def place(self, ticket: Ticket, tier: TierLimits) -> str | None:
+        """The deployment of the ticket's model that takes it, called right after `may_release`
+        allowed it and before `on_released`; the lease is bound to it. None: nothing to choose
+        (one engine, or a gate that does not place)."""
 
     def on_released(self, lease: Lease) -> None:
         """A lease was granted (the request is on its way to the engine)."""
@@ -62,6 +67,9 @@ class InflightLimitGate(_ListenerMixin):
 
     def may_release(self, model: str, tier: TierLimits) -> bool:
         return self._in_flight[model] < self._per_model.get(model, self._default_limit)
+
+    def place(self, ticket: Ticket, tier: TierLimits) -> str | None:
+        return None
 
     def on_released(self, lease: Lease) -> None:
         self._in_flight[lease.ticket.model] += 1

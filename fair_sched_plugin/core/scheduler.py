@@ -311,10 +311,12 @@ class FairScheduler:
         if not self._gate.may_release(ticket.model, self._tiers[tier_index]):
             return None
         queues = self._model_queues(ticket.model)
-        user_queue = self._user_queue(queues.tiers[tier_index], ticket.user)
+        tier = queues.tiers[tier_index]
+        user_queue = self._user_queue(tier, ticket.user)
         self._lift(user_queue)
         now = self._clock.now()
-        return self._make_lease(queues, user_queue, ticket, enqueued_at=now)
+        deployment = self._gate.place(ticket, tier.limits)
+        return self._make_lease(queues, user_queue, ticket, enqueued_at=now, deployment=deployment)
 
     def enqueue(self, ticket: Ticket) -> Reservation:
         """Queue `ticket` and run the release decision; its `Reservation.future` resolves to
@@ -325,15 +327,18 @@ class FairScheduler:
         self._dispatch_queues(waiter.user_queue.tier_queue.model_queues)
         return Reservation(waiter)
 
-    def adopt(self, ticket: Ticket, *, started: bool) -> Lease:
+    def adopt(self, ticket: Ticket, *, started: bool, deployment: str | None = None) -> Lease:
         """A lease for a request already in the engine that this scheduler did not grant (a
         replica reporting its live requests to a new leader): counted in flight and by the
-        gate, never queued, and not charged (fairness history restarts with the new leader)."""
+        gate (against `deployment`, where it was bound), never queued, and not charged
+        (fairness history restarts with the new leader)."""
         self._check_open()
         queues = self._model_queues(ticket.model)
         user_queue = self._user_queue(queues.tiers[self._tier_position(ticket.tier)], ticket.user)
         now = self._clock.now()
-        lease = self._make_lease(queues, user_queue, ticket, enqueued_at=now, charge=0.0)
+        lease = self._make_lease(
+            queues, user_queue, ticket, enqueued_at=now, charge=0.0, deployment=deployment
+        )
         if started:
             lease.mark_started()
         return lease
@@ -639,7 +644,10 @@ class FairScheduler:
         # The start tag of the request now in service is the tier's virtual time.
         if user_queue.virtual_time > tier.virtual_time:
             tier.virtual_time = user_queue.virtual_time
-        lease = self._make_lease(queues, user_queue, waiter.ticket, enqueued_at=waiter.enqueued_at)
+        deployment = self._gate.place(waiter.ticket, tier.limits)
+        lease = self._make_lease(
+            queues, user_queue, waiter.ticket, enqueued_at=waiter.enqueued_at, deployment=deployment
+        )
         if user_queue.depth:
             # Back in line at its new virtual time: one sift instead of a pop and a push.
             user_queue.heap_generation += 1
@@ -664,6 +672,7 @@ class FairScheduler:
         *,
         enqueued_at: float,
         charge: float | None = None,
+        deployment: str | None = None,
     ) -> Lease:
         if charge is None:
             charge = 1.0 if self._fairness == "round_robin" else self._charge(ticket, ticket.cost)
@@ -673,7 +682,14 @@ class FairScheduler:
         self._in_flight_total += 1
         self._released_total += 1
         lease = Lease(
-            self, ticket, next(self._lease_ids), enqueued_at, self._clock.now(), charge, user_queue
+            self,
+            ticket,
+            next(self._lease_ids),
+            enqueued_at,
+            self._clock.now(),
+            charge,
+            user_queue,
+            deployment=deployment,
         )
         self._gate.on_released(lease)
         return lease

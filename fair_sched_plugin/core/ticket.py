@@ -32,6 +32,7 @@ class _TicketFields(NamedTuple):
     weight: float = 1.0
     cost: int = 1
     price: float = 0.0
+    prefix: tuple[int, ...] = ()
 
 
 class Ticket(_TicketFields):
@@ -41,6 +42,9 @@ class Ticket(_TicketFields):
     it at release and corrects it with the actual count when the lease ends, and
     `queue.order: shortest_first` releases a user's smallest first. `price` is the estimated
     money cost (`fairness: cost` charges it, corrected by `Lease.release(cost_used=...)`).
+    `prefix` identifies the prompt's leading blocks (`fair_sched_plugin.prefix`): a gate that
+    places requests on several deployments sends requests that start alike where that start went
+    recently, so the engine's prefix cache has it.
 
     A named tuple rather than a frozen dataclass: one is built per request on the hot path, and
     a frozen dataclass's `__init__` costs twice as much.
@@ -56,6 +60,7 @@ class Ticket(_TicketFields):
         weight: float = 1.0,
         cost: int = 1,
         price: float = 0.0,
+        prefix: tuple[int, ...] = (),
     ) -> Ticket:
         if weight <= 0:
             raise ValueError(f"weight must be > 0 (got {weight!r})")
@@ -63,7 +68,7 @@ class Ticket(_TicketFields):
             raise ValueError(f"cost must be >= 0 (got {cost!r})")
         if price < 0:
             raise ValueError(f"price must be >= 0 (got {price!r})")
-        return tuple.__new__(cls, (model, user, tier, weight, cost, price))
+        return tuple.__new__(cls, (model, user, tier, weight, cost, price, prefix))
 
 
 class LeaseOwner(Protocol):
@@ -88,6 +93,7 @@ class Lease:
         "_owner",
         "_started",
         "cost_used",
+        "deployment",
         "enqueued_at",
         "lease_id",
         "owner_ref",
@@ -105,11 +111,16 @@ class Lease:
         released_at: float,
         charged: float,
         owner_ref: object = None,
+        deployment: str | None = None,
     ) -> None:
         self._owner = owner
         # Whatever the owner needs to find its bookkeeping for this lease without a lookup.
         self.owner_ref = owner_ref
         self.ticket = ticket
+        # The deployment (its api_base, or its metrics URL where no api_base is known) the gate
+        # bound this request to: it must go exactly there. None: the model has one engine, or
+        # the gate does not place (InflightLimitGate).
+        self.deployment = deployment
         self.lease_id = lease_id
         self.enqueued_at = enqueued_at
         self.released_at = released_at

@@ -187,7 +187,9 @@ class _Term:
         else:
             lease.release(tokens_used)
 
-    def adopt(self, key: _Key, ticket: Ticket, *, started: bool) -> None:
+    def adopt(
+        self, key: _Key, ticket: Ticket, *, started: bool, deployment: str | None = None
+    ) -> None:
         """A lease granted by an earlier term (or locally) that is still running."""
         if key in self.leases:
             return
@@ -195,7 +197,7 @@ class _Term:
         reservation = self.reservations.pop(key, None)
         if reservation is not None:
             reservation.cancel()
-        self.leases[key] = self.core.adopt(ticket, started=started)
+        self.leases[key] = self.core.adopt(ticket, started=started, deployment=deployment)
 
     # ------------------------------------------------------------------ endings
 
@@ -241,7 +243,7 @@ class _Term:
             lease.abandon()
             return
         self.leases[key] = lease
-        self._reply(key[0], ("g", self.epoch, key[1], key[2], lease.charged))
+        self._reply(key[0], ("g", self.epoch, key[1], key[2], lease.charged, lease.deployment))
 
 
 def _rejection(epoch: int, key: _Key, error: Rejected) -> _Reply:
@@ -259,21 +261,34 @@ def _error_from(reply: _Reply) -> Rejected:
     return SchedulerClosed(message, retry_after_s=retry_after_s)
 
 
+_TICKET_FIELDS = 6
+# More leading blocks than any replica of this version sends (prefix.DEFAULT_MAX_BLOCKS).
+_MAX_PREFIX_BLOCKS = 1024
+_MAX_PREFIX_HASH = 1 << 52
+
+
 def _ticket_fields(ticket: Ticket) -> list[Any]:
-    return [ticket.model, ticket.user, ticket.tier, ticket.weight, ticket.cost]
+    return [ticket.model, ticket.user, ticket.tier, ticket.weight, ticket.cost, list(ticket.prefix)]
 
 
 def _ticket_from(fields: list[Any]) -> Ticket:
     """The ticket a message carries; TypeError/ValueError if it is not one (the core must never
     hold a field of the wrong type: its heaps compare them later, for everyone)."""
-    model, user, tier, weight, cost = fields
+    model, user, tier, weight, cost, prefix = fields
     if not all(isinstance(text, str) for text in (model, user, tier)):
         raise TypeError(f"ticket names: {fields[:3]!r}")
     if not _number(weight) or not isinstance(cost, int) or isinstance(cost, bool):
         raise TypeError(f"ticket weight and cost: {weight!r}, {cost!r}")
     if not math.isfinite(weight):
         raise ValueError(f"ticket weight: {weight!r}")
-    return Ticket(model, user, tier, weight, cost)
+    if not isinstance(prefix, list) or len(prefix) > _MAX_PREFIX_BLOCKS:
+        raise TypeError(f"ticket prefix: {str(prefix)[:40]}")
+    if not all(
+        isinstance(block, int) and not isinstance(block, bool) and 0 <= block < _MAX_PREFIX_HASH
+        for block in prefix
+    ):
+        raise ValueError("ticket prefix: not 52-bit block hashes")
+    return Ticket(model, user, tier, weight, cost, prefix=tuple(prefix))
 
 
 def _number(value: Any) -> bool:
@@ -319,7 +334,11 @@ def _is_spend(fields: list[Any]) -> bool:
 
 # Fields of each reply kind after (kind, epoch, session) and a check of each.
 _REPLY_SHAPES: dict[str, tuple[Callable[[Any], bool], ...]] = {
-    "g": (lambda tid: isinstance(tid, int), _number),
+    "g": (
+        lambda tid: isinstance(tid, int),
+        _number,
+        lambda deployment: deployment is None or isinstance(deployment, str),
+    ),
     "p": (lambda nonce: isinstance(nonce, int),),
     "h": (lambda leader: isinstance(leader, str),),
     **{
@@ -495,7 +514,15 @@ class ReplicaScheduler:
         if granted is None:
             return None
         now = asyncio.get_running_loop().time()
-        lease = Lease(self, ticket, tid, enqueued_at=now, released_at=now, charged=granted.charged)
+        lease = Lease(
+            self,
+            ticket,
+            tid,
+            enqueued_at=now,
+            released_at=now,
+            charged=granted.charged,
+            deployment=granted.deployment,
+        )
         self._held[tid] = lease
         return lease
 
@@ -695,6 +722,7 @@ class ReplicaScheduler:
             enqueued_at=parked.enqueued_at,
             released_at=asyncio.get_running_loop().time(),
             charged=reply[4],
+            deployment=reply[5],
         )
         self._held[tid] = lease
         parked.future.set_result(lease)
@@ -706,7 +734,7 @@ class ReplicaScheduler:
         for tid, lease in list(self._held.items()):
             key = (self.replica, self._session, tid)
             if term is not None:
-                term.adopt(key, lease.ticket, started=lease.started)
+                term.adopt(key, lease.ticket, started=lease.started, deployment=lease.deployment)
             else:
                 self._send(
                     [
@@ -717,6 +745,7 @@ class ReplicaScheduler:
                         tid,
                         *_ticket_fields(lease.ticket),
                         lease.started,
+                        lease.deployment,
                     ]
                 )
         for parked in sorted(self._parked.values(), key=lambda p: p.tid):
@@ -996,7 +1025,7 @@ class ReplicaScheduler:
         key = (replica, session, tid)
         if kind == "s":
             try:
-                term.submit(key, _ticket_from(message[5:10]))
+                term.submit(key, _ticket_from(message[5 : 5 + _TICKET_FIELDS]))
             except QueueFull as exc:
                 self._reply(replica, _rejection(term.epoch, key, exc))
         elif kind == "c":
@@ -1009,7 +1038,15 @@ class ReplicaScheduler:
                 raise TypeError(f"tokens used: {tokens!r}")
             term.end(key, None if tokens < 0 else tokens, abandoned=bool(message[6]))
         elif kind == "a":
-            term.adopt(key, _ticket_from(message[5:10]), started=bool(message[10]))
+            deployment = message[6 + _TICKET_FIELDS]
+            if deployment is not None and not isinstance(deployment, str):
+                raise TypeError(f"deployment: {deployment!r}")
+            term.adopt(
+                key,
+                _ticket_from(message[5 : 5 + _TICKET_FIELDS]),
+                started=bool(message[5 + _TICKET_FIELDS]),
+                deployment=deployment,
+            )
         elif kind == "p":
             # After the grants this batch's messages caused (their callbacks come first).
             asyncio.get_running_loop().call_soon(

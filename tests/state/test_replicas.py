@@ -271,7 +271,7 @@ async def test_a_stale_grant_of_an_earlier_epoch_is_ignored(cluster: Cluster) ->
     parked = asyncio.ensure_future(follower.acquire(ticket("B")))
     await follower.barrier()
     tid = max(follower._parked)
-    follower._on_reply(("g", follower._epoch - 1, follower._session, tid, 1.0))
+    follower._on_reply(("g", follower._epoch - 1, follower._session, tid, 1.0, None))
     assert not parked.done()
     holder.release()
     lease = await asyncio.wait_for(parked, 5)

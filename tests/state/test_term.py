@@ -113,7 +113,7 @@ async def test_a_reply_of_an_earlier_session_is_ignored() -> None:
     parked = asyncio.ensure_future(replica.acquire(ticket("B")))
     await settle()
     tid = max(replica._parked)
-    replica._on_reply(("g", replica._epoch, replica._session - 1, tid, 1.0))
+    replica._on_reply(("g", replica._epoch, replica._session - 1, tid, 1.0, None))
     assert not parked.done()
     holder.release()
     lease = await asyncio.wait_for(parked, 5)
@@ -140,7 +140,7 @@ async def test_a_second_grant_for_a_lease_already_held_is_ignored() -> None:
     running under that id must stay counted)."""
     replica = open_state("memory://", FairScheduler(TIERS, InflightLimitGate(2)))
     lease = await replica.acquire(ticket("A"))
-    replica._on_reply(("g", replica._epoch, replica._session, lease.lease_id, 1.0))
+    replica._on_reply(("g", replica._epoch, replica._session, lease.lease_id, 1.0, None))
     await settle()
     assert replica.statistics().in_flight == 1
     assert lease.active
