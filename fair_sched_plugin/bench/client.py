@@ -55,11 +55,13 @@ def make_client(connections: int = 256) -> httpx.AsyncClient:
     return httpx.AsyncClient(limits=limits, timeout=REQUEST_TIMEOUT, trust_env=False)
 
 
-def completion_body(max_tokens: int) -> dict[str, Any]:
+def completion_body(
+    max_tokens: int, messages: Sequence[dict[str, str]] | None = None
+) -> dict[str, Any]:
     # `ignore_eos` makes a real engine generate exactly `max_tokens` (the emulator always does).
     return {
         "model": MODEL,
-        "messages": [{"role": "user", "content": PROMPT}],
+        "messages": list(messages) if messages else [{"role": "user", "content": PROMPT}],
         "max_tokens": max_tokens,
         "stream": True,
         "ignore_eos": True,
@@ -90,14 +92,16 @@ async def stream_one(
     caller: Caller,
     max_tokens: int,
     clock_zero: float,
+    messages: Sequence[dict[str, str]] | None = None,
 ) -> RequestRecord:
-    """Send one streaming chat completion and time its first content token and its end."""
+    """Send one streaming chat completion (`messages`, or the default prompt) and time its first
+    content token and its end."""
     record = RequestRecord(caller.user, caller.group, time.perf_counter() - clock_zero)
     headers = {"authorization": f"Bearer {caller.api_key}"} if caller.api_key else {}
     url = f"{base_url.rstrip('/')}/chat/completions"
     try:
         async with client.stream(
-            "POST", url, json=completion_body(max_tokens), headers=headers
+            "POST", url, json=completion_body(max_tokens, messages), headers=headers
         ) as response:
             if response.status_code != 200:
                 body = (await response.aread())[:200].decode(errors="replace")

@@ -134,3 +134,62 @@ def plot_speed_change(
     fig.savefig(path, dpi=90)
     plt.close(fig)
     return path
+
+
+def plot_engine_queues(
+    results: Sequence[Any], threshold: float | None, title: str, path: Path
+) -> Path:
+    """Each engine's waiting queue (solid) and running sequences (dotted) over time, one panel
+    per variant; `results` are `ReplicaResult`s, `threshold` the tier's `waiting_below`."""
+    plt = _pyplot()
+    fig, axes = plt.subplots(
+        len(results), 1, figsize=(9, 2.6 * len(results)), sharex=True, squeeze=False
+    )
+    colours = ("#1f77b4", "#c0504d", "#2ca02c", "#7f7f7f")
+    for ax, result in zip(axes[:, 0], results, strict=False):
+        for engine, colour in zip(result.engines, colours, strict=False):
+            if not engine.samples:
+                continue
+            at = [s.at for s in engine.samples]
+            ax.step(at, [s.waiting for s in engine.samples], where="post", color=colour,
+                    label=f"{engine.name} waiting")  # fmt: skip
+            ax.step(at, [s.running for s in engine.samples], where="post", color=colour,
+                    linestyle=":", alpha=0.7, label=f"{engine.name} running")  # fmt: skip
+        if threshold is not None:
+            ax.axhline(threshold, color="#000000", linewidth=0.8, linestyle="--",
+                       label=f"waiting_below {threshold:g}")  # fmt: skip
+        ax.set_title(result.variant.label, fontsize=9)
+        ax.set_ylabel("requests")
+        ax.grid(alpha=0.3)
+        ax.legend(loc="upper right", fontsize="x-small")
+    axes[-1][0].set_xlabel("seconds since the run started")
+    fig.suptitle(title)
+    fig.tight_layout()
+    fig.savefig(path, dpi=90)
+    plt.close(fig)
+    return path
+
+
+def plot_hit_rates(results: Sequence[Any], best: float | None, path: Path) -> Path:
+    """Prefix-cache hit rate per variant, overall and per engine, against the best possible."""
+    plt = _pyplot()
+    fig, ax = plt.subplots(figsize=(7, 3.8))
+    width = 0.8 / (1 + max(len(r.engines) for r in results))
+    for index, result in enumerate(results):
+        bars = [("all engines", result.summary.get("hit_rate"))]
+        bars += [(e["name"], e["hit_rate"]) for e in result.summary.get("engines", [])]
+        for offset, (name, rate) in enumerate(bars):
+            ax.bar(index + offset * width, rate or 0.0, width,
+                   color="#1f77b4" if offset == 0 else "#9ecae1",
+                   label=name if index == 0 else None)  # fmt: skip
+    if best is not None:
+        ax.axhline(best, color="#c0504d", linestyle="--", label=f"best possible {best:.2f}")
+    ax.set_xticks([i + width * len(results[0].engines) / 2 for i in range(len(results))])
+    ax.set_xticklabels([r.variant.label for r in results], fontsize=8)
+    ax.set_ylim(0, 1)
+    ax.set_ylabel("prefix-cache hit rate (tokens)")
+    ax.legend(fontsize="x-small", loc="upper left")
+    fig.tight_layout()
+    fig.savefig(path, dpi=90)
+    plt.close(fig)
+    return path

@@ -152,19 +152,33 @@ class EmulatorSettings:
     policy: str = "fcfs"
     step_ms: float = 12.0
     step_ms_per_seq: float = 0.5
+    # None: the emulator's own default. The flags below are passed only where set, so the
+    # scenarios that do not need them run on any emulator version.
+    prefill_ms_per_token: float | None = None
+    speed: float = 1.0
+    prefix_cache_blocks: int = 0
+    block_tokens: int | None = None
+
+    def argv(self) -> list[str]:
+        """The emulator's command-line flags for these settings."""
+        argv = ["--max-num-seqs", str(self.max_num_seqs), "--policy", self.policy]
+        argv += ["--step-ms", repr(self.step_ms), "--step-ms-per-seq", repr(self.step_ms_per_seq)]
+        if self.prefill_ms_per_token is not None:
+            argv += ["--prefill-ms-per-token", repr(self.prefill_ms_per_token)]
+        if self.speed != 1.0:
+            argv += ["--speed", repr(self.speed)]
+        if self.prefix_cache_blocks:
+            argv += ["--prefix-cache-blocks", str(self.prefix_cache_blocks)]
+        if self.block_tokens is not None:
+            argv += ["--block-tokens", str(self.block_tokens)]
+        return argv
 
 
 @contextlib.asynccontextmanager
 async def emulator_process(settings: EmulatorSettings) -> AsyncIterator[ChildProcess]:
     """``python -m fair_sched_plugin.emulator`` on a free port, serving model ``tiny``."""
     argv = [sys.executable, "-m", "fair_sched_plugin.emulator", "--port", "0", "--model", "tiny"]
-    argv += ["--max-num-seqs", str(settings.max_num_seqs), "--policy", settings.policy]
-    argv += [
-        "--step-ms",
-        repr(settings.step_ms),
-        "--step-ms-per-seq",
-        repr(settings.step_ms_per_seq),
-    ]
+    argv += settings.argv()
     async with _process_group(argv, None, pipe_stdout=True) as process:
         base_url = await asyncio.wait_for(_read_emulator_url(process), EMULATOR_START_TIMEOUT_S)
         # The emulator writes nothing more worth reading; drain so its pipe never fills.
@@ -181,18 +195,19 @@ async def _drain(process: asyncio.subprocess.Process) -> None:
         pass
 
 
-def litellm_config(engine_api_base: str, fair_sched: Mapping[str, Any] | None) -> dict[str, Any]:
-    """A LiteLLM proxy config for model ``tiny``; with `fair_sched`, the plugin is switched on."""
+def litellm_config(
+    engine_api_base: str | Sequence[str], fair_sched: Mapping[str, Any] | None
+) -> dict[str, Any]:
+    """A LiteLLM proxy config for model ``tiny``, one deployment per api_base (LiteLLM's router
+    picks among several); with `fair_sched`, the plugin is switched on."""
+    api_bases = [engine_api_base] if isinstance(engine_api_base, str) else list(engine_api_base)
     config: dict[str, Any] = {
         "model_list": [
             {
                 "model_name": "tiny",
-                "litellm_params": {
-                    "model": "openai/tiny",
-                    "api_base": engine_api_base,
-                    "api_key": "none",
-                },
+                "litellm_params": {"model": "openai/tiny", "api_base": api_base, "api_key": "none"},
             }
+            for api_base in api_bases
         ],
         "litellm_settings": {"num_retries": 0, "request_timeout": 120},
         "general_settings": {"master_key": MASTER_KEY},

@@ -7,6 +7,7 @@ import asyncio
 import sys
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 from .flood import (
     DEMO_ENGINE,
@@ -20,6 +21,17 @@ from .flood import (
     started_targets,
 )
 from .processes import kill_leftover_groups, plugin_available, terminate_as_interrupt
+from .replicas import (
+    QUICK_SHARED,
+    QUICK_UNEQUAL,
+    SAMPLE_EVERY_S,
+    ReplicaResult,
+    SharedPrefixSize,
+    UnequalSize,
+    replica_json,
+    run_shared,
+    run_unequal,
+)
 from .report import (
     STAND_IN_NOTE,
     Progress,
@@ -45,7 +57,16 @@ from .speed_change import (
     speed_change_variants,
 )
 
-ALL_SCENARIOS = ("flood", "tiers", "many-users", "overhead", "core", "speed-change")
+ALL_SCENARIOS = (
+    "flood",
+    "tiers",
+    "many-users",
+    "overhead",
+    "core",
+    "speed-change",
+    "unequal-replicas",
+    "shared-prefixes",
+)
 # Chromium's picture of /fair-sched/ui during a flood, next to index.md.
 UI_SHOT = "fair-sched-ui.png"
 
@@ -351,6 +372,174 @@ def _bar_plot(title: str, values: dict[str, float], path: Path) -> None:
         print("matplotlib is not installed: no plot", file=sys.stderr)
 
 
+def _per_engine(result: ReplicaResult, key: str, fmt: str = "{:.0f}") -> str:
+    values = [engine[key] for engine in result.summary["engines"]]
+    return " / ".join("-" if value is None else fmt.format(value) for value in values)
+
+
+def _times(value: float | None) -> str:
+    return "-" if value is None else f"{value:.2f}x"
+
+
+def _vs_litellm(results: Sequence[ReplicaResult], result: ReplicaResult) -> float | None:
+    litellm = next((r for r in results if r.variant.name == "litellm"), None)
+    if litellm is None or not litellm.summary["throughput_tps"]:
+        return None
+    return float(result.summary["throughput_tps"] / litellm.summary["throughput_tps"])
+
+
+def _replica_plot(kind: str, *args: Any) -> bool:
+    try:
+        from . import plots
+
+        getattr(plots, kind)(*args)
+        return True
+    except ImportError:
+        print("matplotlib is not installed: no plot", file=sys.stderr)
+        return False
+
+
+async def _unequal_section(args: argparse.Namespace, out: Path, progress: Progress) -> list[str]:
+    if args.engine is not None:
+        return ["## Unequal replicas", "", "Skipped: it needs two emulators of unequal speed.", ""]
+    size = QUICK_UNEQUAL if args.quick else UnequalSize()
+    results = await run_unequal(size, out / "logs", progress)
+    write_json(out / "unequal-replicas.json", replica_json(results))
+    rows = [
+        [
+            r.variant.label,
+            f"{r.summary['throughput_tps']:,.0f}",
+            _times(_vs_litellm(results, r)),
+            _seconds(r.summary["light_ttft_p50"]),
+            _seconds(r.summary["light_ttft_p95"]),
+            _times(r.summary["light_ttft_vs_direct"]),
+            _per_engine(r, "max_waiting_seen"),
+            _per_engine(r, "max_waiting_sampled"),
+            _per_engine(r, "mean_waiting_sampled", "{:.1f}"),
+            _per_engine(r, "mean_running_sampled", "{:.1f}"),
+            _per_engine(r, "requests_received"),
+            str(r.summary["errors"]),
+        ]
+        for r in results
+    ]
+    header = [
+        "",
+        "tokens/s",
+        "vs LiteLLM default",
+        "light TTFT p50",
+        "light TTFT p95",
+        "light p50 vs direct FIFO",
+        "max waiting (engine's own)",
+        "max waiting (sampled)",
+        "mean waiting",
+        "mean running",
+        "requests",
+        "errors",
+    ]
+    plotted = _replica_plot(
+        "plot_engine_queues",
+        results,
+        float(size.waiting_below),
+        "unequal replicas: each engine's queue",
+        out / "unequal-replicas-queues.png",
+    )
+    engines = " and ".join(
+        f"{e.max_num_seqs} slots at {e.step_ms:g} ms a step, speed {e.speed:g}"
+        for e in size.engines
+    )
+    return [
+        "## Unequal replicas",
+        "",
+        f"Two emulators behind one LiteLLM model name ({engines}). One power user sends "
+        f"{size.power_requests} streaming requests of {size.max_tokens} tokens at once; two light "
+        f"users send one each at {', '.join(f'{t:g}' for t in size.light_at_s)} s. Everyone in "
+        f"one tier, `waiting_below: {size.waiting_below}`. Direct FIFO sends every request into "
+        "the first (fast) engine's queue. Per-engine columns read engine 1 / engine 2; the "
+        "engine's own maximum is taken after each step's scheduling (exact), the sampled ones "
+        f"from its /metrics every {SAMPLE_EVERY_S:g} s.",
+        "",
+        markdown_table(header, rows),
+        "",
+        *(["![each engine's queue](unequal-replicas-queues.png)", ""] if plotted else []),
+    ]
+
+
+async def _shared_section(args: argparse.Namespace, out: Path, progress: Progress) -> list[str]:
+    if args.engine is not None:
+        return ["## Shared prefixes", "", "Skipped: it needs two emulators with prefix caches.", ""]
+    size = QUICK_SHARED if args.quick else SharedPrefixSize()
+    results = await run_shared(size, out / "logs", progress)
+    write_json(out / "shared-prefixes.json", replica_json(results))
+    best = results[0].summary["best_hit_rate"] if results else None
+    rows = [
+        [
+            r.variant.label,
+            f"{r.summary['throughput_tps']:,.0f}",
+            _times(_vs_litellm(results, r)),
+            _fraction(r.summary["hit_rate"]),
+            _fraction(r.summary["best_hit_rate"]),
+            _per_engine(r, "hit_rate", "{:.2f}"),
+            _fraction(r.summary["jain_backlogged"], "{:.3f}"),
+            _per_engine(r, "max_waiting_seen"),
+            _per_engine(r, "mean_waiting_sampled", "{:.1f}"),
+            _per_engine(r, "requests_received"),
+            str(r.summary["errors"]),
+        ]
+        for r in results
+    ]
+    header = [
+        "",
+        "tokens/s",
+        "vs LiteLLM default",
+        "hit rate",
+        "best possible",
+        "hit rate per engine",
+        "Jain (while all backlogged)",
+        "max waiting (engine's own)",
+        "mean waiting",
+        "requests",
+        "errors",
+    ]
+    plotted = _replica_plot(
+        "plot_engine_queues",
+        results,
+        float(size.waiting_below),
+        "shared prefixes: each engine's queue",
+        out / "shared-prefixes-queues.png",
+    ) and _replica_plot("plot_hit_rates", results, best, out / "shared-prefixes-hit-rates.png")
+    return [
+        "## Shared prefixes",
+        "",
+        f"{size.users} users, each with its own system prompt of ~{size.system_prompt_tokens:,} "
+        f"tokens, send {size.requests_per_user} short questions each, all at once "
+        f"({size.max_tokens} tokens out). Two emulators whose prefix caches hold "
+        f"{size.cache_blocks:,} blocks of 16 tokens each ({size.cache_share:.0%} of all system "
+        "prompts); prefill costs "
+        f"{size.prefill_ms_per_token:g} ms per uncached token. Hit rates are the engines' "
+        "`vllm:prefix_cache_hits_total` / `queries_total` growth over the run; the best possible "
+        "is computed from the workload (every user's first request misses, a cache that never "
+        "evicts). Jain's index is over each user's streamed tokens until the first user had "
+        "nothing left in flight.",
+        "",
+        markdown_table(header, rows),
+        "",
+        *(
+            [
+                "![each engine's queue](shared-prefixes-queues.png)",
+                "",
+                "![hit rates](shared-prefixes-hit-rates.png)",
+                "",
+            ]
+            if plotted
+            else []
+        ),
+    ]
+
+
+def _fraction(value: float | None, fmt: str = "{:.2f}") -> str:
+    return "-" if value is None else fmt.format(value)
+
+
 async def _http_sections(
     scenarios: Sequence[str], args: argparse.Namespace, out: Path, progress: Progress
 ) -> list[str]:
@@ -360,6 +549,8 @@ async def _http_sections(
         "many-users": _many_users_section,
         "overhead": _overhead_section,
         "speed-change": _speed_change_section,
+        "unequal-replicas": _unequal_section,
+        "shared-prefixes": _shared_section,
     }
     lines: list[str] = []
     for name in scenarios:
