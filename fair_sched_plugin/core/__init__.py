@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from .backpressure import BackendGroup, GateTransition, GroupStatus, MetricsGate
+from .backpressure import BackendGroup, Deployment, GateTransition, GroupStatus, MetricsGate
 from .budget import BudgetAction, BudgetBook, BudgetRule, BudgetUnit, BudgetVerdict
 from .clock import Clock, LoopClock
 from .gate import AdmissionGate, InflightLimitGate
@@ -29,6 +29,7 @@ __all__ = [
     "BudgetUnit",
     "BudgetVerdict",
     "Clock",
+    "Deployment",
     "DrainMeter",
     "FairScheduler",
     "FairnessPolicy",

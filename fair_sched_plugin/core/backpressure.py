@@ -64,12 +64,21 @@ GateMode = Literal["starting", "metrics", "fallback"]
 _MAX_FIRST_BYTES = 10_000
 
 
+class Deployment(NamedTuple):
+    """One engine behind a model name."""
+
+    # The name a lease's `deployment` carries: the api_base without a trailing "/", or the
+    # metrics URL where no api_base is known.
+    key: str
+    metrics_url: str
+
+
 @dataclass(frozen=True)
 class BackendGroup:
     """One model group's deployments and the gate's settings for it."""
 
     model: str
-    metrics_urls: tuple[str, ...]
+    deployments: tuple[Deployment, ...]
     arrival_grace_s: float = 1.0
     fallback_max_inflight: int = 4  # per deployment
     # How long a peak of running requests is remembered as the deployment's capacity.
@@ -80,6 +89,13 @@ class BackendGroup:
     # How far behind the engine's /metrics is: a scrape sent at t shows the engine as of
     # t - metrics_lag_s (vLLM's can lag seconds behind under load).
     metrics_lag_s: float = 0.0
+    # Placement among the deployments (core/placement.py): prefix affinity with bounded load.
+    prefix_affinity: bool = True
+    load_bound: float = 1.25
+
+    @property
+    def metrics_urls(self) -> tuple[str, ...]:
+        return tuple(deployment.metrics_url for deployment in self.deployments)
 
 
 class GateTransition(NamedTuple):

@@ -8,6 +8,7 @@ from typing import NamedTuple
 from fair_sched_plugin.core import (
     BackendGroup,
     BackendSnapshot,
+    Deployment,
     FairScheduler,
     GateTransition,
     Lease,
@@ -30,7 +31,14 @@ def make_gate(
     transitions: list[GateTransition] = []
     scrape_requests: list[str] = []
     gate = MetricsGate(
-        [BackendGroup("m", urls, arrival_grace_s=grace, fallback_max_inflight=2)],
+        [
+            BackendGroup(
+                "m",
+                tuple(Deployment(url, url) for url in urls),
+                arrival_grace_s=grace,
+                fallback_max_inflight=2,
+            )
+        ],
         stale_after_s=1.0,
         clock=clock,
         on_transition=transitions.append,
@@ -424,7 +432,7 @@ FLOOD = {INTERACTIVE._replace(tpot_below_s=None): 100_000}
 
 def _simulate(gate_options: dict[str, object], seconds: float = 30.0, **engine: object) -> Stats:
     clock = FakeClock(0.0)
-    group = BackendGroup("m", (URL,), **gate_options)  # type: ignore[arg-type]
+    group = BackendGroup("m", (Deployment(URL, URL),), **gate_options)  # type: ignore[arg-type]
     gate = MetricsGate([group], stale_after_s=5.0, clock=clock)
     sim = EngineSim(gate, clock, **engine)  # type: ignore[arg-type]
     samples = [s for s in sim.run(seconds, FLOOD) if s.at >= 5.0]  # after the ramp-up
@@ -508,7 +516,9 @@ def test_without_demand_the_capacity_is_not_probed() -> None:
 
 def test_max_num_seqs_counts_free_slots_from_the_first_scrape() -> None:
     clock = FakeClock()
-    gate = MetricsGate([BackendGroup("m", (URL,), max_num_seqs=8)], stale_after_s=1.0, clock=clock)
+    gate = MetricsGate(
+        [BackendGroup("m", (Deployment(URL, URL),), max_num_seqs=8)], stale_after_s=1.0, clock=clock
+    )
     gate.update("m", scrape(clock, running=2))
     assert gate.status()[0].free_slots == 6
 
@@ -518,7 +528,11 @@ def test_with_metrics_lag_an_end_after_the_scrapes_view_frees_its_slot() -> None
     with `metrics_lag_s` its end (seen more than the grace after that view) frees the slot."""
     clock = FakeClock()
     gate = MetricsGate(
-        [BackendGroup("m", (URL,), arrival_grace_s=0.3, metrics_lag_s=2.0, max_num_seqs=2)],
+        [
+            BackendGroup(
+                "m", (Deployment(URL, URL),), arrival_grace_s=0.3, metrics_lag_s=2.0, max_num_seqs=2
+            )
+        ],
         stale_after_s=5.0,
         clock=clock,
     )
