@@ -1,6 +1,6 @@
 """`fair-sched demo` (the flood, side by side) and `fair-sched bench` (every scenario).
 
-    fair-sched demo  [--out demo-output] [--flood 100] [--quick]
+    fair-sched demo  [--out demo-output] [--flood 100] [--quick] [--replicas]
     fair-sched bench [--out report] [--engine URL] [--quick] [--scenarios flood,tiers,...]
 
 Both start their own emulators and proxies as child processes and stop them however the run ends.
@@ -24,7 +24,7 @@ from .bench.flood import (
 )
 from .bench.processes import kill_leftover_groups, plugin_available, terminate_as_interrupt
 from .bench.report import STAND_IN_NOTE, Progress, write_flood_outputs
-from .bench.runner import ALL_SCENARIOS, run_bench
+from .bench.runner import ALL_SCENARIOS, replica_sections, run_bench
 
 __all__ = ["add_demo_parsers"]
 
@@ -34,7 +34,33 @@ def _flood_size(args: argparse.Namespace) -> FloodSize:
     return FloodSize(args.flood or base.power_requests, base.max_tokens)
 
 
+def run_replicas_demo(args: argparse.Namespace) -> int:
+    """Placement across two emulators: the unequal-replicas and shared-prefixes scenarios,
+    LiteLLM's default router against the same proxy with the plugin."""
+    out_dir = Path(args.out)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    progress = Progress()
+    command = "fair-sched demo --replicas --out " + args.out + (" --quick" if args.quick else "")
+    # The bench's replica sections read `engine` (none: the built-in emulators) and `quick`.
+    settings = argparse.Namespace(engine=None, quick=args.quick)
+    try:
+        with terminate_as_interrupt():
+            lines = asyncio.run(replica_sections(settings, out_dir, progress))
+    except KeyboardInterrupt:
+        print("interrupted; stopping every child process", file=sys.stderr)
+        return 130
+    finally:
+        kill_leftover_groups()
+    summary = ["# fair-sched replicas demo", "", f"Command: `{command}`", "", *lines]
+    (out_dir / "summary.md").write_text("\n".join(summary))
+    print("\n".join(lines))
+    print(f"\nwrote {out_dir}/summary.md, unequal-replicas.json, shared-prefixes.json and plots")
+    return 0
+
+
 def run_demo(args: argparse.Namespace) -> int:
+    if args.replicas:
+        return run_replicas_demo(args)
     out_dir = Path(args.out)
     out_dir.mkdir(parents=True, exist_ok=True)
     progress = Progress()
@@ -69,6 +95,12 @@ def add_demo_parsers(subparsers: argparse._SubParsersAction[argparse.ArgumentPar
     demo.add_argument("--out", default="demo-output", help="directory for results and plots")
     demo.add_argument("--flood", type=int, default=None, help="power user's requests (100)")
     demo.add_argument("--quick", action="store_true", help="a smaller flood for CI (~40 s)")
+    demo.add_argument(
+        "--replicas",
+        action="store_true",
+        help="instead of the flood: two emulators behind one model name (one 3x slower; then "
+        "20 users with long system prompts), LiteLLM's router vs the plugin's placement",
+    )
     demo.set_defaults(handler=run_demo)
 
     bench = subparsers.add_parser("bench", help="run the DESIGN.md scenarios, write a report")

@@ -540,6 +540,14 @@ def _fraction(value: float | None, fmt: str = "{:.2f}") -> str:
     return "-" if value is None else fmt.format(value)
 
 
+async def replica_sections(args: argparse.Namespace, out: Path, progress: Progress) -> list[str]:
+    """Both replica scenarios (`fair-sched demo --replicas` shows these)."""
+    return [
+        *await _unequal_section(args, out, progress),
+        *await _shared_section(args, out, progress),
+    ]
+
+
 async def _http_sections(
     scenarios: Sequence[str], args: argparse.Namespace, out: Path, progress: Progress
 ) -> list[str]:
@@ -600,4 +608,4 @@ def run_bench(args: argparse.Namespace) -> int:
     return 0
 
 
-__all__ = ["ALL_SCENARIOS", "run_bench"]
+__all__ = ["ALL_SCENARIOS", "replica_sections", "run_bench"]

@@ -1,0 +1,140 @@
+"""Issue #16 end to end: small `unequal-replicas` and `shared-prefixes` runs through real LiteLLM
+proxies in front of two real emulators, the plugin against LiteLLM's default router.
+
+Each scenario is run once per module (two LiteLLM proxies, ~10 s of CPU each to start), and the
+tests read its summaries. The assertions are orderings and ratios whose margins come from the
+workload's structure, not from one lucky run (each test says why its margin holds on a loaded
+2-core machine); timings themselves vary ±40% there.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from fair_sched_plugin.bench.processes import kill_leftover_groups, litellm_executable
+from fair_sched_plugin.bench.replicas import (
+    ReplicaResult,
+    SharedPrefixSize,
+    UnequalSize,
+    run_shared,
+    run_unequal,
+)
+
+pytestmark = [
+    pytest.mark.slow,
+    pytest.mark.litellm,
+    pytest.mark.timeout(300),
+    pytest.mark.skipif(litellm_executable() is None, reason="needs the litellm extra"),
+]
+
+UNEQUAL = UnequalSize(power_requests=64, max_tokens=24, light_at_s=(1.0, 2.0))
+SHARED = SharedPrefixSize(users=10, requests_per_user=4, system_prompt_tokens=1000)
+
+
+def _by_name(results: list[ReplicaResult]) -> dict[str, dict[str, Any]]:
+    return {result.variant.name: result.summary for result in results}
+
+
+def _quiet(message: str) -> None:
+    print(message, flush=True)
+
+
+@pytest.fixture(scope="module")
+def unequal(tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict[str, Any]]:
+    workdir: Path = tmp_path_factory.mktemp("unequal")
+    try:
+        return _by_name(asyncio.run(run_unequal(UNEQUAL, workdir, _quiet)))
+    finally:
+        kill_leftover_groups()
+
+
+@pytest.fixture(scope="module")
+def shared(tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict[str, Any]]:
+    workdir: Path = tmp_path_factory.mktemp("shared")
+    try:
+        return _by_name(asyncio.run(run_shared(SHARED, workdir, _quiet)))
+    finally:
+        kill_leftover_groups()
+
+
+def test_unequal_every_run_completes_without_errors(unequal: dict[str, dict[str, Any]]) -> None:
+    assert set(unequal) == {"direct", "litellm", "plugin"}
+    requests = UNEQUAL.power_requests + 2 * len(UNEQUAL.light_at_s)
+    for summary in unequal.values():
+        assert summary["errors"] == 0
+        assert summary["requests"] == requests
+        assert summary["generated_tokens"] == requests * UNEQUAL.max_tokens
+
+
+def test_unequal_each_engines_queue_stays_at_its_threshold(
+    unequal: dict[str, dict[str, Any]],
+) -> None:
+    """The engine's own maximum (after each step's scheduling, exact, not sampled): with a gate
+    per deployment neither engine queues past `waiting_below`; LiteLLM's router, blind to load,
+    sends the slow engine half the flood, so its queue grows far past it (the control: the same
+    measurement can fail)."""
+    threshold = UNEQUAL.waiting_below
+    for engine in unequal["plugin"]["engines"]:
+        assert engine["max_waiting_seen"] <= threshold, engine
+    slow = unequal["litellm"]["engines"][1]
+    assert slow["max_waiting_seen"] > 2 * threshold, slow
+
+
+def test_unequal_the_slow_engine_gets_less_work_with_the_plugin(
+    unequal: dict[str, dict[str, Any]],
+) -> None:
+    """Work in proportion to what each takes: the slow engine decodes a third as fast, so it
+    should get about a quarter of the requests; a third is a loose ceiling for that (LiteLLM's
+    shuffle gives it about half)."""
+    fast, slow = (e["requests_received"] for e in unequal["plugin"]["engines"])
+    assert slow < fast
+    assert slow <= (fast + slow) / 3
+
+
+def test_unequal_throughput_at_least_litellms_default(unequal: dict[str, dict[str, Any]]) -> None:
+    """LiteLLM's half-and-half split makes the slow engine's half decide the makespan: the
+    plugin's split should finish ~2x sooner ((1 + 0.33) / (2 x 0.33)). Asserting only >= 1x
+    leaves that factor of two for the proxies' CPU noise."""
+    assert unequal["plugin"]["throughput_tps"] >= unequal["litellm"]["throughput_tps"]
+
+
+def test_unequal_light_users_ttft_a_fraction_of_direct_fifo(
+    unequal: dict[str, dict[str, Any]],
+) -> None:
+    """Direct FIFO puts the light users behind the whole flood (~7 waves of 8 on the fast
+    engine); with the plugin they wait for one of a dozen slots to free (~0.1 of that). The
+    issue's target is 0.10x at full size (120 requests); this run is half as long, so 0.25x."""
+    direct = unequal["direct"]["light_ttft_p50"]
+    assert unequal["plugin"]["light_ttft_p50"] <= 0.25 * direct
+    assert unequal["plugin"]["light_ttft_p50"] < unequal["litellm"]["light_ttft_p50"]
+
+
+def test_shared_every_run_completes_without_errors(shared: dict[str, dict[str, Any]]) -> None:
+    assert set(shared) == {"litellm", "plugin"}
+    for summary in shared.values():
+        assert summary["errors"] == 0
+        assert summary["requests"] == SHARED.users * SHARED.requests_per_user
+
+
+def test_shared_plugin_hit_rate_near_the_best_and_above_litellms(
+    shared: dict[str, dict[str, Any]],
+) -> None:
+    """Affinity keeps each user on one engine, whose cache holds its half of the prompts: every
+    request after a user's first hits. LiteLLM's shuffle sends each user to both engines, each
+    cycling through more prompts than it holds, so most of its repeats miss."""
+    plugin, litellm = shared["plugin"], shared["litellm"]
+    assert plugin["hit_rate"] >= plugin["best_hit_rate"] - 0.1
+    assert plugin["hit_rate"] > litellm["hit_rate"] + 0.1
+
+
+def test_shared_plugin_throughput_and_fairness(shared: dict[str, dict[str, Any]]) -> None:
+    """A miss costs ~100 ms of engine time (1,000 tokens at 0.1 ms), a whole request's decode
+    ~200 ms shared by 8: saving most prefills should be worth more than the proxies' noise.
+    Round-robin release keeps users' service even while all are backlogged."""
+    plugin, litellm = shared["plugin"], shared["litellm"]
+    assert plugin["throughput_tps"] >= litellm["throughput_tps"]
+    assert plugin["jain_backlogged"] >= 0.95
