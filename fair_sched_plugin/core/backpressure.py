@@ -223,6 +223,9 @@ class MetricsGate:
     def place(self, ticket: Ticket, tier: TierLimits) -> str | None:
         return None
 
+    def prefers_elsewhere(self, ticket: Ticket, tier: TierLimits) -> bool:
+        return False
+
     def on_released(self, lease: Lease) -> None:
         state = self._groups.get(lease.ticket.model)
         if state is None:
