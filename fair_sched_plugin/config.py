@@ -10,7 +10,7 @@ import os
 import re
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, Literal, NamedTuple
 from urllib.parse import urlsplit, urlunsplit
 
 import yaml
@@ -30,10 +30,12 @@ __all__ = [
     "AutoBounds",
     "AutoWaitingBelow",
     "BackendSettings",
+    "DeploymentSettings",
     "FairSchedSettings",
     "IdentitySettings",
     "MetricsUnavailableSettings",
     "ObservabilitySettings",
+    "PlacementSettings",
     "PrincipalMatch",
     "PrincipalSettings",
     "QueueSettings",
@@ -275,6 +277,24 @@ class PriceSettings(_Frozen):
         ) / 1_000_000
 
 
+class PlacementSettings(_Frozen):
+    """Where a released request of a model with several deployments goes (core/placement.py)."""
+
+    # Requests whose prompts start alike go where that start went recently (its KV cache is
+    # there), as long as that deployment's load stays within `load_bound` times the mean.
+    prefix_affinity: bool = True
+    load_bound: Annotated[float, Field(gt=1, le=100)] = 1.25
+
+
+class DeploymentSettings(NamedTuple):
+    """One deployment behind a model name: its key and where its engine's metrics are."""
+
+    # The api_base without a trailing "/", or the metrics URL where no api_base is known: the
+    # name a lease's `deployment` carries.
+    key: str
+    metrics_url: str
+
+
 class BackendSettings(_Frozen):
     """One model group (a LiteLLM `model_name`): where its engine metrics are, what it supports."""
 
@@ -284,9 +304,14 @@ class BackendSettings(_Frozen):
     # The key `fair-sched proxy` sends to that engine (vLLM's --api-key), plain or
     # `os.environ/NAME`; never logged. Clients' own keys are never forwarded.
     api_key: str | None = Field(default=None, repr=False)
+    # Several deployments behind one model name (replicas of one engine), each with its own
+    # gate: `api_base` and these together, without duplicates.
+    api_bases: tuple[str, ...] = ()
     metrics_url: str | None = None
-    # Several deployments behind one model name: their signals are summed.
+    # The deployments' metrics URLs: paired with `api_bases` by position, or (without any
+    # api_base) each one a deployment of its own.
     metrics_urls: tuple[str, ...] = ()
+    placement: PlacementSettings = PlacementSettings()
     engine: Literal["vllm", "sglang", "tgi"] = "vllm"
     priority_scheduling: bool = False
     # SGLang only: the engine was started with --schedule-low-priority-values-first.
@@ -332,19 +357,69 @@ class BackendSettings(_Frozen):
             _check_http_url(value)
         return value
 
-    @field_validator("metrics_urls")
+    @field_validator("metrics_urls", "api_bases")
     @classmethod
     def _urls_ok(cls, values: tuple[str, ...]) -> tuple[str, ...]:
         for value in values:
             _check_http_url(value)
         return values
 
+    @model_validator(mode="after")
+    def _deployments_pair(self) -> BackendSettings:
+        self.deployments()
+        return self
+
+    def with_api_bases(self, api_bases: tuple[str, ...], *, model: str) -> BackendSettings:
+        """These settings with the deployments an adapter found (LiteLLM's model_list), validated
+        as if configured; errors name the backend's key path."""
+        try:
+            return BackendSettings.model_validate(
+                {**self.model_dump(exclude_unset=True), "api_bases": api_bases}
+            )
+        except ValidationError as exc:
+            message = exc.errors(include_url=False)[0]["msg"].removeprefix("Value error, ")
+            raise ConfigError(
+                f"fair_sched.backends.{model}.{message} (api_bases: the model_list's "
+                f"{len(api_bases)} deployments of this model)"
+            ) from None
+
+    def all_api_bases(self) -> tuple[str, ...]:
+        """Every deployment's api_base without a trailing "/", `api_base` first, no duplicates."""
+        bases = ((self.api_base,) if self.api_base else ()) + self.api_bases
+        return tuple(dict.fromkeys(base.rstrip("/") for base in bases))
+
     def all_metrics_urls(self) -> tuple[str, ...]:
-        """Every deployment's metrics URL, `metrics_url` first, without duplicates."""
-        urls = ((self.metrics_url,) if self.metrics_url else ()) + self.metrics_urls
-        if not urls and self.api_base:
-            urls = (default_metrics_url(self.api_base),)
-        return tuple(dict.fromkeys(urls))
+        """Every deployment's metrics URL, in the order of `deployments()`."""
+        return tuple(deployment.metrics_url for deployment in self.deployments())
+
+    def deployments(self) -> tuple[DeploymentSettings, ...]:
+        """The deployments behind this model name (the one mapping every adapter uses): each
+        api_base with its metrics URL (given by position, or derived from the api_base), or,
+        without any api_base, each metrics URL keyed by itself."""
+        bases = self.all_api_bases()
+        urls = tuple(
+            dict.fromkeys(((self.metrics_url,) if self.metrics_url else ()) + self.metrics_urls)
+        )
+        if not bases:
+            return tuple(DeploymentSettings(url, url) for url in urls)
+        if not urls:
+            derived = tuple(DeploymentSettings(base, default_metrics_url(base)) for base in bases)
+            if len({deployment.metrics_url for deployment in derived}) < len(derived):
+                raise ValueError(
+                    "api_bases: two of them have the same metrics URL; give `metrics_urls`, "
+                    "one per api_base in the same order"
+                )
+            return derived
+        if len(urls) == len(bases):
+            return tuple(DeploymentSettings(*pair) for pair in zip(bases, urls, strict=True))
+        if len(bases) == 1 and not self.api_bases:
+            # One `api_base` (where `fair-sched proxy` forwards) in front of several engines
+            # whose metrics are listed: the deployments are the engines, known by their metrics.
+            return tuple(DeploymentSettings(url, url) for url in urls)
+        raise ValueError(
+            f"metrics_urls: {len(urls)} metrics URLs for {len(bases)} api_bases; give one per "
+            "api_base, in the same order (or none: each is derived from its api_base)"
+        )
 
 
 class QueueSettings(_Frozen):

@@ -24,7 +24,6 @@ from .config import (
     FairSchedSettings,
     PriceSettings,
     QueueSettings,
-    default_metrics_url,
     load_settings,
 )
 from .core import (
@@ -33,6 +32,7 @@ from .core import (
     BudgetBook,
     BudgetRule,
     Clock,
+    Deployment,
     DrainMeter,
     FairScheduler,
     GateTransition,
@@ -240,7 +240,11 @@ class SchedulingService:
         groups = [
             BackendGroup(
                 model=model,
-                metrics_urls=backend.all_metrics_urls(),
+                deployments=tuple(
+                    Deployment(key, metrics_url) for key, metrics_url in backend.deployments()
+                ),
+                prefix_affinity=backend.placement.prefix_affinity,
+                load_bound=backend.placement.load_bound,
                 arrival_grace_s=backend.arrival_grace_ms / 1000,
                 max_num_seqs=backend.max_num_seqs,
                 metrics_lag_s=backend.metrics_lag_ms / 1000,
@@ -799,15 +803,15 @@ class SchedulingService:
     def waiting_thresholds(self) -> Mapping[str, Mapping[str, float]]:
         # `waiting_below: auto` tiers: what this gate's tuner allows now (read without the
         # clock, so from any thread; a follower replica reports the starting value).
+        # Summed over the model's deployments (each holds its own to its tier's threshold).
         result: dict[str, dict[str, float]] = {}
-        for model, spec in self.gate.groups().items():
-            tuning = self.gate.tuning(model)
-            deployments = len(spec.metrics_urls)
+        for model in self.gate.groups():
+            by_deployment = self.gate.tuning(model).values()
             result[model] = {
-                tier.name: (
+                tier.name: sum(
                     tuning[tier.name].allowed if tier.name in tuning else tier.waiting_below
+                    for tuning in by_deployment
                 )
-                * deployments
                 for tier in self.scheduler.tiers
             }
         return result
@@ -913,15 +917,18 @@ class SchedulingService:
         if transition.new == "fallback":
             cap = self.gate.groups()[transition.model].fallback_max_inflight
             logger.warning(
-                "fair_sched gate model=%s mode=fallback reason=%r: engine metrics unavailable, "
-                "limiting to %d in flight per deployment",
+                "fair_sched gate model=%s deployment=%s mode=fallback reason=%r: engine metrics "
+                "unavailable, limiting it to %d in flight",
                 transition.model,
+                transition.deployment,
                 transition.reason,
                 cap,
             )
         elif transition.old == "fallback":
             logger.warning(
-                "fair_sched gate model=%s mode=metrics: engine metrics recovered", transition.model
+                "fair_sched gate model=%s deployment=%s mode=metrics: engine metrics recovered",
+                transition.model,
+                transition.deployment,
             )
         else:
             logger.info("fair_sched gate model=%s mode=%s", transition.model, transition.new)
@@ -951,16 +958,17 @@ def _cancel_acquire(acquiring: asyncio.Future[Lease]) -> None:
 def _resolve_backends(
     settings: FairSchedSettings, deployments: Mapping[str, Iterable[str]]
 ) -> dict[str, BackendSettings]:
-    """`backends` from the settings, with metrics URLs filled in from deployments' api_base."""
+    """`backends` from the settings, with the deployments of a model configured without any
+    api_base taken from the adapter's (LiteLLM's model_list)."""
     resolved = dict(settings.backends)
     for model, api_bases in deployments.items():
-        urls = tuple(dict.fromkeys(default_metrics_url(base) for base in api_bases if base))
+        # Keyed by LiteLLM's api_bases (normalized as configured ones are), so that a lease's
+        # deployment names the model_list entry it goes to.
+        bases = tuple(dict.fromkeys(base.rstrip("/") for base in api_bases if base))
         backend = resolved.get(model)
-        if backend is None:
-            if urls:
-                resolved[model] = BackendSettings(metrics_urls=urls)
-        elif not backend.all_metrics_urls() and urls:
-            resolved[model] = backend.model_copy(update={"metrics_urls": urls})
+        if not bases or (backend is not None and backend.all_api_bases()):
+            continue
+        resolved[model] = (backend or BackendSettings()).with_api_bases(bases, model=model)
     return resolved
 
 

@@ -71,6 +71,23 @@ BAD_CONFIGS: list[tuple[str, Any, str]] = [
     ),
     ("unknown engine", {"backends": {"m": {"engine": "triton"}}}, "fair_sched.backends.m.engine"),
     (
+        "metrics urls do not pair with api_bases",
+        {
+            "backends": {
+                "m": {
+                    "api_bases": ["http://a:8000/v1", "http://b:8000/v1"],
+                    "metrics_url": "http://a:8000/metrics",
+                }
+            }
+        },
+        "fair_sched.backends.m.metrics_urls: 1 metrics URLs for 2 api_bases",
+    ),
+    (
+        "load bound not above 1",
+        {"backends": {"m": {"placement": {"load_bound": 1}}}},
+        "fair_sched.backends.m.placement.load_bound",
+    ),
+    (
         "unknown metric signal",
         {"backends": {"m": {"metric_names": {"queue": "x"}}}},
         "fair_sched.backends.m.metric_names",
@@ -220,3 +237,37 @@ def test_unreadable_and_invalid_files(tmp_path: Path) -> None:
 )
 def test_metrics_url_defaults_from_api_base(api_base: str, expected: str) -> None:
     assert default_metrics_url(api_base) == expected
+
+
+def test_api_bases_are_deployments_with_derived_metrics_urls() -> None:
+    backend = load_settings(
+        {"backends": {"m": {"api_base": "http://a:8000/v1/", "api_bases": ["http://b:8000/v1"]}}}
+    ).backends["m"]
+    assert backend.deployments() == (
+        ("http://a:8000/v1", "http://a:8000/metrics"),
+        ("http://b:8000/v1", "http://b:8000/metrics"),
+    )
+    assert backend.placement.prefix_affinity and backend.placement.load_bound == 1.25
+
+
+def test_metrics_urls_pair_with_api_bases_by_position() -> None:
+    backend = load_settings(
+        {
+            "backends": {
+                "m": {
+                    "api_bases": ["http://a:8000/v1", "http://b:8000/v1"],
+                    "metrics_urls": ["http://a:9090/metrics", "http://b:9090/metrics"],
+                }
+            }
+        }
+    ).backends["m"]
+    assert backend.deployments() == (
+        ("http://a:8000/v1", "http://a:9090/metrics"),
+        ("http://b:8000/v1", "http://b:9090/metrics"),
+    )
+
+
+def test_metrics_urls_without_api_base_are_deployments_keyed_by_themselves() -> None:
+    urls = ["http://a:8000/metrics", "http://b:8000/metrics"]
+    backend = load_settings({"backends": {"m": {"metrics_urls": urls}}}).backends["m"]
+    assert backend.deployments() == tuple((url, url) for url in urls)

@@ -8,7 +8,7 @@ from typing import Any
 import pytest
 
 from fair_sched_plugin.core import BackendSnapshot
-from fair_sched_plugin.errors import QueueFull, QueueTimeout
+from fair_sched_plugin.errors import ConfigError, QueueFull, QueueTimeout
 from fair_sched_plugin.identity import Credentials
 from fair_sched_plugin.service import (
     ClientDisconnected,
@@ -159,6 +159,28 @@ def test_metrics_urls_default_from_deployments() -> None:
     )
     assert svc.backends["m"].priority_scheduling
     assert svc.backends["n"].all_metrics_urls() == ("http://c:8000/metrics",)
+    # Keyed by LiteLLM's api_bases, so that a lease's deployment names a model_list entry.
+    assert [d.key for d in svc.gate.groups()["m"].deployments] == [
+        "http://a:8000/v1",
+        "http://b:8000/v1",
+    ]
+
+
+def test_litellm_deployments_pair_with_configured_metrics_urls_or_fail_naming_the_key() -> None:
+    urls = ["http://a:9090/metrics", "http://b:9090/metrics"]
+    svc = SchedulingService(
+        {"backends": {"m": {"metrics_urls": urls}}},
+        deployments={"m": ["http://a:8000/v1/", "http://b:8000/v1"]},
+    )
+    assert svc.backends["m"].deployments() == (
+        ("http://a:8000/v1", urls[0]),
+        ("http://b:8000/v1", urls[1]),
+    )
+    with pytest.raises(ConfigError, match=r"fair_sched\.backends\.m\.metrics_urls: 2 metrics"):
+        SchedulingService(
+            {"backends": {"m": {"metrics_urls": urls}}},
+            deployments={"m": ["http://a:8000/v1", "http://b:8000/v1", "http://c:8000/v1"]},
+        )
 
 
 def test_cost_estimates() -> None:

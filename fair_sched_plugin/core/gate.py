@@ -30,9 +30,9 @@ class AdmissionGate(Protocol):
         (one engine, or a gate that does not place)."""
 
     def prefers_elsewhere(self, ticket: Ticket, tier: TierLimits) -> bool:
-        """True when the deployment the ticket's prefix prefers has no room for this tier while
-        another has: releasing it now would spill its prefix, so the scheduler may release a
-        later user of the tier first (a bounded look-ahead)."""
+        """True when the deployment that holds the ticket's prompt prefix has no room for this
+        tier but another has: released now, its prefix would be computed again elsewhere (the
+        scheduler's look-ahead may release another ticket first)."""
 
     def on_released(self, lease: Lease) -> None:
         """A lease was granted (the request is on its way to the engine)."""

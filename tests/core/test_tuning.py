@@ -8,7 +8,7 @@ import random
 
 import pytest
 
-from fair_sched_plugin.core import BackendGroup, MetricsGate, TierLimits
+from fair_sched_plugin.core import BackendGroup, Deployment, MetricsGate, TierLimits
 from fair_sched_plugin.core.tuning import QueueTuner
 from fair_sched_plugin.testing import FakeClock
 
@@ -29,7 +29,7 @@ def _run(
     seconds: float, gate_options: dict[str, object] | None = None, **engine: object
 ) -> tuple[EngineSim, list[Sample]]:
     clock = FakeClock(0.0)
-    group = BackendGroup("m", (URL,), **(gate_options or {}))  # type: ignore[arg-type]
+    group = BackendGroup("m", (Deployment(URL, URL),), **(gate_options or {}))  # type: ignore[arg-type]
     gate = MetricsGate([group], stale_after_s=5.0, clock=clock)
     sim = EngineSim(gate, clock, **engine)  # type: ignore[arg-type]
 

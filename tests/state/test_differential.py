@@ -18,6 +18,7 @@ from hypothesis import strategies as st
 from fair_sched_plugin.core import (
     BackendGroup,
     BackendSnapshot,
+    Deployment,
     FairScheduler,
     Lease,
     MetricsGate,
@@ -135,7 +136,7 @@ class Side:
 
 def deciding_replica(url: str, clock: FakeClock, **options: Any) -> ReplicaScheduler:
     gate = MetricsGate(
-        [BackendGroup("m", (URL,), arrival_grace_s=0.5, fallback_max_inflight=2)],
+        [BackendGroup("m", (Deployment(URL, URL),), arrival_grace_s=0.5, fallback_max_inflight=2)],
         stale_after_s=1.0,
         clock=clock,
     )
