@@ -6,6 +6,9 @@ The gate knows which deployments have room; this policy chooses among them:
    (`fair_sched_plugin.prefix`): two prompts share their first k hashes exactly when their first
    k blocks are the same text. The deployment where the longest leading run of these blocks was
    placed most recently probably still has them in its prefix cache, so the request goes there.
+   Only that one: after a spill the older home is not a fallback, so each prefix keeps one
+   home and the engines' caches, each holding part of all prefixes, hold different ones (with
+   every home a fallback, prefixes drift onto every deployment and each cache must hold all).
 2. **Bounded load** (consistent hashing with bounded loads, Mirrokni, Thorup and Zadimoghaddam,
    2018): an affinity target is not used when it would then hold more than `load_bound` times
    its share of all the requests on the model's deployments, its share being in proportion to
