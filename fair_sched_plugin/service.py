@@ -803,15 +803,15 @@ class SchedulingService:
     def waiting_thresholds(self) -> Mapping[str, Mapping[str, float]]:
         # `waiting_below: auto` tiers: what this gate's tuner allows now (read without the
         # clock, so from any thread; a follower replica reports the starting value).
+        # Summed over the model's deployments (each holds its own to its tier's threshold).
         result: dict[str, dict[str, float]] = {}
-        for model, spec in self.gate.groups().items():
-            tuning = self.gate.tuning(model)
-            deployments = len(spec.metrics_urls)
+        for model in self.gate.groups():
+            by_deployment = self.gate.tuning(model).values()
             result[model] = {
-                tier.name: (
+                tier.name: sum(
                     tuning[tier.name].allowed if tier.name in tuning else tier.waiting_below
+                    for tuning in by_deployment
                 )
-                * deployments
                 for tier in self.scheduler.tiers
             }
         return result
@@ -917,15 +917,18 @@ class SchedulingService:
         if transition.new == "fallback":
             cap = self.gate.groups()[transition.model].fallback_max_inflight
             logger.warning(
-                "fair_sched gate model=%s mode=fallback reason=%r: engine metrics unavailable, "
-                "limiting to %d in flight per deployment",
+                "fair_sched gate model=%s deployment=%s mode=fallback reason=%r: engine metrics "
+                "unavailable, limiting it to %d in flight",
                 transition.model,
+                transition.deployment,
                 transition.reason,
                 cap,
             )
         elif transition.old == "fallback":
             logger.warning(
-                "fair_sched gate model=%s mode=metrics: engine metrics recovered", transition.model
+                "fair_sched gate model=%s deployment=%s mode=metrics: engine metrics recovered",
+                transition.model,
+                transition.deployment,
             )
         else:
             logger.info("fair_sched gate model=%s mode=%s", transition.model, transition.new)

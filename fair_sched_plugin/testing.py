@@ -87,6 +87,9 @@ class ManualGate:
     def place(self, ticket: Ticket, tier: TierLimits) -> str | None:
         return None
 
+    def prefers_elsewhere(self, ticket: Ticket, tier: TierLimits) -> bool:
+        return False
+
     def on_released(self, lease: Lease) -> None:
         if not self._open:
             self._budget -= 1

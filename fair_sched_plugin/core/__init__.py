@@ -2,7 +2,14 @@
 
 from __future__ import annotations
 
-from .backpressure import BackendGroup, Deployment, GateTransition, GroupStatus, MetricsGate
+from .backpressure import (
+    BackendGroup,
+    Deployment,
+    DeploymentStatus,
+    GateTransition,
+    GroupStatus,
+    MetricsGate,
+)
 from .budget import BudgetAction, BudgetBook, BudgetRule, BudgetUnit, BudgetVerdict
 from .clock import Clock, LoopClock
 from .gate import AdmissionGate, InflightLimitGate
@@ -30,6 +37,7 @@ __all__ = [
     "BudgetVerdict",
     "Clock",
     "Deployment",
+    "DeploymentStatus",
     "DrainMeter",
     "FairScheduler",
     "FairnessPolicy",

@@ -55,6 +55,7 @@ from typing import Literal, NamedTuple
 
 from .clock import Clock, LoopClock
 from .gate import CapacityListener
+from .placement import Candidate, Placer
 from .snapshot import BackendSnapshot
 from .ticket import Lease, Ticket, TierLimits
 from .tuning import QueueTuner, TunerStatus
@@ -103,10 +104,34 @@ class GateTransition(NamedTuple):
     old: GateMode
     new: GateMode
     reason: str
+    # The deployment whose metrics went stale or came back (its key).
+    deployment: str
+
+
+class DeploymentStatus(NamedTuple):
+    """What the gate knows about one deployment (for metrics and the status page)."""
+
+    deployment: str
+    mode: GateMode
+    waiting: float | None
+    running: float | None
+    tpot_s: float | None
+    kv_usage: float | None
+    pending: int
+    free_slots: float
+    in_flight: int
+    last_scrape_age_s: float | None
+    blocked_reason: str | None
+    # Per tier with `waiting_below: auto`: the engine queue its tuner allows now.
+    allowed_queue: tuple[tuple[str, float], ...] = ()
 
 
 class GroupStatus(NamedTuple):
-    """What the gate knows about one model group (for metrics and the status page)."""
+    """One model group: its deployments' rows and their sums (for metrics and the status page).
+
+    The sums are for reading at a glance; every decision is a deployment's own. `mode` is the
+    worst deployment's (fallback, then starting), `blocked_reason` the last decision's when no
+    deployment had room (None when one had)."""
 
     model: str
     mode: GateMode
@@ -120,39 +145,53 @@ class GroupStatus(NamedTuple):
     in_flight: int
     last_scrape_age_s: float | None
     blocked_reason: str | None
-    # Per tier with `waiting_below: auto`: the engine queue its tuner allows now (whole group).
+    # Per tier with `waiting_below: auto`: the engine queue its tuners allow now (all deployments).
     allowed_queue: tuple[tuple[str, float], ...] = ()
+    per_deployment: tuple[DeploymentStatus, ...] = ()
 
 
 @dataclass
-class _GroupState:
-    spec: BackendGroup
-    latest_ok: dict[str, BackendSnapshot] = field(default_factory=dict)
-    last_error: dict[str, str] = field(default_factory=dict)
+class _DeploymentState:
+    spec: Deployment
+    # The latest successful scrape (kept when later ones fail: its age decides the mode).
+    latest: BackendSnapshot | None = None
+    last_error: str | None = None
+    mode: GateMode = "starting"
     in_flight: int = 0
-    # Leases released and not yet shown to have reached the engine, in release order.
+    # Leases bound here, released and not yet shown to have reached the engine, in release order.
     pending: deque[Lease] = field(default_factory=deque)
     pending_count: int = 0
     pending_ids: set[int] = field(default_factory=set)
-    mode: GateMode = "starting"
-    # Most requests seen running at once, per deployment: the learned capacity. The peak of the
-    # current window and of the one before (two buckets make a sliding window).
-    capacity: dict[str, float] = field(default_factory=dict)
-    capacity_previous: dict[str, float] = field(default_factory=dict)
+    # Most requests seen running at once: the learned capacity. The peak of the current window
+    # and of the one before (two buckets make a sliding window); None: nothing seen in it.
+    capacity: float | None = None
+    capacity_previous: float | None = None
     capacity_window_started: float | None = None
     # When each first byte since the scrapes came back: slots taken that no scrape can show yet.
     # Bounded: only an outage of every scrape lets it fill, and then free slots are not used.
     first_bytes: deque[float] = field(default_factory=lambda: deque(maxlen=_MAX_FIRST_BYTES))
-    # When each started request's end was seen since the scrapes' as-of time: slots freed that
+    # When each started request's end was seen since the scrape's as-of time: slots freed that
     # no scrape can show yet (only with metrics_lag_s; see _account_scraped).
     ends: deque[float] = field(default_factory=lambda: deque(maxlen=_MAX_FIRST_BYTES))
     scrape_requested: bool = False
     # Started leases that ended since the last scrape (see _settle_arrivals).
     ends_since_scrape: int = 0
-    # The gate held a request back for the engine's queue since the last scrape (demand).
+    # The gate held a request back for this engine's queue since the last scrape (demand).
     held_back: bool = False
     # `waiting_below: auto` tiers' controllers, by tier name, made on the tier's first decision.
     tuners: dict[str, QueueTuner] = field(default_factory=dict)
+    blocked_reason: str | None = None
+
+
+@dataclass
+class _GroupState:
+    spec: BackendGroup
+    placer: Placer
+    deployments: dict[str, _DeploymentState] = field(default_factory=dict)
+    by_url: dict[str, _DeploymentState] = field(default_factory=dict)
+    # Where each released lease counts: its own deployment, or the least loaded one for a lease
+    # whose deployment this group does not know (see on_released).
+    counted: dict[int, _DeploymentState] = field(default_factory=dict)
     blocked_reason: str | None = None
 
 
@@ -169,7 +208,7 @@ class MetricsGate:
         on_transition: Callable[[GateTransition], None] | None = None,
         request_scrape: Callable[[str], None] | None = None,
     ) -> None:
-        self._groups = {group.model: _GroupState(group) for group in groups}
+        self._groups = {group.model: _new_group_state(group) for group in groups}
         self._stale_after_s = stale_after_s
         self._unknown_cap = unknown_model_max_inflight
         self._unknown_in_flight: dict[str, int] = {}
@@ -210,34 +249,32 @@ class MetricsGate:
     def update(self, model: str, snapshot: BackendSnapshot) -> None:
         """A scrape of one of the group's deployments finished (successfully or not)."""
         state = self._groups.get(model)
-        if state is None or snapshot.url not in state.spec.metrics_urls:
+        deployment = state.by_url.get(snapshot.url) if state is not None else None
+        if state is None or deployment is None:
             return
         if snapshot.ok:
-            previous = state.latest_ok.get(snapshot.url)
-            state.latest_ok[snapshot.url] = snapshot
-            state.last_error.pop(snapshot.url, None)
+            previous = deployment.latest
+            deployment.latest = snapshot
+            deployment.last_error = None
             # Replicas sharing the engine (share_with) each see the others' arrivals as growth:
             # taken for their own, they would let as many more in, n times over.
             if self._sharers > 1 or not self._growth_settles:
-                state.ends_since_scrape = 0
+                deployment.ends_since_scrape = 0
             elif previous is not None and previous.started_at < snapshot.started_at:
-                self._settle_arrivals(state, previous, snapshot)
-            self._account_scraped(state)
+                self._settle_arrivals(state.spec, deployment, previous, snapshot)
+            self._account_scraped(state.spec, deployment)
             # After the settling: probing asks whether anything is still on its way.
-            self._learn_capacity(state, snapshot)
-            state.held_back = False
+            self._learn_capacity(state.spec, deployment, snapshot)
+            deployment.held_back = False
             now = self._clock.now()
-            for tuner in state.tuners.values():
+            for tuner in deployment.tuners.values():
                 tuner.observe_engine(now, snapshot.ttft_s, snapshot.tpot_s)
                 tuner.tick(now)
         else:
-            state.last_error[snapshot.url] = snapshot.error or "scrape failed"
-        state.scrape_requested = False
-        self._refresh_mode(state)
+            deployment.last_error = snapshot.error or "scrape failed"
+        deployment.scrape_requested = False
+        self._refresh_mode(state, deployment)
         self._notify(model)
-
-    def place(self, ticket: Ticket, tier: TierLimits) -> str | None:
-        return None
 
     def on_released(self, lease: Lease) -> None:
         state = self._groups.get(lease.ticket.model)
@@ -245,24 +282,32 @@ class MetricsGate:
             model = lease.ticket.model
             self._unknown_in_flight[model] = self._unknown_in_flight.get(model, 0) + 1
             return
-        state.in_flight += 1
-        tuner = state.tuners.get(lease.ticket.tier)
+        deployment = state.deployments.get(lease.deployment or "")
+        if deployment is None:
+            # Not placed by this gate (an older replica's lease adopted after a failover, or a
+            # gate that did not place): it counts where it does the least harm, the least
+            # loaded deployment, and stays there until it ends.
+            deployment = self._least_loaded(state)
+        state.counted[lease.lease_id] = deployment
+        deployment.in_flight += 1
+        tuner = deployment.tuners.get(lease.ticket.tier)
         if tuner is not None:
             tuner.observe_released(lease.lease_id, lease.released_at)
-        state.pending.append(lease)
-        state.pending_ids.add(lease.lease_id)
-        state.pending_count += 1
+        deployment.pending.append(lease)
+        deployment.pending_ids.add(lease.lease_id)
+        deployment.pending_count += 1
 
     def on_started(self, lease: Lease) -> None:
         state = self._groups.get(lease.ticket.model)
-        if state is None:
+        deployment = state.counted.get(lease.lease_id) if state is not None else None
+        if deployment is None:
             return
         now = self._clock.now()
-        tuner = state.tuners.get(lease.ticket.tier)
+        tuner = deployment.tuners.get(lease.ticket.tier)
         if tuner is not None:
             tuner.observe_first_byte(lease.lease_id, lease.released_at, now - lease.released_at)
-        if self._settle(state, lease):
-            state.first_bytes.append(now)
+        if self._settle(deployment, lease):
+            deployment.first_bytes.append(now)
             self._notify(lease.ticket.model)
 
     def on_ended(self, lease: Lease) -> None:
@@ -274,86 +319,164 @@ class MetricsGate:
                 self._unknown_in_flight[model] = remaining
             else:
                 self._unknown_in_flight.pop(model, None)
-        else:
-            state.in_flight -= 1
-            self._settle(state, lease)
-            for name, tuner in state.tuners.items():
-                if name == lease.ticket.tier:
-                    tuner.observe_ended(lease.lease_id)
-                if lease.started:
-                    tuner.observe_completion()
+            return
+        deployment = state.counted.pop(lease.lease_id, None)
+        if deployment is None:
+            return  # never released through this gate: nothing counted
+        deployment.in_flight -= 1
+        self._settle(deployment, lease)
+        for name, tuner in deployment.tuners.items():
+            if name == lease.ticket.tier:
+                tuner.observe_ended(lease.lease_id)
             if lease.started:
-                state.ends_since_scrape += 1
-            if lease.started and state.spec.metrics_lag_s > 0:
-                state.ends.append(self._clock.now())
-                self._notify(model)
+                tuner.observe_completion()
+        if lease.started:
+            deployment.ends_since_scrape += 1
+        if lease.started and state.spec.metrics_lag_s > 0:
+            deployment.ends.append(self._clock.now())
+            self._notify(model)
 
     # ------------------------------------------------------------------ decision
 
     def may_release(self, model: str, tier: TierLimits) -> bool:
+        """Some deployment of the model has room for one more request of this tier."""
         state = self._groups.get(model)
         if state is None:
             return self._unknown_in_flight.get(model, 0) < self._share(self._unknown_cap)
-        self._refresh_mode(state)
-        reason = self._blocked_reason(state, tier)
-        state.blocked_reason = reason
-        if reason is None:
+        reason = None
+        room = False
+        for deployment in state.deployments.values():
+            self._refresh_mode(state, deployment)
+            deployment.blocked_reason = self._blocked_reason(state.spec, deployment, tier)
+            if deployment.blocked_reason is None:
+                room = True
+            elif reason is None:
+                reason = deployment.blocked_reason
+        state.blocked_reason = None if room else reason
+        if room:
             return True
-        if reason == "waiting":
-            state.held_back = True
-            tuner = state.tuners.get(tier.name)
+        scrape = False
+        for deployment in state.deployments.values():
+            if deployment.blocked_reason != "waiting":
+                continue
+            # Held back for this engine's queue: demand its tuner and probing look for.
+            deployment.held_back = True
+            tuner = deployment.tuners.get(tier.name)
             if tuner is not None:
                 tuner.note_held_back()
-        if reason == "waiting" and not state.scrape_requested and self._scrape_would_settle(state):
-            # Credits are spent on requests a fresh scrape can account for: ask for it now
-            # rather than at the next tick. Blocked by the engine's own queue, an earlier scrape
-            # would change nothing, so none is asked for (no polling while parked).
-            state.scrape_requested = True
-            if self._request_scrape is not None:
-                self._request_scrape(model)
+            if not deployment.scrape_requested and self._scrape_would_settle(
+                state.spec, deployment
+            ):
+                # Credits are spent on requests a fresh scrape can account for: ask for it now
+                # rather than at the next tick. Blocked by the engine's own queue, an earlier
+                # scrape would change nothing, so none is asked for (no polling while parked).
+                deployment.scrape_requested = scrape = True
+        if scrape and self._request_scrape is not None:
+            self._request_scrape(model)
         return False
 
-    def _scrape_would_settle(self, state: _GroupState) -> bool:
-        pending = state.pending
-        while pending and pending[0].lease_id not in state.pending_ids:
+    def place(self, ticket: Ticket, tier: TierLimits) -> str | None:
+        """Bind the ticket to a deployment with room: prefix affinity within the load bound,
+        else the least loaded (core/placement.py)."""
+        state = self._groups.get(ticket.model)
+        if state is None:
+            return None
+        candidates = self._candidates(state, tier)
+        placement = state.placer.choose(ticket.prefix, candidates)
+        if placement is None:
+            return None  # may_release said otherwise a moment ago; on_released then decides
+        state.placer.record(ticket.prefix, placement.deployment)
+        return placement.deployment
+
+    def prefers_elsewhere(self, ticket: Ticket, tier: TierLimits) -> bool:
+        """The deployment that holds the ticket's prefix has no room for this tier, another one
+        has: released now, its prefix would be recomputed there (the scheduler's look-ahead may
+        release someone else first)."""
+        state = self._groups.get(ticket.model)
+        if state is None or len(state.deployments) < 2 or not ticket.prefix:
+            return False
+        candidates = self._candidates(state, tier)
+        preferred = state.placer.preferred(ticket.prefix, candidates)
+        if preferred is None:
+            return False
+        rooms = {candidate.deployment: candidate.has_room for candidate in candidates}
+        return not rooms[preferred] and any(rooms.values())
+
+    def _candidates(self, state: _GroupState, tier: TierLimits) -> list[Candidate]:
+        candidates = []
+        for deployment in state.deployments.values():
+            self._refresh_mode(state, deployment)
+            candidates.append(
+                Candidate(
+                    deployment.spec.key,
+                    self._load(deployment),
+                    self._slots(state.spec, deployment),
+                    self._blocked_reason(state.spec, deployment, tier) is None,
+                )
+            )
+        return candidates
+
+    def _least_loaded(self, state: _GroupState) -> _DeploymentState:
+        return min(
+            state.deployments.values(),
+            key=lambda d: self._load(d) / self._slots(state.spec, d),
+        )
+
+    def _load(self, deployment: _DeploymentState) -> float:
+        """Requests the gate counts on the deployment now: running (with first bytes and ends
+        since the scrape), the engine's queue, and ours on their way; in flight without metrics."""
+        snapshot = deployment.latest
+        if deployment.mode != "metrics" or snapshot is None:
+            return float(deployment.in_flight)
+        running = snapshot.running + len(deployment.first_bytes) - len(deployment.ends)
+        return max(0.0, running) + snapshot.waiting + deployment.pending_count
+
+    def _slots(self, spec: BackendGroup, deployment: _DeploymentState) -> float:
+        """The deployment's running slots for placement: learned (or max_num_seqs) with
+        metrics, the fallback cap without; at least 1."""
+        if deployment.mode != "metrics":
+            return max(1.0, self._share(spec.fallback_max_inflight))
+        return max(1.0, self._capacity(spec, deployment))
+
+    def _scrape_would_settle(self, spec: BackendGroup, deployment: _DeploymentState) -> bool:
+        pending = deployment.pending
+        while pending and pending[0].lease_id not in deployment.pending_ids:
             pending.popleft()  # settled by first byte or end already
         if not pending:
             return False
-        return pending[0].released_at + state.spec.arrival_grace_s <= self._clock.now()
+        return pending[0].released_at + spec.arrival_grace_s <= self._clock.now()
 
-    def _blocked_reason(self, state: _GroupState, tier: TierLimits) -> str | None:
-        deployments = len(state.spec.metrics_urls)
-        if state.mode != "metrics":
-            if state.in_flight < self._share(state.spec.fallback_max_inflight * deployments):
+    def _blocked_reason(
+        self, spec: BackendGroup, deployment: _DeploymentState, tier: TierLimits
+    ) -> str | None:
+        snapshot = deployment.latest
+        if deployment.mode != "metrics" or snapshot is None:
+            if deployment.in_flight < self._share(spec.fallback_max_inflight):
                 return None
             return "fallback_inflight"
-        snapshots = state.latest_ok.values()
-        waiting = sum(snapshot.waiting for snapshot in snapshots)
         # Free running slots are capacity too: replicas sharing one engine split them as well
         # (whole slots, so the shares never add up to more than the engine has).
-        free_slots = self._free_slots(state)
+        free_slots = self._free_slots(spec, deployment)
         if self._sharers > 1:
             free_slots = float(int(free_slots) // self._sharers)
-        queued_in_engine = engine_queue_estimate(waiting, state.pending_count, free_slots)
-        if queued_in_engine >= self._share(self._waiting_below(state, tier) * deployments):
+        queued_in_engine = engine_queue_estimate(
+            snapshot.waiting, deployment.pending_count, free_slots
+        )
+        if queued_in_engine >= self._share(self._waiting_below(deployment, tier)):
             return "waiting"
-        if tier.tpot_below_s is not None:
-            tpot = _worst(snapshot.tpot_s for snapshot in snapshots)
-            if tpot is not None and tpot >= tier.tpot_below_s:
-                return "tpot"
-        if tier.kv_usage_below is not None:
-            kv_usage = _worst(snapshot.kv_usage for snapshot in snapshots)
-            if kv_usage is not None and kv_usage >= tier.kv_usage_below:
-                return "kv_usage"
+        if _at_or_over(snapshot.tpot_s, tier.tpot_below_s):
+            return "tpot"
+        if _at_or_over(snapshot.kv_usage, tier.kv_usage_below):
+            return "kv_usage"
         return None
 
-    def _waiting_below(self, state: _GroupState, tier: TierLimits) -> float:
+    def _waiting_below(self, deployment: _DeploymentState, tier: TierLimits) -> float:
         if tier.auto_waiting_below is None:
             return tier.waiting_below
-        tuner = state.tuners.get(tier.name)
+        tuner = deployment.tuners.get(tier.name)
         if tuner is None:
             minimum, maximum = tier.auto_waiting_below
-            tuner = state.tuners[tier.name] = QueueTuner(
+            tuner = deployment.tuners[tier.name] = QueueTuner(
                 minimum=minimum,
                 maximum=maximum,
                 ttft_target_s=tier.ttft_target_s,
@@ -363,40 +486,49 @@ class MetricsGate:
             )
         return tuner.allowed
 
-    def tuning(self, model: str) -> dict[str, TunerStatus]:
-        """What each `waiting_below: auto` tier's tuner of this model group decided."""
+    def tuning(self, model: str) -> dict[str, dict[str, TunerStatus]]:
+        """What each `waiting_below: auto` tier's tuner decided, per deployment of the group."""
         state = self._groups.get(model)
         if state is None:
             return {}
-        return {name: tuner.statistics() for name, tuner in state.tuners.items()}
+        return {
+            key: {name: tuner.statistics() for name, tuner in deployment.tuners.items()}
+            for key, deployment in state.deployments.items()
+        }
 
-    def _learn_capacity(self, state: _GroupState, snapshot: BackendSnapshot) -> None:
+    def _learn_capacity(
+        self, spec: BackendGroup, deployment: _DeploymentState, snapshot: BackendSnapshot
+    ) -> None:
         """Learn the deployment's running slots from one scrape (see the module docstring)."""
         now = self._clock.now()
-        started = state.capacity_window_started
+        started = deployment.capacity_window_started
         if started is None:
-            state.capacity_window_started = now
-        elif now - started >= state.spec.capacity_window_s:
+            deployment.capacity_window_started = now
+        elif now - started >= spec.capacity_window_s:
             # A new window: the one that ended becomes the previous one; one idle for longer
             # than a whole window leaves nothing behind.
-            long_ago = now - started >= 2 * state.spec.capacity_window_s
-            state.capacity_previous = {} if long_ago else state.capacity
-            state.capacity = {}
-            state.capacity_window_started = now
-        url = snapshot.url
-        ceiling = state.spec.max_num_seqs
+            long_ago = now - started >= 2 * spec.capacity_window_s
+            deployment.capacity_previous = None if long_ago else deployment.capacity
+            deployment.capacity = None
+            deployment.capacity_window_started = now
+        ceiling = spec.max_num_seqs
         running = snapshot.running
         if snapshot.waiting > 0:
             # A queue forms only when the engine takes no more: what runs now is its capacity
             # (lower than max_num_seqs when the KV cache is the limit). Authoritative, so it
             # replaces both buckets: a probe must not leave a phantom free slot behind.
-            state.capacity[url] = running
-            state.capacity_previous[url] = running
+            deployment.capacity = deployment.capacity_previous = running
             return
-        known = self._capacity(state, url)
-        if ceiling is not None and url not in state.capacity and url not in state.capacity_previous:
+        known = self._capacity(spec, deployment)
+        unseen = deployment.capacity is None and deployment.capacity_previous is None
+        if ceiling is not None and unseen:
             running = float(ceiling)  # configured and not yet contradicted by a queue
-        elif state.tuners and state.held_back and not state.pending_count and 0 < running >= known:
+        elif (
+            deployment.tuners
+            and deployment.held_back
+            and not deployment.pending_count
+            and 0 < running >= known
+        ):
             # Running at the learned capacity with an empty queue while we held requests back
             # and none of ours is on its way: the engine may have more slots. Probe one more
             # per scrape; a queue forming shows the real number. Without this an engine never
@@ -407,23 +539,21 @@ class MetricsGate:
             running += 1
         if ceiling is not None:
             running = min(running, float(ceiling))
-        state.capacity[url] = max(state.capacity.get(url, 0.0), running)
+        deployment.capacity = max(deployment.capacity or 0.0, running)
 
     @staticmethod
-    def _capacity(state: _GroupState, url: str) -> float:
-        learned = max(state.capacity.get(url, 0.0), state.capacity_previous.get(url, 0.0))
-        ceiling = state.spec.max_num_seqs
-        if ceiling is not None and url not in state.capacity and url not in state.capacity_previous:
-            return float(ceiling)
-        return learned
+    def _capacity(spec: BackendGroup, deployment: _DeploymentState) -> float:
+        unseen = deployment.capacity is None and deployment.capacity_previous is None
+        if spec.max_num_seqs is not None and unseen:
+            return float(spec.max_num_seqs)
+        return max(deployment.capacity or 0.0, deployment.capacity_previous or 0.0)
 
     @staticmethod
-    def _free_slots(state: _GroupState) -> float:
-        free = sum(
-            max(0.0, MetricsGate._capacity(state, url) - snapshot.running)
-            for url, snapshot in state.latest_ok.items()
-        )
-        return max(0.0, free - len(state.first_bytes) + len(state.ends))
+    def _free_slots(spec: BackendGroup, deployment: _DeploymentState) -> float:
+        if deployment.latest is None:
+            return 0.0
+        free = max(0.0, MetricsGate._capacity(spec, deployment) - deployment.latest.running)
+        return max(0.0, free - len(deployment.first_bytes) + len(deployment.ends))
 
     # ------------------------------------------------------------------ observation
 
@@ -431,31 +561,62 @@ class MetricsGate:
         now = self._clock.now()
         result = []
         for model, state in self._groups.items():
-            snapshots = list(state.latest_ok.values())
-            fresh = bool(snapshots)
+            rows = tuple(
+                self._deployment_status(state.spec, deployment, now)
+                for deployment in state.deployments.values()
+            )
+            fresh = [row for row in rows if row.waiting is not None]
+            modes = {row.mode for row in rows}
+            mode: GateMode = (
+                "fallback"
+                if "fallback" in modes
+                else "starting"
+                if "starting" in modes
+                else "metrics"
+            )
+            allowed: dict[str, float] = {}
+            for row in rows:
+                for name, queue in row.allowed_queue:
+                    allowed[name] = allowed.get(name, 0.0) + queue
+            ages = [row.last_scrape_age_s for row in rows if row.last_scrape_age_s is not None]
             result.append(
                 GroupStatus(
                     model=model,
-                    mode=state.mode,
-                    deployments=len(state.spec.metrics_urls),
-                    waiting=sum(s.waiting for s in snapshots) if fresh else None,
-                    running=sum(s.running for s in snapshots) if fresh else None,
-                    tpot_s=_worst(s.tpot_s for s in snapshots),
-                    kv_usage=_worst(s.kv_usage for s in snapshots),
-                    pending=state.pending_count,
-                    free_slots=self._free_slots(state) if fresh else 0.0,
-                    in_flight=state.in_flight,
-                    last_scrape_age_s=(
-                        now - min(s.started_at for s in snapshots) if fresh else None
-                    ),
+                    mode=mode,
+                    deployments=len(rows),
+                    waiting=sum(row.waiting or 0.0 for row in fresh) if fresh else None,
+                    running=sum(row.running or 0.0 for row in fresh) if fresh else None,
+                    tpot_s=_worst(row.tpot_s for row in rows),
+                    kv_usage=_worst(row.kv_usage for row in rows),
+                    pending=sum(row.pending for row in rows),
+                    free_slots=sum(row.free_slots for row in rows),
+                    in_flight=sum(row.in_flight for row in rows),
+                    last_scrape_age_s=max(ages) if ages else None,
                     blocked_reason=state.blocked_reason,
-                    allowed_queue=tuple(
-                        (name, tuner.allowed * len(state.spec.metrics_urls))
-                        for name, tuner in state.tuners.items()
-                    ),
+                    allowed_queue=tuple(allowed.items()),
+                    per_deployment=rows,
                 )
             )
         return result
+
+    def _deployment_status(
+        self, spec: BackendGroup, deployment: _DeploymentState, now: float
+    ) -> DeploymentStatus:
+        snapshot = deployment.latest
+        return DeploymentStatus(
+            deployment=deployment.spec.key,
+            mode=deployment.mode,
+            waiting=snapshot.waiting if snapshot else None,
+            running=snapshot.running if snapshot else None,
+            tpot_s=snapshot.tpot_s if snapshot else None,
+            kv_usage=snapshot.kv_usage if snapshot else None,
+            pending=deployment.pending_count,
+            free_slots=self._free_slots(spec, deployment),
+            in_flight=deployment.in_flight,
+            last_scrape_age_s=now - snapshot.started_at if snapshot else None,
+            blocked_reason=deployment.blocked_reason,
+            allowed_queue=tuple((name, tuner.allowed) for name, tuner in deployment.tuners.items()),
+        )
 
     def groups(self) -> Mapping[str, BackendGroup]:
         return {model: state.spec for model, state in self._groups.items()}
@@ -466,20 +627,26 @@ class MetricsGate:
         if self._listener is not None:
             self._listener(model)
 
-    def _settle(self, state: _GroupState, lease: Lease) -> bool:
+    @staticmethod
+    def _settle(deployment: _DeploymentState, lease: Lease) -> bool:
         """The lease no longer counts as pending; True if it did until now."""
-        if lease.lease_id not in state.pending_ids:
+        if lease.lease_id not in deployment.pending_ids:
             return False
-        state.pending_ids.discard(lease.lease_id)
-        state.pending_count -= 1
+        deployment.pending_ids.discard(lease.lease_id)
+        deployment.pending_count -= 1
         # The deque entry is dropped lazily in _account_scraped; keep the deque from
         # growing without bound when first bytes settle leases faster than scrapes arrive.
-        if len(state.pending) > 64 and len(state.pending) > 2 * state.pending_count:
-            state.pending = deque(x for x in state.pending if x.lease_id in state.pending_ids)
+        pending = deployment.pending
+        if len(pending) > 64 and len(pending) > 2 * deployment.pending_count:
+            deployment.pending = deque(x for x in pending if x.lease_id in deployment.pending_ids)
         return True
 
+    @staticmethod
     def _settle_arrivals(
-        self, state: _GroupState, previous: BackendSnapshot, snapshot: BackendSnapshot
+        spec: BackendGroup,
+        deployment: _DeploymentState,
+        previous: BackendSnapshot,
+        snapshot: BackendSnapshot,
     ) -> None:
         """Settle as many pending leases (oldest first) as the engine's requests grew between
         two scrapes: at least that many arrived. Waiting out the grace instead counts a request
@@ -489,71 +656,82 @@ class MetricsGate:
         grown = snapshot.waiting + snapshot.running - previous.waiting - previous.running
         # Requests that left the engine in between hide as many arrivals: our own ends since the
         # last scrape stand for them (seen late, like everything else the proxy sees).
-        arrived = int(grown) + state.ends_since_scrape
-        state.ends_since_scrape = 0
-        as_of = snapshot.started_at - state.spec.metrics_lag_s
-        pending = state.pending
+        arrived = int(grown) + deployment.ends_since_scrape
+        deployment.ends_since_scrape = 0
+        as_of = snapshot.started_at - spec.metrics_lag_s
+        pending = deployment.pending
         while arrived > 0 and pending and pending[0].released_at <= as_of:
             lease = pending.popleft()
-            if lease.lease_id in state.pending_ids:
-                state.pending_ids.discard(lease.lease_id)
-                state.pending_count -= 1
+            if lease.lease_id in deployment.pending_ids:
+                deployment.pending_ids.discard(lease.lease_id)
+                deployment.pending_count -= 1
                 arrived -= 1
 
-    def _account_scraped(self, state: _GroupState) -> None:
-        """Forget what every deployment's latest scrape must already show: the first bytes that
+    @staticmethod
+    def _account_scraped(spec: BackendGroup, deployment: _DeploymentState) -> None:
+        """Forget what the deployment's latest scrape must already show: the first bytes that
         came back before it was sent (as running), and the leases released at least
         `arrival_grace_s` before that (as waiting or running). A first byte that came back while
         a scrape was on its way is kept: that scrape may not show it, and forgetting it would
         count its slot free twice."""
-        if len(state.latest_ok) < len(state.spec.metrics_urls):
-            return
-        grace = state.spec.arrival_grace_s
-        as_of = min(s.started_at for s in state.latest_ok.values()) - state.spec.metrics_lag_s
-        first_bytes = state.first_bytes
+        assert deployment.latest is not None
+        grace = spec.arrival_grace_s
+        as_of = deployment.latest.started_at - spec.metrics_lag_s
+        first_bytes = deployment.first_bytes
         while first_bytes and first_bytes[0] <= as_of:
             first_bytes.popleft()
         # An end seen more than the grace after the as-of time: the engine freed that slot after
         # the scrape's view, so the scrape still shows it taken. Closer than that it may not.
-        ends = state.ends
+        ends = deployment.ends
         while ends and ends[0] <= as_of + grace:
             ends.popleft()
         seen_until = as_of - grace
-        pending = state.pending
+        pending = deployment.pending
         while pending and pending[0].released_at <= seen_until:
             lease = pending.popleft()
-            if lease.lease_id in state.pending_ids:
-                state.pending_ids.discard(lease.lease_id)
-                state.pending_count -= 1
+            if lease.lease_id in deployment.pending_ids:
+                deployment.pending_ids.discard(lease.lease_id)
+                deployment.pending_count -= 1
 
-    def _refresh_mode(self, state: _GroupState) -> None:
-        now = self._clock.now()
+    def _refresh_mode(self, state: _GroupState, deployment: _DeploymentState) -> None:
+        url = deployment.spec.metrics_url
+        snapshot = deployment.latest
+        error = deployment.last_error
         reason = None
-        never_scraped = False
-        for url in state.spec.metrics_urls:
-            snapshot = state.latest_ok.get(url)
-            error = state.last_error.get(url)
-            if snapshot is None:
-                never_scraped = error is None
-                reason = f"no successful scrape of {url} yet" + (f" ({error})" if error else "")
-                break
-            age = now - snapshot.started_at
+        if snapshot is None:
+            reason = f"no successful scrape of {url} yet" + (f" ({error})" if error else "")
+        else:
+            age = self._clock.now() - snapshot.started_at
             if age > self._stale_after_s:
                 reason = f"metrics of {url} are {age:.1f} s old" + (f" ({error})" if error else "")
-                break
         if reason is None:
             mode: GateMode = "metrics"
-        elif state.mode == "starting" and never_scraped:
+        elif deployment.mode == "starting" and snapshot is None and error is None:
             mode = "starting"  # no answer yet at all: not news, the in-flight cap applies
         else:
             mode = "fallback"
-        if mode != state.mode:
+        if mode != deployment.mode:
             transition = GateTransition(
-                state.spec.model, state.mode, mode, reason or "metrics fresh"
+                state.spec.model,
+                deployment.mode,
+                mode,
+                reason or "metrics fresh",
+                deployment.spec.key,
             )
-            state.mode = mode
+            deployment.mode = mode
             if self._on_transition is not None:
                 self._on_transition(transition)
+
+
+def _new_group_state(spec: BackendGroup) -> _GroupState:
+    state = _GroupState(
+        spec, Placer(prefix_affinity=spec.prefix_affinity, load_bound=spec.load_bound)
+    )
+    for deployment in spec.deployments:
+        state.deployments[deployment.key] = state.by_url[deployment.metrics_url] = _DeploymentState(
+            deployment
+        )
+    return state
 
 
 def engine_queue_estimate(waiting: float, pending: float, free_slots: float) -> float:
@@ -561,6 +739,10 @@ def engine_queue_estimate(waiting: float, pending: float, free_slots: float) -> 
     queue first, ours take what is left, the rest waits."""
     left_free = max(0.0, free_slots - waiting)
     return max(0.0, waiting - free_slots) + max(0.0, pending - left_free)
+
+
+def _at_or_over(value: float | None, ceiling: float | None) -> bool:
+    return value is not None and ceiling is not None and value >= ceiling
 
 
 def _worst(values: Iterable[float | None]) -> float | None:

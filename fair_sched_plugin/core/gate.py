@@ -29,6 +29,11 @@ class AdmissionGate(Protocol):
         allowed it and before `on_released`; the lease is bound to it. None: nothing to choose
         (one engine, or a gate that does not place)."""
 
+    def prefers_elsewhere(self, ticket: Ticket, tier: TierLimits) -> bool:
+        """True when the deployment that holds the ticket's prompt prefix has no room for this
+        tier but another has: released now, its prefix would be computed again elsewhere (the
+        scheduler's look-ahead may release another ticket first)."""
+
     def on_released(self, lease: Lease) -> None:
         """A lease was granted (the request is on its way to the engine)."""
 
@@ -70,6 +75,9 @@ class InflightLimitGate(_ListenerMixin):
 
     def place(self, ticket: Ticket, tier: TierLimits) -> str | None:
         return None
+
+    def prefers_elsewhere(self, ticket: Ticket, tier: TierLimits) -> bool:
+        return False
 
     def on_released(self, lease: Lease) -> None:
         self._in_flight[lease.ticket.model] += 1

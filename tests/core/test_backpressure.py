@@ -9,13 +9,16 @@ from fair_sched_plugin.core import (
     BackendGroup,
     BackendSnapshot,
     Deployment,
+    DeploymentStatus,
     FairScheduler,
     GateTransition,
+    InflightLimitGate,
     Lease,
     MetricsGate,
+    Ticket,
     TierLimits,
 )
-from fair_sched_plugin.testing import FakeClock
+from fair_sched_plugin.testing import FakeClock, ManualGate
 
 from .conftest import drain, settle, ticket
 from .engine_sim import EngineSim, mean
@@ -209,30 +212,191 @@ async def test_no_metrics_yet_uses_the_fallback_cap_silently() -> None:
     assert gate.status()[0].mode == "starting"
 
 
-async def test_deployments_are_summed_and_the_threshold_scales() -> None:
-    clock = FakeClock()
-    urls = ("http://a/metrics", "http://b/metrics")
-    gate, _, _ = make_gate(clock, urls=urls)
-    gate.update("m", scrape(clock, waiting=4, url=urls[0]))
-    # One replica alone does not stand for the group: the other has not answered yet.
-    assert gate.status()[0].mode == "starting"
-    gate.update("m", scrape(clock, waiting=1, url=urls[1]))
-    assert gate.status()[0].waiting == 5
-    assert gate.may_release("m", INTERACTIVE)  # 5 < 3 * 2
-    gate.update("m", scrape(clock, waiting=2, url=urls[1]))
-    assert not gate.may_release("m", INTERACTIVE)  # 6 >= 6
+A = "http://a/metrics"
+B = "http://b/metrics"
 
 
-async def test_one_stale_deployment_puts_the_group_in_fallback() -> None:
+def two_deployments(clock: FakeClock, **options: object) -> MetricsGate:
+    group_options = {"arrival_grace_s": 0.3, "fallback_max_inflight": 2, **options}
+    group = BackendGroup(
+        "m",
+        (Deployment("http://a/v1", A), Deployment("http://b/v1", B)),
+        **group_options,  # type: ignore[arg-type]
+    )
+    return MetricsGate([group], stale_after_s=1.0, clock=clock)
+
+
+def rows(gate: MetricsGate) -> dict[str, DeploymentStatus]:
+    return {row.deployment: row for row in gate.status()[0].per_deployment}
+
+
+def take(scheduler: FairScheduler, user: str = "u", **fields: object) -> Lease | None:
+    return scheduler.try_acquire(Ticket(model="m", user=user, tier="interactive", **fields))  # type: ignore[arg-type]
+
+
+async def test_each_deployment_is_held_at_its_own_threshold_while_another_idles() -> None:
+    """Issue #16's failure: summed, the slow engine's 3 waiting plus the idle one's 0 were under
+    3 x 2, so the slow one's queue kept growing (11 against `waiting_below: 3`)."""
     clock = FakeClock()
-    urls = ("http://a/metrics", "http://b/metrics")
-    gate, transitions, _ = make_gate(clock, urls=urls)
-    gate.update("m", scrape(clock, url=urls[0]))
-    gate.update("m", scrape(clock, url=urls[1]))
+    gate = two_deployments(clock)
+    scheduler = FairScheduler([INTERACTIVE], gate, clock=clock)
+    gate.update("m", scrape(clock, waiting=3, running=2, url=A))  # slow: at its threshold
+    gate.update("m", scrape(clock, url=B))  # idle
+    leases = [take(scheduler, f"u{i}") for i in range(4)]
+    assert [lease.deployment if lease else None for lease in leases] == ["http://b/v1"] * 3 + [None]
+    assert {row.deployment: row.pending for row in rows(gate).values()} == {
+        "http://a/v1": 0,
+        "http://b/v1": 3,
+    }
+    assert rows(gate)["http://a/v1"].blocked_reason == "waiting"
+    gate.update("m", scrape(clock, waiting=2, running=2, url=A))  # the slow one drained one
+    lease = take(scheduler, "u9")
+    assert lease is not None and lease.deployment == "http://a/v1"
+    assert take(scheduler, "u10") is None
+    await drain(scheduler)
+
+
+async def test_unequal_capacities_get_work_in_proportion() -> None:
+    clock = FakeClock()
+    gate = two_deployments(clock)
+    scheduler = FairScheduler([INTERACTIVE], gate, clock=clock)
+    # A queue shows each engine's running slots: 8 and 24.
+    gate.update("m", scrape(clock, waiting=1, running=8, url=A))
+    gate.update("m", scrape(clock, waiting=1, running=24, url=B))
+    clock.advance(0.1)
+    gate.update("m", scrape(clock, url=A))
+    gate.update("m", scrape(clock, url=B))
+    placed = [take(scheduler, f"u{i}") for i in range(32)]
+    on_a = sum(1 for lease in placed if lease and lease.deployment == "http://a/v1")
+    on_b = sum(1 for lease in placed if lease and lease.deployment == "http://b/v1")
+    assert (on_a, on_b) == (8, 24)
+    await drain(scheduler)
+
+
+async def test_a_stale_deployment_uses_its_own_fallback_cap_while_the_other_keeps_metrics() -> None:
+    clock = FakeClock()
+    transitions: list[GateTransition] = []
+    gate = MetricsGate(
+        [
+            BackendGroup(
+                "m",
+                (Deployment("http://a/v1", A), Deployment("http://b/v1", B)),
+                fallback_max_inflight=2,
+            )
+        ],
+        stale_after_s=1.0,
+        clock=clock,
+        on_transition=transitions.append,
+    )
+    scheduler = FairScheduler([INTERACTIVE], gate, clock=clock)
+    gate.update("m", scrape(clock, url=A))
+    gate.update("m", scrape(clock, url=B))
     clock.advance(1.5)
-    gate.update("m", scrape(clock, url=urls[0]))
-    assert transitions[-1].new == "fallback"
-    assert urls[1] in transitions[-1].reason
+    gate.update("m", scrape(clock, waiting=3, running=4, url=A))  # fresh, and full
+    assert take(scheduler) is not None  # B is stale now: its own in-flight cap of 2 applies
+    assert transitions[-1].deployment == "http://b/v1"
+    assert (transitions[-1].new, transitions[-1].old) == ("fallback", "metrics")
+    assert B in transitions[-1].reason
+    assert take(scheduler) is not None
+    assert take(scheduler) is None  # A's metrics still hold A at its threshold
+    assert {row.deployment: (row.mode, row.in_flight) for row in rows(gate).values()} == {
+        "http://a/v1": ("metrics", 0),
+        "http://b/v1": ("fallback", 2),
+    }
+    assert gate.status()[0].mode == "fallback"  # the group reads as its worst deployment
+    gate.update("m", scrape(clock, waiting=0, running=4, url=A))
+    lease = take(scheduler)
+    assert lease is not None and lease.deployment == "http://a/v1"
+    await drain(scheduler)
+
+
+async def test_first_byte_and_end_settle_against_the_bound_deployment() -> None:
+    clock = FakeClock()
+    gate = two_deployments(clock)
+    scheduler = FairScheduler([INTERACTIVE], gate, clock=clock)
+    gate.update("m", scrape(clock, waiting=2, running=2, url=A))
+    gate.update("m", scrape(clock, waiting=1, running=2, url=B))
+    lease = take(scheduler)
+    assert lease is not None and lease.deployment == "http://b/v1"  # less queued there
+    assert rows(gate)["http://b/v1"].pending == 1
+    lease.mark_started()
+    assert {row.deployment: row.pending for row in rows(gate).values()} == {
+        "http://a/v1": 0,
+        "http://b/v1": 0,
+    }
+    assert rows(gate)["http://b/v1"].in_flight == 1
+    lease.release()
+    assert rows(gate)["http://b/v1"].in_flight == 0
+    assert rows(gate)["http://a/v1"].in_flight == 0
+    await drain(scheduler)
+
+
+async def test_a_lease_bound_to_an_unknown_deployment_counts_against_the_least_loaded() -> None:
+    """A lease adopted from an older replica may name a deployment this configuration does not
+    have: it counts, until it ends, where it does the least harm."""
+    clock = FakeClock()
+    gate = two_deployments(clock)
+    scheduler = FairScheduler([INTERACTIVE], gate, clock=clock)
+    gate.update("m", scrape(clock, waiting=4, running=2, url=A))  # load 6 on 2 slots
+    gate.update("m", scrape(clock, running=1, url=B))  # load 1 on 1 slot
+    adopted = scheduler.adopt(Ticket("m", "old", "interactive"), started=False, deployment="x")
+    unbound = scheduler.adopt(Ticket("m", "old", "interactive"), started=True)
+    assert {row.deployment: row.in_flight for row in rows(gate).values()} == {
+        "http://a/v1": 0,
+        "http://b/v1": 2,
+    }
+    adopted.release()
+    unbound.release()
+    assert rows(gate)["http://b/v1"].in_flight == 0
+    await drain(scheduler)
+
+
+async def test_prefix_affinity_and_prefers_elsewhere() -> None:
+    clock = FakeClock()
+    gate = two_deployments(clock)
+    scheduler = FairScheduler([INTERACTIVE], gate, clock=clock)
+    gate.update("m", scrape(clock, running=4, url=A))
+    gate.update("m", scrape(clock, running=4, url=B))
+    first = take(scheduler, "alice", prefix=(11, 12, 13))
+    assert first is not None
+    home = first.deployment
+    again = take(scheduler, "alice", prefix=(11, 12, 13, 14))
+    assert again is not None and again.deployment == home  # its prefix is cached there
+    # Its home fills up (3 waiting); the other deployment still has room.
+    home_url = A if home == "http://a/v1" else B
+    clock.advance(0.5)
+    gate.update("m", scrape(clock, waiting=3, running=4, url=home_url))
+    alice = Ticket("m", "alice", "interactive", prefix=(11, 12))
+    stranger = Ticket("m", "bob", "interactive", prefix=(99,))
+    assert gate.prefers_elsewhere(alice, INTERACTIVE)
+    assert not gate.prefers_elsewhere(stranger, INTERACTIVE)
+    assert not gate.prefers_elsewhere(Ticket("m", "carol", "interactive"), INTERACTIVE)
+    await drain(scheduler)
+
+
+def test_gates_without_placement_never_prefer_elsewhere() -> None:
+    alice = Ticket("m", "alice", "interactive", prefix=(1,))
+    assert not InflightLimitGate(1).prefers_elsewhere(alice, INTERACTIVE)
+    assert not ManualGate().prefers_elsewhere(alice, INTERACTIVE)
+
+
+def test_each_deployment_has_its_own_tuner() -> None:
+    clock = FakeClock()
+    gate = two_deployments(clock, max_num_seqs=4)
+    auto = TierLimits("interactive", waiting_below=4, auto_waiting_below=(1, 8), ttft_target_s=0.5)
+    gate.update("m", scrape(clock, running=4, url=A))
+    gate.update("m", scrape(clock, running=4, url=B))
+    gate.may_release("m", auto)  # the tuners start with the tier's first decision
+    for _ in range(3):
+        clock.advance(1.1)
+        # A's engine answers slowly (TTFT 4x the target), B's well within it.
+        gate.update("m", scrape(clock, waiting=1, running=4, url=A, ttft_s=2.0))
+        gate.update("m", scrape(clock, waiting=1, running=4, url=B, ttft_s=0.1))
+    allowed = {key: by_tier["interactive"].allowed for key, by_tier in gate.tuning("m").items()}
+    assert allowed["http://a/v1"] < 4 <= allowed["http://b/v1"]
+    assert {row.deployment: row.allowed_queue for row in rows(gate).values()} == {
+        key: (("interactive", value),) for key, value in allowed.items()
+    }
 
 
 async def test_unknown_models_get_an_inflight_cap() -> None:
