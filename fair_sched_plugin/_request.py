@@ -47,6 +47,9 @@ MAX_WAIT_HEADER = "x-fair-sched-max-wait-s"
 QUEUED_HEADER = b"x-fair-sched-queued-s"
 TIER_HEADER = b"x-fair-sched-tier"
 PRINCIPAL_HEADER = b"x-fair-sched-principal"
+# The deployment the request was bound to (several deployments behind its model name); the ASGI
+# middleware also hands it to the app under this name as a request header.
+DEPLOYMENT_HEADER = b"x-fair-sched-deployment"
 
 # A server's send() returns at once while its socket takes data, so an app relaying buffered
 # chunks may never let the loop turn, and a client that reset the connection is noticed only on
@@ -225,13 +228,18 @@ class RequestWatch:
         self._refusal = refusal
 
     def admitted(self, admission: Admission, *, name_principal: bool) -> None:
-        """Say in the response headers how long the request queued, in which tier (and, where
-        the settings allow it, as which principal)."""
+        """Say in the response headers how long the request queued, in which tier, on which
+        deployment where the model has several (and, where the settings allow it, as which
+        principal)."""
         lease = admission.lease
         self.response_headers = [
             (QUEUED_HEADER, f"{lease.waited_s:.3f}".encode()),
             (TIER_HEADER, lease.ticket.tier.encode("latin-1", "replace")),
         ]
+        if lease.deployment is not None:
+            self.response_headers.append(
+                (DEPLOYMENT_HEADER, lease.deployment.encode("latin-1", "replace"))
+            )
         if name_principal and admission.principal.known:
             self.response_headers.append(
                 (PRINCIPAL_HEADER, admission.principal.name.encode("latin-1", "replace"))

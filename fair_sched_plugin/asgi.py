@@ -11,6 +11,13 @@ ends when the response body ends, when the client disconnects (while parked the 
 called; once running the app is cancelled, so its engine request is closed), after
 `max_lease_s`, or when the app raises (the exception is re-raised). Everything else passes
 straight through.
+
+Where the model has several deployments (`backends.<model>.api_bases`), the scheduler binds each
+request to one of them and the app must send it there: the deployment's key (its api_base
+without a trailing "/") is `request.state.fair_sched_deployment` (`scope["state"]`) and the
+request header `x-fair-sched-deployment` (a client's own header of that name is removed, so the
+app may trust it); None and no header where the model has one engine. The response carries the
+same `x-fair-sched-deployment` header.
 """
 
 from __future__ import annotations
@@ -26,7 +33,7 @@ from starlette.datastructures import Headers
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from . import _responses, observability
-from ._request import RequestWatch
+from ._request import DEPLOYMENT_HEADER, RequestWatch
 from ._shutdown import install_sigterm_drain
 from .config import FairSchedSettings
 from .core import Lease
@@ -48,7 +55,11 @@ MAX_BODY_BYTES = 8 * 1024 * 1024
 # A copy of a non-streamed response body is kept up to this size to read its `usage`.
 USAGE_SNIFF_BYTES = 256 * 1024
 
-__all__ = ["DEFAULT_PATHS", "QUEUE_PATH", "FairSchedulerMiddleware"]
+# Key in the ASGI scope's "state" (Starlette's `request.state.fair_sched_deployment`): the
+# deployment the request is bound to, None where its model has one engine.
+DEPLOYMENT_STATE = "fair_sched_deployment"
+
+__all__ = ["DEFAULT_PATHS", "DEPLOYMENT_STATE", "QUEUE_PATH", "FairSchedulerMiddleware"]
 
 logger = logging.getLogger("fair_sched")
 
@@ -276,7 +287,9 @@ class _ScheduledRequest:
         self.service.rewrite_priority(body, admission.engine_priority, via_extra_body=False)
         new_body = json.dumps(body).encode()
         app_scope = dict(scope)
-        app_scope["headers"] = _with_content_length(scope["headers"], len(new_body))
+        app_scope["headers"] = _for_app(scope["headers"], len(new_body), lease.deployment)
+        # Where the app sends it: the deployment the scheduler bound it to (request.state).
+        app_scope["state"] = {**scope.get("state", {}), DEPLOYMENT_STATE: lease.deployment}
         try:
             await self.middleware.app(
                 app_scope, self._replay(new_body, receive), self._send_and_track(lease, send)
@@ -371,15 +384,19 @@ def _bearer_key(headers: Headers) -> str | None:
     return headers.get("x-api-key") or headers.get("api-key") or None
 
 
-def _with_content_length(
-    headers: Iterable[tuple[bytes, bytes]], length: int
+def _for_app(
+    headers: Iterable[tuple[bytes, bytes]], length: int, deployment: str | None
 ) -> list[tuple[bytes, bytes]]:
+    """The request headers the app sees: the rewritten body's length, and the deployment the
+    request is bound to; a client's own `x-fair-sched-deployment` never reaches the app."""
     kept = [
         (name, value)
         for name, value in headers
-        if name.lower() not in (b"content-length", b"transfer-encoding")
+        if name.lower() not in (b"content-length", b"transfer-encoding", DEPLOYMENT_HEADER)
     ]
     kept.append((b"content-length", str(length).encode()))
+    if deployment is not None:
+        kept.append((DEPLOYMENT_HEADER, deployment.encode("latin-1", "replace")))
     return kept
 
 

@@ -386,7 +386,7 @@ class BackendSettings(_Frozen):
     def all_api_bases(self) -> tuple[str, ...]:
         """Every deployment's api_base without a trailing "/", `api_base` first, no duplicates."""
         bases = ((self.api_base,) if self.api_base else ()) + self.api_bases
-        return tuple(dict.fromkeys(base.rstrip("/") for base in bases))
+        return tuple(dict.fromkeys(deployment_key(base) for base in bases))
 
     def all_metrics_urls(self) -> tuple[str, ...]:
         """Every deployment's metrics URL, in the order of `deployments()`."""
@@ -624,6 +624,12 @@ def _check_http_url(value: str) -> None:
     parts = urlsplit(value)
     if parts.scheme not in {"http", "https"} or not parts.netloc:
         raise ValueError("must be an http(s) URL")  # not echoed: it may carry a password
+
+
+def deployment_key(api_base: str) -> str:
+    """The key of the deployment at `api_base` (a lease's `deployment`): the api_base without a
+    trailing "/". Every adapter maps its deployments to keys with this one function."""
+    return api_base.rstrip("/")
 
 
 def default_metrics_url(api_base: str) -> str:

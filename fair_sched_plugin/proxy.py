@@ -2,11 +2,13 @@
 
     fair-sched proxy --config fair_sched.yaml --port 4000
 
-Each model named in `fair_sched.backends` with an `api_base` is served: `POST /v1/chat/completions`,
-`/v1/completions` and `/v1/responses` are forwarded to `{api_base}/chat/completions` (and so on)
-with the body as the scheduler left it; `GET /v1/models` lists the models, `GET /health` answers,
-`GET /fair-sched/metrics` and `/fair-sched/status` show the scheduler (behind
-`observability.admin_key` when set), and `GET /fair-sched/ui` is a live page over the status.
+Each model named in `fair_sched.backends` with an `api_base` (or `api_bases`) is served: `POST
+/v1/chat/completions`, `/v1/completions` and `/v1/responses` are forwarded to
+`{api_base}/chat/completions` (and so on) with the body as the scheduler left it, to the
+deployment the scheduler bound the request to where the model has several `api_bases`; `GET
+/v1/models` lists the models, `GET /health` answers, `GET /fair-sched/metrics` and
+`/fair-sched/status` show the scheduler (behind `observability.admin_key` when set), and `GET
+/fair-sched/ui` is a live page over the status.
 Scheduling is done by `FairSchedulerMiddleware` around the routes, not by the routes themselves.
 Responses stream through unbuffered with the upstream status and content type; when the client
 goes away (or `max_lease_s` passes) the middleware cancels the route, which closes the upstream
@@ -36,7 +38,7 @@ from starlette.types import Receive, Scope, Send
 
 from . import _responses
 from ._http import KEEPALIVE_EXPIRY_S
-from .asgi import FairSchedulerMiddleware
+from .asgi import DEPLOYMENT_STATE, FairSchedulerMiddleware
 from .config import FairSchedSettings, load_settings
 from .errors import ConfigError, EngineUnavailable, Rejected
 from .observability import METRICS_PATH, STATUS_PATH, endpoints
@@ -136,10 +138,12 @@ class _ProxyRoutes:
     ) -> None:
         self._service = service
         settings = service.settings
+        # Each served model's api_bases (`api_base` first): a request goes to the one its lease
+        # is bound to, where the model has several.
         self.api_bases = {
-            model: backend.api_base.rstrip("/")
+            model: bases
             for model, backend in settings.backends.items()
-            if backend.api_base
+            if (bases := backend.all_api_bases())
         }
         # Resolved once: the settings checked that every `os.environ/NAME` is set.
         self._api_keys = {
@@ -187,8 +191,8 @@ class _ProxyRoutes:
             model = parse_request_body(body)["model"]
         except Rejected as exc:
             return _json_error(_responses.error_response(exc))
-        api_base = self.api_bases.get(model)
-        if api_base is None:
+        api_bases = self.api_bases.get(model)
+        if api_bases is None:
             return _json_error(
                 _responses.error(
                     404,
@@ -197,6 +201,10 @@ class _ProxyRoutes:
                     param="model",
                 )
             )
+        # Bound by the middleware in front; a key that is not an api_base (deployments known by
+        # their metrics URLs behind one api_base) or none (one engine) means the first api_base.
+        deployment = getattr(request.state, DEPLOYMENT_STATE, None)
+        api_base = deployment if deployment in api_bases else api_bases[0]
         client = self._client
         if client is None:
             return _json_error(_responses.error(503, "the proxy is not running", code="not_ready"))
@@ -329,7 +337,7 @@ def run_proxy_from_args(args: argparse.Namespace) -> int:
     except ConfigError as exc:
         print(f"fair-sched proxy: {exc}", file=sys.stderr)
         return 2
-    if not any(backend.api_base for backend in settings.backends.values()):
+    if not any(backend.all_api_bases() for backend in settings.backends.values()):
         print(
             "fair-sched proxy: no model to serve: give `api_base` to at least one entry of "
             "fair_sched.backends",

@@ -25,11 +25,12 @@ from collections.abc import AsyncGenerator, Callable, Mapping, MutableMapping
 from typing import Any
 
 from fastapi import HTTPException
+from litellm.exceptions import ServiceUnavailableError
 from litellm.integrations.custom_logger import CustomLogger
 
 from .._request import current_request, ensure_current_request
 from .._responses import error_response
-from ..config import PriceSettings
+from ..config import PriceSettings, deployment_key
 from ..core import Lease
 from ..errors import ClientDisconnected, Rejected
 from ..identity import Credentials, Principal
@@ -139,6 +140,36 @@ class FairSchedCallback(CustomLogger):
             )
         )
 
+    # ------------------------------------------------------------------ routing
+
+    async def async_filter_deployments(
+        self,
+        model: str,
+        healthy_deployments: list[Any],
+        messages: Any,
+        request_kwargs: dict[str, Any] | None = None,
+        parent_otel_span: Any = None,
+    ) -> list[dict[str, Any]]:
+        lease = _bound_lease()
+        if lease is None:
+            return healthy_deployments
+        _check_same_model(lease, model)
+        bound = [entry for entry in healthy_deployments if _key_of(entry) == lease.deployment]
+        if not bound:
+            # LiteLLM took it out of rotation (cooldown after failures, health checks).
+            raise _unavailable(
+                lease, f"LiteLLM has no healthy deployment at {lease.deployment} (cooldown?)"
+            )
+        return bound
+
+    async def async_pre_call_check(
+        self, deployment: dict[str, Any], parent_otel_span: Any
+    ) -> dict[str, Any] | None:
+        lease = _bound_lease()
+        if lease is not None and _key_of(deployment) != lease.deployment:
+            raise _unavailable(lease, f"LiteLLM's router picked {_key_of(deployment)} instead")
+        return None
+
     # ------------------------------------------------------------------ the end of a request
 
     async def async_post_call_streaming_iterator_hook(
@@ -187,9 +218,44 @@ class FairSchedCallback(CustomLogger):
     async def async_log_failure_event(
         self, kwargs: dict[str, Any], response_obj: Any, start_time: Any, end_time: Any
     ) -> None:
-        lease = _request_lease()
-        if lease is not None:
-            _end(lease, None, None)
+        # One failed attempt: LiteLLM's router may retry on the same deployment, so the lease
+        # ends when the proxy answers (`async_post_call_failure_hook`, or the request's end).
+        # Outside the proxy (no request) there is no lease to end.
+        return None
+
+
+def _bound_lease() -> Lease | None:
+    """The last lease the running request was granted, if the scheduler bound it to one
+    deployment; also once it ended (an attempt after that must not go elsewhere either)."""
+    request = current_request()
+    if request is None or not request.leases:
+        return None
+    lease = request.leases[-1]
+    return lease if lease.deployment is not None else None
+
+
+def _key_of(deployment: Any) -> str | None:
+    """The deployment key of a LiteLLM router deployment (its `litellm_params.api_base`)."""
+    params = deployment.get("litellm_params") if isinstance(deployment, Mapping) else None
+    api_base = params.get("api_base") if isinstance(params, Mapping) else None
+    return deployment_key(api_base) if isinstance(api_base, str) and api_base else None
+
+
+def _check_same_model(lease: Lease, model: str) -> None:
+    if model != lease.ticket.model:
+        # A fallback to another model group: its engines never counted this request.
+        raise _unavailable(lease, f"not falling back to model group `{model}`")
+
+
+def _unavailable(lease: Lease, why: str) -> Exception:
+    message = (
+        f"fair_sched: the deployment this request was scheduled to ({lease.deployment}, model "
+        f"`{lease.ticket.model}`) is not available: {why}; retry to be placed again"
+    )
+    logger.warning("%s", message)
+    return ServiceUnavailableError(
+        message=message, model=lease.ticket.model, llm_provider="fair_sched"
+    )
 
 
 def _request_lease() -> Lease | None:

@@ -33,6 +33,8 @@ HOOKS = (
     "async_post_call_failure_hook",
     "async_log_success_event",
     "async_log_failure_event",
+    "async_filter_deployments",
+    "async_pre_call_check",
 )
 PROXY_ATTRIBUTES = ("app", "master_key", "user_config_file_path")
 # What DisconnectWatch and install_litellm_routes use on the proxy's FastAPI app.
