@@ -54,6 +54,7 @@ BLOCK_TOKENS = 16
 # A run's requests are bounded in time: a stream silent this long is an error (client.py), and
 # the whole run is cut off after this long.
 RUN_LIMIT_S = 240.0
+ARRIVAL_GRACE_MS = 3000
 
 
 @dataclass(frozen=True)
@@ -82,19 +83,24 @@ def replica_variants(*, with_direct: bool) -> list[ReplicaVariant]:
 @dataclass(frozen=True)
 class UnequalSize:
     power_requests: int = 120
-    max_tokens: int = 32
+    max_tokens: int = 16
     # Each light user sends one request at each of these times (seconds after the flood).
     light_at_s: tuple[float, ...] = (1.0, 2.0, 3.0)
     waiting_below: int = 3
-    # 30 ms steps keep the engines, not the proxies' CPU on a shared 2-core machine, the
-    # bottleneck (as the quick flood does); the slow one takes three times as long per step.
+    # The plugin is told the engines' slots (`backends.tiny.max_num_seqs`, as an operator knows
+    # vLLM's --max-num-seqs); None leaves the gate to learn them.
+    max_num_seqs: int | None = 8
+    # Slow steps (80 ms; ~125 tokens/s for both engines together) keep the engines, not the
+    # LiteLLM proxy, the bottleneck: on a loaded 2-core machine a LiteLLM proxy relaying 120
+    # streams at 30 ms steps kept the fast engine at 3 of 8 slots with nothing queued, with or
+    # without the plugin. The slow engine takes three times as long per step.
     engines: tuple[EmulatorSettings, ...] = (
-        EmulatorSettings(step_ms=30.0, step_ms_per_seq=0.5),
-        EmulatorSettings(step_ms=30.0, step_ms_per_seq=0.5, speed=0.33),
+        EmulatorSettings(step_ms=80.0, step_ms_per_seq=0.5),
+        EmulatorSettings(step_ms=80.0, step_ms_per_seq=0.5, speed=0.33),
     )
 
 
-QUICK_UNEQUAL = UnequalSize(power_requests=48, max_tokens=24, light_at_s=(1.0, 2.0))
+QUICK_UNEQUAL = UnequalSize(power_requests=48, light_at_s=(1.0, 2.0))
 
 
 @dataclass(frozen=True)
@@ -297,16 +303,30 @@ class ReplicaTarget:
 
 
 def replica_fair_sched(
-    api_bases: Sequence[str], waiting_below: int, principals: Sequence[Mapping[str, Any]]
+    api_bases: Sequence[str],
+    waiting_below: int,
+    principals: Sequence[Mapping[str, Any]],
+    max_num_seqs: int | None = None,
 ) -> dict[str, Any]:
     """The plugin's settings: one tier, every deployment of `tiny` gated on its own."""
+    # A LiteLLM proxy on a loaded 2-core machine takes over a second to forward a released
+    # request (measured: the light users' requests reached the plugin's hook 1-2 s after they
+    # were sent); until then a released request must keep counting against its deployment.
+    backend: dict[str, Any] = {
+        "api_bases": list(api_bases),
+        "engine": "vllm",
+        "arrival_grace_ms": ARRIVAL_GRACE_MS,
+    }
+    if max_num_seqs is not None:
+        backend["max_num_seqs"] = max_num_seqs
     return {
         "tiers": [{"name": "interactive", "waiting_below": waiting_below}],
         "default_tier": "interactive",
         "principals": [dict(p) for p in principals],
-        "backends": {"tiny": {"api_bases": list(api_bases), "engine": "vllm"}},
+        "backends": {"tiny": backend},
         "queue": {"max_per_user": 5000, "max_total": 20000, "max_wait_s": 300},
-        "metrics_poll_ms": 50,
+        # The default poll: two deployments' scrapes every 50 ms cost a loaded proxy its loop.
+        "metrics_poll_ms": 100,
         "observability": {"admin_key": MASTER_KEY},
     }
 
@@ -506,7 +526,9 @@ async def run_unequal(
     variants = replica_variants(with_direct=with_direct)
 
     def section(api_bases: Sequence[str]) -> dict[str, Any]:
-        return replica_fair_sched(api_bases, size.waiting_below, unequal_principals())
+        return replica_fair_sched(
+            api_bases, size.waiting_below, unequal_principals(), size.max_num_seqs
+        )
 
     async with started_replica_targets(
         variants, size.engines, section, workdir, progress
@@ -528,7 +550,9 @@ async def run_shared(
     engine = size.engine()
 
     def section(api_bases: Sequence[str]) -> dict[str, Any]:
-        return replica_fair_sched(api_bases, size.waiting_below, shared_principals(size))
+        return replica_fair_sched(
+            api_bases, size.waiting_below, shared_principals(size), size.engine().max_num_seqs
+        )
 
     async with started_replica_targets(
         variants, (engine, replace(engine)), section, workdir, progress
