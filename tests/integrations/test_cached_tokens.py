@@ -81,3 +81,42 @@ async def test_a_user_who_reuses_a_prefix_is_charged_less(stream: bool) -> None:
     )
     alice, bob = sum(filter(None, charged["alice"])), sum(filter(None, charged["bob"]))
     assert alice * 3 < bob
+
+
+async def test_each_deployments_prefix_cache_hit_rate_is_on_the_status_page_and_a_gauge() -> None:
+    """The watcher reads the emulator's vLLM prefix-cache counters; the rate between its last
+    two scrapes shows in the status JSON and as `fair_sched_engine_prefix_cache_hit_ratio`."""
+    async with emulator(prefix_cache_blocks=1000) as emu:
+        app = Starlette(
+            routes=[
+                Route("/v1/chat/completions", forwarding_handler(emu.base_url), methods=["POST"])
+            ],
+            lifespan=http_state,
+        )
+        served = FairSchedulerMiddleware(app, config=fair_config(emu))
+        async with serve(served) as url, open_client(url, key="sk-a") as client:
+            service = served.service
+            (watcher,) = service.watchers()[MODEL]
+            shared = ("a long shared system prompt. " * 200)[:PREFIX_CHARS]
+            for n in range(200):  # bounded: the watcher scrapes every 50 ms
+                response = await client.post(
+                    "/v1/chat/completions", json=body(shared, f"Question {n}?", stream=False)
+                )
+                assert response.status_code == 200
+                rate = watcher.prefix_cache_hit_rate
+                # An interval with the first request (a miss) reads about 0.5; later ones ~0.98.
+                if rate is not None and rate > 0.9:
+                    break
+            # Read in the same step as the rate (no await between): both see the same scrape.
+            text = service.observability.render().decode()
+            status = service.observability.status()
+    assert rate is not None and rate > 0.9  # each repeat hits 640 of its 651 prompt tokens
+    (deployment,) = status["models"][MODEL]["deployments"]
+    assert deployment["last_snapshot"]["prefix_cache_hit_rate"] == round(rate, 4)
+    gauges = [
+        line
+        for line in text.splitlines()
+        if line.startswith("fair_sched_engine_prefix_cache_hit_ratio{")
+    ]
+    assert len(gauges) == 1 and f'url="{deployment["url"]}"' in gauges[0]
+    assert float(gauges[0].rsplit(" ", 1)[1]) == pytest.approx(rate)
