@@ -35,6 +35,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from . import _responses, observability
 from ._request import DEPLOYMENT_HEADER, RequestWatch
 from ._shutdown import install_sigterm_drain
+from ._usage import Usage, read_usage
 from .config import FairSchedSettings
 from .core import Lease
 from .errors import ClientDisconnected, Rejected
@@ -243,7 +244,7 @@ class _ScheduledRequest:
         self.response_is_stream = False
         self.stream_chunks = 0
         self.sniffed = bytearray()
-        self.usage_tokens: int | None = None
+        self.usage: Usage | None = None
 
     async def run(self) -> None:
         await self.watch.run(self._schedule_and_call, self.scope)
@@ -296,7 +297,7 @@ class _ScheduledRequest:
             )
         finally:
             if self.watch.response_started:
-                lease.release(tokens_used=self._tokens_used(lease.ticket.cost))
+                self._release(lease)
             # Otherwise nothing went out: the watch abandons the lease (the turn passes on
             # uncharged) as it ends the request.
 
@@ -343,7 +344,7 @@ class _ScheduledRequest:
                 if not message.get("more_body", False):
                     # The watch releases the lease once the last chunk is out; say how many
                     # tokens it used first.
-                    lease.release(tokens_used=self._tokens_used(lease.ticket.cost))
+                    self._release(lease)
             await send(message)
 
         return send_and_track
@@ -352,22 +353,21 @@ class _ScheduledRequest:
         if self.response_is_stream:
             self.stream_chunks += chunk.count(b"data: ")
             if b'"usage"' in chunk:
-                self.usage_tokens = _usage_from_sse(chunk) or self.usage_tokens
+                self.usage = _usage_from_sse(chunk) or self.usage
         elif len(self.sniffed) < USAGE_SNIFF_BYTES:
             self.sniffed += chunk[: USAGE_SNIFF_BYTES - len(self.sniffed)]
 
-    def _tokens_used(self, estimate: int) -> int | None:
-        if self.usage_tokens is not None:
-            return self.usage_tokens
-        if self.sniffed:
+    def _release(self, lease: Lease) -> None:
+        """End the lease with the response's `usage`; without one, a stream is charged a token
+        per chunk it carried."""
+        usage = self.usage
+        if usage is None and self.sniffed:
             with contextlib.suppress(ValueError, TypeError, AttributeError):
-                usage = json.loads(bytes(self.sniffed)).get("usage") or {}
-                total = usage.get("total_tokens")
-                if isinstance(total, int):
-                    return total
-        if self.stream_chunks:
-            return self.stream_chunks
-        return None
+                usage = read_usage(json.loads(bytes(self.sniffed)).get("usage"))
+        if usage is not None:
+            self.service.finish_with_usage(lease, usage)
+        else:
+            lease.release(tokens_used=self.stream_chunks or None)
 
 
 def _names_a_model(body_bytes: bytes) -> bool:
@@ -400,12 +400,11 @@ def _for_app(
     return kept
 
 
-def _usage_from_sse(chunk: bytes) -> int | None:
+def _usage_from_sse(chunk: bytes) -> Usage | None:
     for line in chunk.split(b"\n"):
         if line.startswith(b"data: {") and b'"usage"' in line:
             with contextlib.suppress(ValueError, TypeError, AttributeError):
-                usage = json.loads(line[6:]).get("usage") or {}
-                total = usage.get("total_tokens")
-                if isinstance(total, int):
-                    return total
+                usage = read_usage(json.loads(line[6:]).get("usage"))
+                if usage is not None:
+                    return usage
     return None

@@ -18,6 +18,7 @@ from typing import Any, Literal, Protocol
 
 import httpx
 
+from ._usage import Usage
 from .config import (
     BUDGET_WINDOWS_S,
     BackendSettings,
@@ -771,6 +772,18 @@ class SchedulingService:
     def finish(lease: Lease, tokens_used: int | None = None) -> bool:
         """End the lease (idempotent); True for the call that ended it."""
         return lease.release(tokens_used=tokens_used)
+
+    def finish_with_usage(self, lease: Lease, usage: Usage | None) -> bool:
+        """End the lease with what the engine reported (the one place every adapter turns a
+        response's `usage` into a charge): `tokens_used` is uncached prompt plus output tokens,
+        and the money cost is at the model's price when prompt and output are both known."""
+        if usage is None:
+            return lease.release()
+        prompt, output = usage.prompt_tokens, usage.completion_tokens
+        cost = None
+        if prompt is not None and output is not None:
+            cost = self.cost_of_usage(lease.ticket.model, prompt, output, usage.cached_tokens)
+        return lease.release(tokens_used=usage.tokens_used, cost_used=cost)
 
     # ------------------------------------------------------------------ observation (ServiceView)
 

@@ -714,6 +714,10 @@ def test_observability_reads_only_the_service_view() -> None:
     (deployment,) = model["deployments"]
     assert deployment["url"] == "http://vllm-a:8000/metrics"  # no credentials
     assert deployment["last_snapshot"]["prefix_cache_hit_rate"] == 0.25
+    hit_ratio = value(
+        text, "fair_sched_engine_prefix_cache_hit_ratio", model="big", url=deployment["url"]
+    )
+    assert hit_ratio == 0.25
     assert deployment["last_snapshot"]["running"] == 8
     assert value(text, "fair_sched_budget_over_principals", unit="usd") == 1
     assert metrics.status()["budgets"][0]["user"] == "alice"

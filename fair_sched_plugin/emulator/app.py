@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import hashlib
 import json
 import time
 import uuid
@@ -60,35 +61,56 @@ class CompletionRequest:
     stream: bool
     include_usage: bool
     user: str | None
+    prefix_blocks: tuple[int, ...] = ()
+    """Chained hashes of the prompt's whole cache blocks; () while prefix caching is off."""
 
 
 def estimate_prompt_tokens(text_chars: int) -> int:
     return max(1, text_chars // CHARS_PER_TOKEN)
 
 
-def _text_prompt_chars(prompt: object) -> int:
+def _token_ids_text(ids: list[int]) -> str:
+    # One token id as CHARS_PER_TOKEN characters, so ids are counted and hashed like text.
+    return "".join((i & 0xFFFFFFFF).to_bytes(CHARS_PER_TOKEN, "big").decode("latin-1") for i in ids)
+
+
+def _text_prompt(prompt: object) -> str:
     if isinstance(prompt, str):
-        return len(prompt)
+        return prompt
     if isinstance(prompt, list):
         if prompt and all(isinstance(item, int) for item in prompt):
-            return len(prompt) * CHARS_PER_TOKEN  # already token ids
-        return sum(_text_prompt_chars(item) for item in prompt)
-    return 0
+            return _token_ids_text(prompt)  # already token ids
+        return "".join(_text_prompt(item) for item in prompt)
+    return ""
 
 
-def _chat_prompt_chars(messages: object) -> int:
+def _chat_prompt(messages: object) -> str:
     if not isinstance(messages, list) or not messages:
         raise BadRequestError("'messages' must be a non-empty list")
-    chars = 0
+    parts: list[str] = []
     for message in messages:
         content = message.get("content") if isinstance(message, dict) else None
         if isinstance(content, str):
-            chars += len(content)
+            parts.append(content)
         elif isinstance(content, list):  # multi-part content: count the text parts
-            chars += sum(
-                len(str(part.get("text", ""))) for part in content if isinstance(part, dict)
-            )
-    return chars
+            parts.extend(str(part.get("text", "")) for part in content if isinstance(part, dict))
+    return "".join(parts)
+
+
+def prompt_blocks(text: str, block_tokens: int) -> tuple[int, ...]:
+    """Chained hashes of the whole blocks of ``block_tokens`` tokens at the prompt's start.
+
+    Tokens are counted as the emulator counts them (``CHARS_PER_TOKEN`` characters each); each
+    hash covers its block and everything before it, as vLLM keys its prefix cache, so two
+    prompts share their first k hashes exactly when their first k blocks are the same.
+    """
+    block_chars = block_tokens * CHARS_PER_TOKEN
+    chain = hashlib.blake2b(digest_size=8)
+    hashes: list[int] = []
+    for start in range(0, len(text) - block_chars + 1, block_chars):
+        chain.update(text[start : start + block_chars].encode("utf-8", "surrogatepass"))
+        hashes.append(int.from_bytes(chain.copy().digest(), "big"))
+    return tuple(hashes)
 
 
 def _int_field(body: dict[str, Any], name: str, default: int) -> int:
@@ -115,14 +137,15 @@ def parse_completion_request(
         raise BadRequestError(f"max_tokens must be at least 1, got {max_tokens}")
     stream_options = body.get("stream_options") or {}
     user = body.get("user")
+    text = (
+        _chat_prompt(body.get("messages"))
+        if kind == "chat"
+        else _text_prompt(body.get("prompt", ""))
+    )
     return CompletionRequest(
         kind=kind,
         model=model,
-        prompt_tokens=estimate_prompt_tokens(
-            _chat_prompt_chars(body.get("messages"))
-            if kind == "chat"
-            else _text_prompt_chars(body.get("prompt", ""))
-        ),
+        prompt_tokens=estimate_prompt_tokens(len(text)),
         max_tokens=max_tokens,
         priority=_int_field(body, "priority", 0),
         stream=bool(body.get("stream", False)),
@@ -130,6 +153,9 @@ def parse_completion_request(
             isinstance(stream_options, dict) and stream_options.get("include_usage")
         ),
         user=user if isinstance(user, str) else None,
+        prefix_blocks=(
+            prompt_blocks(text, config.block_tokens) if config.prefix_cache_blocks else ()
+        ),
     )
 
 
@@ -139,10 +165,20 @@ def parse_completion_request(
 class CompletionRenderer:
     """Response bytes of one request, preformatted once so each streamed token costs a copy."""
 
-    def __init__(self, request: CompletionRequest, request_id: str, filler_word: str) -> None:
+    def __init__(
+        self,
+        request: CompletionRequest,
+        request_id: str,
+        filler_word: str,
+        *,
+        report_cached_tokens: bool = False,
+    ) -> None:
         self.request = request
         self.request_id = request_id
         self.filler_word = filler_word
+        # vLLM reports prompt_tokens_details only with --enable-prompt-tokens-details; the
+        # emulator reports it whenever its prefix cache is on.
+        self.report_cached_tokens = report_cached_tokens
         self.created = int(time.time())
         is_chat = request.kind == "chat"
         self.object_name = "chat.completion" if is_chat else "text_completion"
@@ -180,13 +216,16 @@ class CompletionRenderer:
     def _sse(payload: object) -> bytes:
         return f"data: {_dumps(payload)}\n\n".encode()
 
-    def _usage(self, completion_tokens: int) -> dict[str, int]:
+    def _usage(self, completion_tokens: int, cached_tokens: int) -> dict[str, Any]:
         prompt_tokens = self.request.prompt_tokens
-        return {
+        usage: dict[str, Any] = {
             "prompt_tokens": prompt_tokens,
             "completion_tokens": completion_tokens,
             "total_tokens": prompt_tokens + completion_tokens,
         }
+        if self.report_cached_tokens:
+            usage["prompt_tokens_details"] = {"cached_tokens": cached_tokens}
+        return usage
 
     def stream_start(self) -> bytes:
         """vLLM's chat stream opens with an empty assistant delta; completions have none."""
@@ -201,17 +240,17 @@ class CompletionRenderer:
             return self.token_event * count
         return self.token_event * (count - 1) + self.last_token_event
 
-    def stream_end(self, completion_tokens: int) -> bytes:
+    def stream_end(self, completion_tokens: int, cached_tokens: int = 0) -> bytes:
         if not self.request.include_usage:
             return SSE_DONE
         usage_chunk = {
             **self._envelope(self.chunk_object_name),
             "choices": [],
-            "usage": self._usage(completion_tokens),
+            "usage": self._usage(completion_tokens, cached_tokens),
         }
         return self._sse(usage_chunk) + SSE_DONE
 
-    def full_response(self, completion_tokens: int) -> dict[str, Any]:
+    def full_response(self, completion_tokens: int, cached_tokens: int = 0) -> dict[str, Any]:
         text = self.filler_word * completion_tokens
         choice: dict[str, Any]
         if self.request.kind == "chat":
@@ -232,7 +271,7 @@ class CompletionRenderer:
         return {
             **self._envelope(self.object_name),
             "choices": [choice],
-            "usage": self._usage(completion_tokens),
+            "usage": self._usage(completion_tokens, cached_tokens),
         }
 
 
@@ -296,6 +335,7 @@ class CompletionResponse:
                 request.max_tokens,
                 request.priority,
                 request.user,
+                request.prefix_blocks,
             )
         except EngineClosedError:
             await error_response(503, "the engine is shutting down", "ServiceUnavailable")(
@@ -323,7 +363,7 @@ class CompletionResponse:
             return  # nobody to finish the stream for
         finished = seq.state is SequenceState.FINISHED
         # Closed by the engine's shutdown: end the body without [DONE], like a dropped stream.
-        tail = self._renderer.stream_end(seq.generated) if finished else b""
+        tail = self._renderer.stream_end(seq.generated, seq.cached_tokens) if finished else b""
         await send({"type": "http.response.body", "body": tail, "more_body": False})
 
     async def _respond_whole(self, seq: Sequence, send: Send) -> None:
@@ -332,7 +372,7 @@ class CompletionResponse:
             return
         response: Response
         if seq.state is SequenceState.FINISHED:
-            response = JSONResponse(self._renderer.full_response(seq.generated))
+            response = JSONResponse(self._renderer.full_response(seq.generated, seq.cached_tokens))
         else:
             response = error_response(503, "the engine is shutting down", "ServiceUnavailable")
         await response({"type": "http"}, _never_receive, send)
@@ -357,7 +397,10 @@ class Emulator:
     def __init__(self, config: EmulatorConfig | None = None) -> None:
         self.config = config or EmulatorConfig()
         self.metrics = EngineMetrics(
-            self.config.metrics_profile, self.config.models, self.config.kv_capacity_tokens
+            self.config.metrics_profile,
+            self.config.models,
+            self.config.kv_capacity_tokens,
+            prefix_caching=self.config.prefix_cache_blocks > 0,
         )
         self.engine = EmulatedEngine(self.config, observer=self.metrics)
         self._completion_requests = 0
@@ -405,7 +448,10 @@ class Emulator:
             return error_response(500, "injected failure", "InternalServerError")
         prefix = "chatcmpl" if kind == "chat" else "cmpl"
         renderer = CompletionRenderer(
-            completion, f"{prefix}-{uuid.uuid4().hex}", self.config.filler_word
+            completion,
+            f"{prefix}-{uuid.uuid4().hex}",
+            self.config.filler_word,
+            report_cached_tokens=self.config.prefix_cache_blocks > 0,
         )
         return CompletionResponse(
             self.engine, completion, renderer, self.engine.faults.first_byte_delay_s

@@ -16,7 +16,7 @@ import dataclasses
 import enum
 import heapq
 import itertools
-from collections import deque
+from collections import OrderedDict, deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Literal, NamedTuple
@@ -44,7 +44,8 @@ class FaultSwitches:
     first_byte_delay_s: float = 0.0
     """Completion responses start (and the request reaches the engine) only after this delay."""
     slow: float = 1.0
-    """Every engine step takes this many times longer (a change of speed: 3.0 is 3x slower)."""
+    """Every engine step takes this many times longer (a change of speed: 3.0 is 3x slower);
+    on top of the instance's own ``EmulatorConfig.speed``."""
 
     def update(self, changes: dict[str, object]) -> None:
         """Apply a partial update, validating names and types (used by the admin endpoint)."""
@@ -86,7 +87,8 @@ class EmulatorConfig:
     step_ms_per_running_seq: float = 0.5
     """Extra step time per running sequence (a bigger batch decodes more slowly)."""
     prefill_ms_per_token: float = 0.02
-    """Extra step time per prompt token prefilled on that step."""
+    """Extra step time per prompt token prefilled on that step (tokens found in the prefix cache
+    are not prefilled)."""
     kv_capacity_tokens: int = 16384
     """Denominator of ``kv_cache_usage_perc`` (prompt + generated tokens of running sequences)."""
     metrics_profile: MetricsProfile = "vllm"
@@ -94,6 +96,14 @@ class EmulatorConfig:
     filler_word: str = " token"
     request_log_size: int = 10_000
     """How many received / finished requests the engine remembers for tests (bounded memory)."""
+    speed: float = 1.0
+    """How fast this instance is: every step (prefill included) takes ``1 / speed`` as long, so
+    0.33 emulates a replica three times slower than its peers. The ``slow`` fault changes the
+    speed while the emulator runs."""
+    prefix_cache_blocks: int = 0
+    """Size of the prefix cache in blocks of ``block_tokens`` prompt tokens; 0 = no caching."""
+    block_tokens: int = 16
+    """Prompt tokens per cache block (vLLM's default block size)."""
     faults: FaultSwitches = field(default_factory=FaultSwitches)
     """Initial fault switches; the engine works on a copy, so this config stays unchanged."""
 
@@ -113,7 +123,54 @@ class EmulatorConfig:
                 raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
         if self.kv_capacity_tokens < 1 or self.default_max_tokens < 1:
             raise ValueError("kv_capacity_tokens and default_max_tokens must be >= 1")
+        if isinstance(self.speed, bool) or not self.speed > 0:
+            raise ValueError(f"speed must be a number > 0, got {self.speed!r}")
+        if self.prefix_cache_blocks < 0:
+            raise ValueError(f"prefix_cache_blocks must be >= 0, got {self.prefix_cache_blocks}")
+        if self.block_tokens < 1:
+            raise ValueError(f"block_tokens must be >= 1, got {self.block_tokens}")
         self.faults.validate()
+
+
+class PrefixCache:
+    """An LRU of prompt blocks, each keyed by its content chained to every block before it.
+
+    Like vLLM's automatic prefix caching, a prompt hits on its longest run of leading blocks that
+    are cached, and never on its last token (the engine must compute at least one token to
+    produce the first output). Unlike vLLM, blocks of running requests are not pinned: the cache
+    is bounded only by ``capacity`` blocks, which is all a scheduler in front of it can observe.
+    """
+
+    def __init__(self, capacity: int, block_tokens: int) -> None:
+        self.capacity = capacity
+        self.block_tokens = block_tokens
+        self._blocks: OrderedDict[int, None] = OrderedDict()
+
+    def __len__(self) -> int:
+        return len(self._blocks)
+
+    def __contains__(self, block: int) -> bool:
+        return block in self._blocks
+
+    def lookup(self, blocks: tuple[int, ...], prompt_tokens: int) -> int:
+        """Cached leading tokens of a prompt; the hit blocks become the most recently used."""
+        usable = min(len(blocks), (prompt_tokens - 1) // self.block_tokens)
+        hits = 0
+        while hits < usable and blocks[hits] in self._blocks:
+            self._blocks.move_to_end(blocks[hits])
+            hits += 1
+        return hits * self.block_tokens
+
+    def insert(self, blocks: tuple[int, ...]) -> None:
+        """Remember a prefilled prompt's blocks, evicting the least recently used beyond
+        ``capacity``."""
+        if self.capacity == 0:
+            return
+        for block in blocks:
+            self._blocks[block] = None
+            self._blocks.move_to_end(block)
+        while len(self._blocks) > self.capacity:
+            self._blocks.popitem(last=False)
 
 
 class SequenceState(enum.Enum):
@@ -150,6 +207,10 @@ class EngineStatistics(NamedTuple):
     requests_aborted: int
     prompt_tokens_total: int
     generation_tokens_total: int
+    prefix_cache_queries_total: int
+    """Prompt tokens looked up in the prefix cache (0 while caching is off), as vLLM counts."""
+    prefix_cache_hits_total: int
+    """Of those, the tokens found cached (not prefilled again)."""
     steps: int
     """Engine steps run so far; it stays put while the engine is idle."""
 
@@ -173,11 +234,13 @@ class Sequence:
         "admitted_at",
         "arrival_order",
         "arrived_at",
+        "cached_tokens",
         "delivered",
         "first_token_at",
         "generated",
         "max_tokens",
         "model",
+        "prefix_blocks",
         "priority",
         "prompt_tokens",
         "request_id",
@@ -193,10 +256,15 @@ class Sequence:
         priority: int,
         arrival_order: int,
         arrived_at: float,
+        prefix_blocks: tuple[int, ...] = (),
     ) -> None:
         self.request_id = request_id
         self.model = model
         self.prompt_tokens = prompt_tokens
+        self.prefix_blocks = prefix_blocks
+        """Chained hashes of the prompt's whole blocks (what the prefix cache is keyed by)."""
+        self.cached_tokens = 0
+        """Leading prompt tokens found in the prefix cache when the sequence was admitted."""
         self.max_tokens = max_tokens
         self.priority = priority
         self.arrival_order = arrival_order
@@ -265,6 +333,9 @@ class EmulatedEngine:
         self._aborted_count = 0
         self._prompt_tokens_total = 0
         self._generation_tokens_total = 0
+        self._prefix_cache_queries_total = 0
+        self._prefix_cache_hits_total = 0
+        self.prefix_cache = PrefixCache(config.prefix_cache_blocks, config.block_tokens)
         self._steps = 0
         self._last_emit_at: float | None = None
         self.received: deque[ReceivedRequest] = deque(maxlen=config.request_log_size)
@@ -285,6 +356,8 @@ class EmulatedEngine:
             requests_aborted=self._aborted_count,
             prompt_tokens_total=self._prompt_tokens_total,
             generation_tokens_total=self._generation_tokens_total,
+            prefix_cache_queries_total=self._prefix_cache_queries_total,
+            prefix_cache_hits_total=self._prefix_cache_hits_total,
             steps=self._steps,
         )
 
@@ -316,6 +389,7 @@ class EmulatedEngine:
         max_tokens: int,
         priority: int = 0,
         user: str | None = None,
+        prefix_blocks: tuple[int, ...] = (),
     ) -> Sequence:
         """Queue a request; the caller then awaits tokens on the returned sequence."""
         if self._closed:
@@ -325,7 +399,16 @@ class EmulatedEngine:
         if priority != 0 and self.config.policy != "priority":
             raise ValueError("priority scheduling is not enabled (policy is 'fcfs')")
         order = next(self._arrivals)
-        seq = Sequence(request_id, model, prompt_tokens, max_tokens, priority, order, self._now())
+        seq = Sequence(
+            request_id,
+            model,
+            prompt_tokens,
+            max_tokens,
+            priority,
+            order,
+            self._now(),
+            prefix_blocks,
+        )
         # FIFO is the priority heap with every priority equal: the arrival order decides.
         rank = priority if self.config.policy == "priority" else 0
         heapq.heappush(self._heap, (rank, order, seq))
@@ -406,7 +489,11 @@ class EmulatedEngine:
             seq.state = SequenceState.RUNNING
             seq.admitted_at = now
             self._running[seq.request_id] = seq
-            prefill_tokens += seq.prompt_tokens
+            if self.prefix_cache.capacity:
+                seq.cached_tokens = self.prefix_cache.lookup(seq.prefix_blocks, seq.prompt_tokens)
+                self._prefix_cache_queries_total += seq.prompt_tokens
+                self._prefix_cache_hits_total += seq.cached_tokens
+            prefill_tokens += seq.prompt_tokens - seq.cached_tokens
             self._prompt_tokens_total += seq.prompt_tokens
             self.observer.on_prefill(seq, now - seq.arrived_at)
         self._max_running_seen = max(self._max_running_seen, len(self._running))
@@ -422,7 +509,7 @@ class EmulatedEngine:
             + config.step_ms_per_running_seq * len(self._running)
             + config.prefill_ms_per_token * prefill_tokens
         )
-        return step_ms * self.faults.slow / 1000.0
+        return step_ms * self.faults.slow / self.config.speed / 1000.0
 
     def _emit_one_token_each(self, step_s: float) -> None:
         now = self._now()
@@ -434,6 +521,8 @@ class EmulatedEngine:
             seq.generated += 1
             if seq.first_token_at is None:
                 seq.first_token_at = now
+                # Its prefill is done: later prompts that start the same reuse these blocks.
+                self.prefix_cache.insert(seq.prefix_blocks)
             if seq.generated >= seq.max_tokens:
                 self._finish(seq, now)
             seq._notify()

@@ -52,6 +52,8 @@ class _ModelSeries:
         self.prompt_tokens = _child(metrics.prompt_tokens, values)
         self.generation_tokens = _child(metrics.generation_tokens, values)
         self.preemptions = _child(metrics.preemptions, values)
+        self.prefix_queries = _child(metrics.prefix_queries, values)
+        self.prefix_hits = _child(metrics.prefix_hits, values)
         self.ttft = _child(metrics.ttft, values)
         self.itl = _child(metrics.itl, values)
         self.request_tpot = _child(metrics.request_tpot, values)
@@ -65,8 +67,17 @@ class EngineMetrics(EngineObserver):
     A profile declares only the metrics that engine really has; the others stay ``None``.
     """
 
-    def __init__(self, profile: MetricsProfile, models: tuple[str, ...], kv_capacity: int) -> None:
+    def __init__(
+        self,
+        profile: MetricsProfile,
+        models: tuple[str, ...],
+        kv_capacity: int,
+        *,
+        prefix_caching: bool = False,
+    ) -> None:
         self.profile = profile
+        # vLLM counts prefix-cache queries only while caching is on; off, both stay at 0.
+        self._prefix_caching = prefix_caching
         self.registry = CollectorRegistry(auto_describe=True)
         self._kv_capacity = kv_capacity
         self._labels = {"vllm": ("model_name", "engine"), "sglang": ("model_name",), "tgi": ()}[
@@ -78,6 +89,8 @@ class EngineMetrics(EngineObserver):
         self.prompt_tokens: Counter | None = None
         self.generation_tokens: Counter | None = None
         self.preemptions: Counter | None = None
+        self.prefix_queries: Counter | None = None
+        self.prefix_hits: Counter | None = None
         self.ttft: Histogram | None = None
         self.itl: Histogram | None = None
         self.request_tpot: Histogram | None = None
@@ -124,6 +137,13 @@ class EngineMetrics(EngineObserver):
         )
         self.generation_tokens = self._counter(
             "vllm:generation_tokens", "Number of generation tokens processed."
+        )
+        self.prefix_queries = self._counter(
+            "vllm:prefix_cache_queries",
+            "Prefix cache queries, in terms of number of queried tokens.",
+        )
+        self.prefix_hits = self._counter(
+            "vllm:prefix_cache_hits", "Prefix cache hits, in terms of number of cached tokens."
         )
         self.ttft = self._histogram(
             "vllm:time_to_first_token_seconds",
@@ -197,6 +217,11 @@ class EngineMetrics(EngineObserver):
         series = self._series[seq.model]
         if series.prompt_tokens is not None:
             series.prompt_tokens.inc(seq.prompt_tokens)
+        if self._prefix_caching:
+            if series.prefix_queries is not None:
+                series.prefix_queries.inc(seq.prompt_tokens)
+            if series.prefix_hits is not None:
+                series.prefix_hits.inc(seq.cached_tokens)
         if series.queue_time is not None:
             series.queue_time.observe(queue_time_s)
 

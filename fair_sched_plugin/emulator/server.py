@@ -107,10 +107,14 @@ def config_to_argv(config: EmulatorConfig) -> list[str]:
     argv += ["--kv-capacity-tokens", str(config.kv_capacity_tokens)]
     argv += ["--metrics-profile", config.metrics_profile]
     argv += ["--default-max-tokens", str(config.default_max_tokens)]
+    argv += ["--speed", repr(config.speed)]
+    argv += ["--prefix-cache-blocks", str(config.prefix_cache_blocks)]
+    argv += ["--block-tokens", str(config.block_tokens)]
     argv += ["--metrics-delay-s", repr(faults.metrics_delay_s)]
     argv += ["--metrics-mode", faults.metrics_mode]
     argv += ["--fail-every-nth-completion", str(faults.fail_every_nth_completion)]
     argv += ["--first-byte-delay-s", repr(faults.first_byte_delay_s)]
+    argv += ["--slow", repr(faults.slow)]
     return argv
 
 
@@ -175,11 +179,32 @@ def _add_arguments(parser: argparse.ArgumentParser) -> None:
         "--metrics-profile", choices=["vllm", "sglang", "tgi"], default=defaults.metrics_profile
     )
     parser.add_argument("--default-max-tokens", type=int, default=defaults.default_max_tokens)
+    parser.add_argument(
+        "--speed",
+        type=float,
+        default=defaults.speed,
+        help="relative speed of this instance: 0.33 makes every step three times longer",
+    )
+    parser.add_argument(
+        "--prefix-cache-blocks",
+        type=int,
+        default=defaults.prefix_cache_blocks,
+        help="LRU prefix cache size in blocks of --block-tokens prompt tokens; 0 = off",
+    )
+    parser.add_argument(
+        "--block-tokens",
+        type=int,
+        default=defaults.block_tokens,
+        help="prompt tokens per prefix-cache block",
+    )
     faults = parser.add_argument_group("fault switches (also at runtime: POST /emulator/faults)")
     faults.add_argument("--metrics-delay-s", type=float, default=0.0)
     faults.add_argument("--metrics-mode", choices=list(METRICS_MODES), default="ok")
     faults.add_argument("--fail-every-nth-completion", type=int, default=0)
     faults.add_argument("--first-byte-delay-s", type=float, default=0.0)
+    faults.add_argument(
+        "--slow", type=float, default=1.0, help="every step takes this many times longer"
+    )
 
 
 def config_from_args(args: argparse.Namespace) -> EmulatorConfig:
@@ -193,11 +218,15 @@ def config_from_args(args: argparse.Namespace) -> EmulatorConfig:
         kv_capacity_tokens=args.kv_capacity_tokens,
         metrics_profile=args.metrics_profile,
         default_max_tokens=args.default_max_tokens,
+        speed=args.speed,
+        prefix_cache_blocks=args.prefix_cache_blocks,
+        block_tokens=args.block_tokens,
         faults=FaultSwitches(
             metrics_delay_s=args.metrics_delay_s,
             metrics_mode=args.metrics_mode,
             fail_every_nth_completion=args.fail_every_nth_completion,
             first_byte_delay_s=args.first_byte_delay_s,
+            slow=args.slow,
         ),
     )
 

@@ -30,6 +30,7 @@ from litellm.integrations.custom_logger import CustomLogger
 
 from .._request import current_request, ensure_current_request
 from .._responses import error_response
+from .._usage import read_usage
 from ..config import PriceSettings, deployment_key
 from ..core import Lease
 from ..errors import ClientDisconnected, Rejected
@@ -275,21 +276,13 @@ def _end(lease: Lease, service: SchedulingService | None, usage: Any) -> None:
 
 
 def _release_with_usage(lease: Lease, service: SchedulingService | None, usage: Any) -> None:
-    """End the lease with what the engine reported: total tokens, and their money cost at the
-    model's price (`backends.<model>.price`, else LiteLLM's own cost data) when both are known."""
-    tokens = _int_field(usage, "total_tokens")
-    prompt = _int_field(usage, "prompt_tokens")
-    output = _int_field(usage, "completion_tokens")
-    cost = None
-    if service is not None and prompt is not None and output is not None:
-        cached = _int_field(getattr(usage, "prompt_tokens_details", None), "cached_tokens") or 0
-        cost = service.cost_of_usage(lease.ticket.model, prompt, output, cached)
-    lease.release(tokens_used=tokens, cost_used=cost)
-
-
-def _int_field(holder: Any, name: str) -> int | None:
-    value = getattr(holder, name, None)
-    return value if isinstance(value, int) and not isinstance(value, bool) and value > 0 else None
+    """End the lease with what the engine reported (`SchedulingService.finish_with_usage`:
+    uncached prompt plus output tokens, and their money cost at the model's price —
+    `backends.<model>.price`, else LiteLLM's own cost data)."""
+    if service is None:
+        lease.release()
+    else:
+        service.finish_with_usage(lease, read_usage(usage))
 
 
 class LiteLLMPrices:

@@ -124,6 +124,12 @@ class FairSchedCollector:
             "Scrapes of an engine's /metrics that failed or could not be parsed.",
             labels=("model", "url"),
         )
+        prefix_hit_ratio = GaugeMetricFamily(
+            "fair_sched_engine_prefix_cache_hit_ratio",
+            "Share of prompt tokens a deployment's engine found in its prefix cache between its "
+            "last two good scrapes (only engines that report prefix-cache counters).",
+            labels=("model", "url"),
+        )
         transitions = CounterMetricFamily(
             "fair_sched_gate_transitions",
             "Gate mode changes per model group.",
@@ -183,6 +189,7 @@ class FairSchedCollector:
             tpot_threshold,
             scrapes,
             scrape_failures,
+            prefix_hit_ratio,
             transitions,
             unavailable,
             state_fallbacks,
@@ -281,6 +288,10 @@ class FairSchedCollector:
             url = safe_url(deployment.url)
             scrapes.add_metric([deployment.model, url], deployment.scrapes_total)
             scrape_failures.add_metric([deployment.model, url], deployment.failures_total)
+            if deployment.prefix_cache_hit_rate is not None:
+                prefix_hit_ratio.add_metric(
+                    [deployment.model, url], deployment.prefix_cache_hit_rate
+                )
         for (model, old, new), count in sorted(transition_values.items()):
             transitions.add_metric([model, old, new], count)
         unavailable_values = dict.fromkeys(sorted(self._gated_models), 0)

@@ -38,7 +38,10 @@ def test_config_survives_the_trip_through_argv() -> None:
         kv_capacity_tokens=999,
         metrics_profile="sglang",
         default_max_tokens=7,
-        faults=FaultSwitches(0.5, "missing", 4, 0.25),
+        speed=0.33,
+        prefix_cache_blocks=100,
+        block_tokens=32,
+        faults=FaultSwitches(0.5, "missing", 4, 0.25, slow=2.0),
     )
     args = _emulate_parser().parse_args(["emulate", *config_to_argv(config)])
     assert config_from_args(args) == config
