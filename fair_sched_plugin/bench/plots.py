@@ -180,7 +180,7 @@ def plot_hit_rates(results: Sequence[Any], best: float | None, path: Path) -> Pa
         bars += [(e["name"], e["hit_rate"]) for e in result.summary.get("engines", [])]
         for offset, (name, rate) in enumerate(bars):
             ax.bar(index + offset * width, rate or 0.0, width,
-                   color="#1f77b4" if offset == 0 else "#9ecae1",
+                   color=("#1f77b4", "#9ecae1", "#c6dbef", "#deebf7")[min(offset, 3)],
                    label=name if index == 0 else None)  # fmt: skip
     if best is not None:
         ax.axhline(best, color="#c0504d", linestyle="--", label=f"best possible {best:.2f}")

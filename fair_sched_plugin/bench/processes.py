@@ -155,7 +155,7 @@ class EmulatorSettings:
     # None: the emulator's own default. The flags below are passed only where set, so the
     # scenarios that do not need them run on any emulator version.
     prefill_ms_per_token: float | None = None
-    # 0.33: three times slower (the emulator's `slow` switch, 1 / speed, set after it starts).
+    # 0.33: every step and prefill takes three times as long.
     speed: float = 1.0
     prefix_cache_blocks: int = 0
     block_tokens: int | None = None
@@ -166,6 +166,8 @@ class EmulatorSettings:
         argv += ["--step-ms", repr(self.step_ms), "--step-ms-per-seq", repr(self.step_ms_per_seq)]
         if self.prefill_ms_per_token is not None:
             argv += ["--prefill-ms-per-token", repr(self.prefill_ms_per_token)]
+        if self.speed != 1.0:
+            argv += ["--speed", repr(self.speed)]
         if self.prefix_cache_blocks:
             argv += ["--prefix-cache-blocks", str(self.prefix_cache_blocks)]
         if self.block_tokens is not None:
@@ -183,19 +185,9 @@ async def emulator_process(settings: EmulatorSettings) -> AsyncIterator[ChildPro
         # The emulator writes nothing more worth reading; drain so its pipe never fills.
         drain = asyncio.get_running_loop().create_task(_drain(process))
         try:
-            if settings.speed != 1.0:
-                await _set_speed(base_url, settings.speed)
             yield ChildProcess(process.pid, base_url, process)
         finally:
             drain.cancel()
-
-
-async def _set_speed(base_url: str, speed: float) -> None:
-    """Every engine step (decode and prefill) takes 1/speed as long: the emulator's `slow`
-    switch, set before the first request."""
-    async with httpx.AsyncClient(timeout=5.0, trust_env=False) as client:
-        response = await client.post(f"{base_url}/emulator/faults", json={"slow": 1 / speed})
-        response.raise_for_status()
 
 
 async def _drain(process: asyncio.subprocess.Process) -> None:
