@@ -32,7 +32,9 @@ pytestmark = [
 ]
 
 UNEQUAL = UnequalSize(power_requests=64, max_tokens=24, light_at_s=(1.0, 2.0))
-SHARED = SharedPrefixSize(users=10, requests_per_user=4, system_prompt_tokens=1000)
+# More users than both engines run and queue at once (2 x (4 + 2)): a user's next request is
+# released only after its first one was prefilled, as the best possible hit rate assumes.
+SHARED = SharedPrefixSize(users=16, requests_per_user=3, system_prompt_tokens=600, max_num_seqs=4)
 
 
 def _by_name(results: list[ReplicaResult]) -> dict[str, dict[str, Any]]:
@@ -88,11 +90,12 @@ def test_unequal_the_slow_engine_gets_less_work_with_the_plugin(
     unequal: dict[str, dict[str, Any]],
 ) -> None:
     """Work in proportion to what each takes: the slow engine decodes a third as fast, so it
-    should get about a quarter of the requests; a third is a loose ceiling for that (LiteLLM's
-    shuffle gives it about half)."""
+    takes a quarter of the work, plus the ten requests it holds at the end (8 running, 2 queued)
+    that a 10 s run cannot amortise: ~30% of 68 (measured 30-34%). LiteLLM's shuffle gives it
+    half; 40% separates the two with room for noise on either side."""
     fast, slow = (e["requests_received"] for e in unequal["plugin"]["engines"])
     assert slow < fast
-    assert slow <= (fast + slow) / 3
+    assert slow <= 0.4 * (fast + slow)
 
 
 def test_unequal_throughput_at_least_litellms_default(unequal: dict[str, dict[str, Any]]) -> None:
@@ -132,9 +135,10 @@ def test_shared_plugin_hit_rate_near_the_best_and_above_litellms(
 
 
 def test_shared_plugin_throughput_and_fairness(shared: dict[str, dict[str, Any]]) -> None:
-    """A miss costs ~100 ms of engine time (1,000 tokens at 0.1 ms), a whole request's decode
-    ~200 ms shared by 8: saving most prefills should be worth more than the proxies' noise.
+    """A miss stalls the engine's whole batch for 180 ms, a request decodes in ~220 ms: with
+    LiteLLM missing ~90% of the prompts and the plugin ~40% (best 35%), the plugin's run should
+    take well under 0.8x as long; asserting 1.1x its throughput leaves the rest for noise.
     Round-robin release keeps users' service even while all are backlogged."""
     plugin, litellm = shared["plugin"], shared["litellm"]
-    assert plugin["throughput_tps"] >= litellm["throughput_tps"]
+    assert plugin["throughput_tps"] >= 1.1 * litellm["throughput_tps"]
     assert plugin["jain_backlogged"] >= 0.95

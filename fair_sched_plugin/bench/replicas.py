@@ -117,6 +117,7 @@ class SharedPrefixSize:
     # cost ~150 ms of engine time, ten decode steps.
     prefill_ms_per_token: float = 0.1
     step_ms: float = 12.0
+    max_num_seqs: int = 8
 
     @property
     def prompt_blocks(self) -> int:
@@ -128,6 +129,7 @@ class SharedPrefixSize:
 
     def engine(self) -> EmulatorSettings:
         return EmulatorSettings(
+            max_num_seqs=self.max_num_seqs,
             step_ms=self.step_ms,
             step_ms_per_seq=0.5,
             prefill_ms_per_token=self.prefill_ms_per_token,
