@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import argparse
+from pathlib import Path
+
 import pytest
 
 from fair_sched_plugin.bench.client import RequestRecord
@@ -17,6 +20,8 @@ from fair_sched_plugin.bench.replicas import (
     shared_prefix_requests,
     system_prompt,
 )
+from fair_sched_plugin.cli import main
+from fair_sched_plugin.demo import add_demo_parsers
 
 
 def test_best_hit_rate_every_users_first_request_misses() -> None:
@@ -100,3 +105,23 @@ def test_the_plugin_gates_each_deployment_of_tiny() -> None:
     section = replica_fair_sched(["http://a/v1", "http://b/v1"], 3, [{"name": "x", "keys": ["k"]}])
     assert section["backends"]["tiny"]["api_bases"] == ["http://a/v1", "http://b/v1"]
     assert section["tiers"] == [{"name": "interactive", "waiting_below": 3}]
+
+
+def test_bench_knows_the_replica_scenarios_and_skips_them_for_a_real_engine(
+    tmp_path: Path,
+) -> None:
+    """Both need emulators (speed, prefix cache): against `--engine` they say so, start nothing."""
+    out = tmp_path / "report"
+    argv = ["bench", "--scenarios", "unequal-replicas,shared-prefixes", "--out", str(out)]
+    assert main([*argv, "--engine", "http://127.0.0.1:9"]) == 0
+    report = (out / "index.md").read_text()
+    assert "## Unequal replicas" in report
+    assert "## Shared prefixes" in report
+    assert report.count("Skipped:") == 2
+
+
+def test_demo_takes_replicas() -> None:
+    parser = argparse.ArgumentParser()
+    add_demo_parsers(parser.add_subparsers())
+    args = parser.parse_args(["demo", "--replicas", "--quick"])
+    assert args.replicas and args.quick
