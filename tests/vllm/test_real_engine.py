@@ -660,10 +660,14 @@ async def test_prefix_caching_reaches_the_watcher_and_the_tokens_policy(
         finally:
             stop.set()
             await sampler
-    assert len(charged) == PREFIX_REQUESTS
     cached = [
         (usage.get("prompt_tokens_details") or {}).get("cached_tokens") or 0 for usage in usages
     ]
+    print(
+        f"\n[vllm] prefix caching: prompt tokens {[u['prompt_tokens'] for u in usages]}, "
+        f"cached {cached}, charged {charged}, highest hit rate seen {max(rates, default=0):.2f}"
+    )
+    assert len(charged) == PREFIX_REQUESTS
     assert cached[0] == 0, usages[0]  # nothing was cached before the first
     assert all(count >= 3 * 128 for count in cached[1:]), usages
     for usage, tokens_used, cached_tokens in zip(usages, charged, cached, strict=True):
