@@ -7,6 +7,12 @@ from types import SimpleNamespace
 import pytest
 
 from fair_sched_plugin._usage import Usage, read_usage
+from fair_sched_plugin.identity import Credentials
+from fair_sched_plugin.service import SchedulingService
+from fair_sched_plugin.testing import FakeClock
+
+BODY = {"model": "m", "messages": [{"role": "user", "content": "x" * 4000}], "max_tokens": 10}
+PRICE = {"input_per_mtok": 1.0, "cached_input_per_mtok": 0.1, "output_per_mtok": 3.0}
 
 
 def test_cached_prompt_tokens_are_not_charged() -> None:
@@ -62,3 +68,30 @@ def test_tokens_used_falls_back_sensibly(usage: dict[str, object], tokens_used: 
 @pytest.mark.parametrize("usage", [None, {}, {"completion_tokens": 3}, {"total_tokens": "13"}])
 def test_no_token_count_is_no_usage(usage: object) -> None:
     assert read_usage(usage) is None
+
+
+async def test_finishing_with_usage_charges_tokens_and_money_without_the_cached_prompt() -> None:
+    """`SchedulingService.finish_with_usage`, the end of every adapter's request: `tokens_used`
+    leaves out cached prompt tokens; money prices them at `cached_input_per_mtok`; token budgets
+    count the same tokens."""
+    svc = SchedulingService(
+        {
+            "fairness": "tokens",
+            "unknown_model_max_inflight": 4,
+            "backends": {"m": {"price": PRICE}},
+            "principals": [
+                {"name": "alice", "keys": ["sk-a"], "budget": {"tokens": 10_000, "per": "hour"}}
+            ],
+        },
+        clock=FakeClock(),
+    )
+    alice = svc.identify(Credentials(api_key="sk-a"))
+    lease = (await svc.admit(alice, "m", BODY)).lease
+    assert svc.finish_with_usage(lease, Usage(1000, 10, 1010, 896))
+    assert lease.tokens_used == 104 + 10
+    # 104 input at 1.0, 896 cached at 0.1, 10 output at 3.0, per million.
+    assert lease.cost_used == pytest.approx((104 * 1.0 + 896 * 0.1 + 10 * 3.0) / 1e6)
+    assert not svc.finish_with_usage(lease, Usage(1000, 10, 1010, 0))  # ends once
+    (standing,) = svc.budget_standings()
+    assert standing.spent == 104 + 10
+    await svc.aclose()

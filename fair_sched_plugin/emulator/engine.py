@@ -149,9 +149,6 @@ class PrefixCache:
     def __len__(self) -> int:
         return len(self._blocks)
 
-    def __contains__(self, block: int) -> bool:
-        return block in self._blocks
-
     def lookup(self, blocks: tuple[int, ...], prompt_tokens: int) -> int:
         """Cached leading tokens of a prompt; the hit blocks become the most recently used."""
         usable = min(len(blocks), (prompt_tokens - 1) // self.block_tokens)

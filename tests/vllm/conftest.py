@@ -248,6 +248,9 @@ def start_engine(vllm_python: Path, model_dir: Path, scratch: Path, policy: str)
     argv += ["--model", str(model_dir), "--served-model-name", SERVED_MODEL]
     argv += ["--host", LOOPBACK, "--port", str(port), "--enforce-eager"]
     argv += ["--max-num-seqs", "8", "--max-model-len", "512", "--dtype", "float32"]
+    # Issue #16: prefix caching (vLLM 0.32's default, named so it cannot change under us) and
+    # the cached prompt tokens in `usage.prompt_tokens_details`, which the `tokens` policy uses.
+    argv += ["--enable-prefix-caching", "--enable-prompt-tokens-details"]
     if policy == "priority":
         argv += ["--scheduling-policy", "priority"]
     log_path = scratch / f"engine-{policy}.log"

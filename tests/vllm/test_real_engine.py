@@ -8,7 +8,9 @@ Orderings only, never absolute times (a 2-core machine varies ±40% run to run):
   the flood through LiteLLM without the plugin (the baseline for the plugin's throughput);
 - tiers: an interactive request overtakes a running batch flood, with the tiers' priorities in
   the bodies the engine receives;
-- an engine without priority scheduling receives no `priority` and answers every request.
+- an engine without priority scheduling receives no `priority` and answers every request;
+- prefix caching (issue #16): the watcher reads vLLM's prefix-cache counters and the cached
+  prompt tokens reach the `tokens` policy.
 The flood numbers are printed at the end of the session (`pytest_terminal_summary`).
 """
 
@@ -575,6 +577,117 @@ async def test_tiers_interactive_overtakes_batch_flood_with_its_priority(
     assert priorities_of(bodies, "interactive") == [INTERACTIVE_PRIORITY]
     batch = priorities_of(bodies, "batch ")
     assert len(batch) == 48 and set(batch) == {BATCH_PRIORITY}
+
+
+# On CPU vLLM 0.32 caches prompts in blocks of 128 tokens; with `--max-model-len 512` a shared
+# prefix of 400 tokens fills three blocks and leaves room for a question and the answer.
+SHARED_PREFIX_TOKENS = 400
+PREFIX_OUTPUT_TOKENS = 4
+PREFIX_REQUESTS = 6
+
+
+async def shared_prefix_text(engine: VllmEngine) -> str:
+    """About SHARED_PREFIX_TOKENS tokens of text, cut by the engine's own tokenizer."""
+    long_text = "Fair scheduling shares one engine between many users and teams. " * 80
+    async with httpx.AsyncClient(timeout=30.0, trust_env=False) as client:
+        tokenized = await client.post(
+            f"{engine.base_url}/tokenize",
+            json={"model": SERVED_MODEL, "prompt": long_text, "add_special_tokens": False},
+        )
+        ids = tokenized.json()["tokens"]
+        assert len(ids) > SHARED_PREFIX_TOKENS, "the tokenizer packs more text into a token"
+        detokenized = await client.post(
+            f"{engine.base_url}/detokenize",
+            json={"model": SERVED_MODEL, "tokens": ids[:SHARED_PREFIX_TOKENS]},
+        )
+    text: str = detokenized.json()["prompt"]
+    return text
+
+
+async def test_prefix_caching_reaches_the_watcher_and_the_tokens_policy(
+    priority_engine: VllmEngine,
+) -> None:
+    """Issue #16, on vLLM started with `--enable-prefix-caching --enable-prompt-tokens-details`:
+    repeated prompts that share a 400-token prefix, through the fair proxy with `fairness:
+    tokens`. The service's watcher reads vLLM's prefix-cache counters (a hit rate above 0), and
+    the engine's `cached_tokens` reaches the `tokens` policy: every repeat's lease is charged its
+    uncached prompt tokens plus output, less than prompt + output."""
+    prefix = await shared_prefix_text(priority_engine)
+    section = fair_section(priority_engine, api_base=priority_engine.api_base)
+    section["fairness"] = "tokens"
+    app = build_proxy_app(section)
+    service = app.state.fair_sched
+    charged: list[int | None] = []
+    service.scheduler.add_end_listener(lambda lease, _abandoned: charged.append(lease.tokens_used))
+    rates: list[float] = []
+    usages: list[dict[str, Any]] = []
+
+    async def sample_hit_rate(stop: asyncio.Event) -> None:
+        (watcher,) = service.watchers()[SERVED_MODEL]
+        while not stop.is_set():
+            rate = watcher.prefix_cache_hit_rate
+            if rate is not None:
+                rates.append(rate)
+            with contextlib.suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(stop.wait(), 0.02)
+
+    async with serve(app) as base_url, open_client(base_url, key=POWER_KEY) as client:
+        stop = asyncio.Event()
+        sampler = asyncio.ensure_future(sample_hit_rate(stop))
+        try:
+            for index in range(PREFIX_REQUESTS):
+                body: dict[str, Any] = {
+                    "model": SERVED_MODEL,
+                    "prompt": f"{prefix} Question {index}?",
+                    "max_tokens": PREFIX_OUTPUT_TOKENS,
+                    "ignore_eos": True,
+                }
+                if index % 2:  # streamed ones carry usage in their last chunk
+                    body.update(stream=True, stream_options={"include_usage": True})
+                    async with client.stream("POST", "/v1/completions", json=body) as response:
+                        assert response.status_code == 200
+                        lines = [line async for line in response.aiter_lines()]
+                    chunks = [json.loads(line[6:]) for line in lines if line.startswith("data: {")]
+                    usage = next(chunk["usage"] for chunk in reversed(chunks) if chunk.get("usage"))
+                else:
+                    response = await client.post("/v1/completions", json=body)
+                    assert response.status_code == 200, response.text
+                    usage = response.json()["usage"]
+                usages.append(usage)
+            # Two more scrapes, so the last requests' counters are read too.
+            scrapes = service.watchers()[SERVED_MODEL][0].scrapes_total
+            await wait_until_scrapes(service, scrapes + 2)
+        finally:
+            stop.set()
+            await sampler
+    cached = [
+        (usage.get("prompt_tokens_details") or {}).get("cached_tokens") or 0 for usage in usages
+    ]
+    print(
+        f"\n[vllm] prefix caching: prompt tokens {[u['prompt_tokens'] for u in usages]}, "
+        f"cached {cached}, charged {charged}, highest hit rate seen {max(rates, default=0):.2f}"
+    )
+    assert len(charged) == PREFIX_REQUESTS
+    assert cached[0] == 0, usages[0]  # nothing was cached before the first
+    assert all(count >= 3 * 128 for count in cached[1:]), usages
+    for usage, tokens_used, cached_tokens in zip(usages, charged, cached, strict=True):
+        assert tokens_used == usage["prompt_tokens"] - cached_tokens + usage["completion_tokens"]
+    assert all(
+        tokens_used is not None
+        and tokens_used < usage["prompt_tokens"] + usage["completion_tokens"]
+        for usage, tokens_used in zip(usages[1:], charged[1:], strict=True)
+    )
+    assert rates and max(rates) > 0, rates
+
+
+async def wait_until_scrapes(service: Any, count: int, timeout_s: float = 30.0) -> None:
+    (watcher,) = service.watchers()[SERVED_MODEL]
+    loop = asyncio.get_running_loop()
+    give_up_at = loop.time() + timeout_s
+    while watcher.scrapes_total < count:
+        if loop.time() > give_up_at:
+            pytest.fail(f"the watcher did not scrape {count} times within {timeout_s} s")
+        await asyncio.sleep(0.05)
 
 
 async def test_fcfs_engine_gets_no_priority_and_every_request_succeeds(
