@@ -10,8 +10,17 @@ from collections import Counter
 
 import pytest
 
-from fair_sched_plugin.core import FairScheduler, Lease, Ticket, TierLimits
+from fair_sched_plugin.core import (
+    BackendGroup,
+    BackendSnapshot,
+    FairScheduler,
+    Lease,
+    MetricsGate,
+    Ticket,
+    TierLimits,
+)
 from fair_sched_plugin.core import scheduler as scheduler_module
+from fair_sched_plugin.core.backpressure import Deployment
 from fair_sched_plugin.core.placement import Candidate, Placer
 from fair_sched_plugin.core.scheduler import LOOKAHEAD
 from fair_sched_plugin.testing import FakeClock, ManualGate
@@ -351,3 +360,71 @@ async def test_without_the_look_ahead_fair_order_scatters_prefixes(
         counts, gate = await _play_backlogged(seed, {"a": 8, "b": 8})
         assert jain(counts) >= 0.95
         assert affinity_share(gate) <= 0.7, (seed, gate.affinity)
+
+
+A_KEY, A_METRICS = "http://a/v1", "http://a/metrics"
+B_KEY, B_METRICS = "http://b/v1", "http://b/metrics"
+
+
+def scrape(clock: FakeClock, url: str, waiting: float, running: float) -> BackendSnapshot:
+    return BackendSnapshot(
+        url=url, started_at=clock.now(), ok=True, waiting=waiting, running=running
+    )
+
+
+async def test_with_the_metrics_gate_a_full_home_lets_another_user_go_first() -> None:
+    """End to end in the core: the per-deployment MetricsGate places with the Placer and tells
+    the scheduler when a ticket's home is full; the look-ahead serves a user whose home has room,
+    and a held user whose turn comes with nobody else to serve spills."""
+    clock = FakeClock()
+    tier = TierLimits("interactive", waiting_below=3)
+    group = BackendGroup(
+        "m",
+        (Deployment(A_KEY, A_METRICS), Deployment(B_KEY, B_METRICS)),
+        arrival_grace_s=0.3,
+        max_num_seqs=4,
+    )
+    gate = MetricsGate([group], stale_after_s=5.0, clock=clock)
+    scheduler = FairScheduler([tier], gate, clock=clock)
+    gate.update("m", scrape(clock, A_METRICS, waiting=0, running=0))
+    gate.update("m", scrape(clock, B_METRICS, waiting=0, running=0))
+    prefixes = {"alice": (1,), "bob": (2,), "carol": (3,)}
+
+    def make(user: str) -> Ticket:
+        return Ticket("m", user, "interactive", prefix=prefixes[user])
+
+    # Homes: new prefixes go least loaded per slot, ties to the lower key.
+    first = [scheduler.try_acquire(make(user)) for user in ("alice", "carol", "bob")]
+    homes = {lease.ticket.user: lease.deployment for lease in first if lease is not None}
+    assert homes == {"alice": A_KEY, "carol": B_KEY, "bob": A_KEY}
+    for lease in first:
+        assert lease is not None
+        lease.release()
+
+    clock.advance(0.5)
+    gate.update("m", scrape(clock, A_METRICS, waiting=3, running=4))  # both full
+    gate.update("m", scrape(clock, B_METRICS, waiting=3, running=4))
+    futures = [scheduler.enqueue(make(user)).future for user in ["alice", "bob", "carol"] * 2]
+    assert not any(future.done() for future in futures)
+
+    def granted() -> list[tuple[str, str | None]]:
+        done = [future.result() for future in futures if future.done()]
+        done.sort(key=lambda lease: lease.lease_id)
+        return [(lease.ticket.user, lease.deployment) for lease in done]
+
+    clock.advance(0.5)
+    gate.update("m", scrape(clock, B_METRICS, waiting=2, running=4))  # room for one on B
+    assert granted() == [("carol", B_KEY)]  # alice and bob wait for A: their prefixes are there
+
+    clock.advance(0.5)
+    gate.update("m", scrape(clock, B_METRICS, waiting=1, running=4))  # room for two on B
+    # carol again; then only alice and bob are left, both held: the head (alice) spills.
+    assert granted() == [("carol", B_KEY), ("carol", B_KEY), ("alice", B_KEY)]
+
+    clock.advance(0.5)
+    gate.update("m", scrape(clock, A_METRICS, waiting=2, running=4))  # room for one on A
+    assert granted()[3:] == [("bob", A_KEY)]  # bob kept his turn and his home
+    scheduler.close()
+    for future in futures:
+        if future.done() and future.exception() is None:
+            future.result().release()
