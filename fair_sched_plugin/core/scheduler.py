@@ -37,7 +37,7 @@ MAX_IDLE_USERS_REMEMBERED = 10_000
 # When the fair head of a tier would be bound away from the deployment that has its prefix
 # cached (`AdmissionGate.prefers_elsewhere`), at most this many users after it are considered
 # before it goes anyway: each costs a heap pop and push, so a decision stays O(log n).
-LOOKAHEAD = 4
+LOOKAHEAD = 5
 
 
 # A tier heap's entry: (virtual time, arrival counter, generation, user).
