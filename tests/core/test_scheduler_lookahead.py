@@ -168,6 +168,35 @@ async def test_share_tiers_keep_sharing_with_the_look_ahead(clock: FakeClock) ->
     await drain(scheduler)
 
 
+async def test_passed_over_users_keep_their_place_through_corrections_and_newcomers(
+    clock: FakeClock,
+) -> None:
+    """The tier's virtual time follows the passed-over head, not the later user released
+    instead: a token correction of the head's earlier request, or a newcomer's lift, must not
+    move anyone past it."""
+    gate = HeldGate()
+    scheduler = make_scheduler(gate, clock, fairness="tokens")
+    submit(scheduler, "b", 3, cost=10)
+    submit(scheduler, "a", 2, cost=10)
+    await settle()
+    gate.allow(3)  # b, a, b: b at 20, a at 10 with one request in flight and one queued
+    assert released_users(gate) == ["b", "a", "b"]
+    gate.held.add("a")
+    gate.allow(1)  # a's deployment is full: b goes (b at 30)
+    assert released_users(gate)[-1] == "b"
+    a_lease = next(lease for lease in gate.released if lease.ticket.user == "a")
+    a_lease.release(tokens_used=5)  # 5 tokens less than charged
+    submit(scheduler, "c", 1, cost=10)
+    await settle()
+    times = {row.user: row.virtual_time for row in scheduler.backlog()}
+    # a is not lifted past where it was passed over (20 or 30 would put it behind b's work).
+    assert times == {"a": 10.0, "c": 10.0}
+    gate.held.clear()
+    gate.allow(2)
+    assert released_users(gate)[-2:] == ["a", "c"]
+    await drain(scheduler)
+
+
 async def test_a_passed_over_user_cancelled_after_the_look_ahead_leaves_cleanly(
     clock: FakeClock,
 ) -> None:
