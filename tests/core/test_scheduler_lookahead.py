@@ -13,6 +13,7 @@ import pytest
 from fair_sched_plugin.core import (
     BackendGroup,
     BackendSnapshot,
+    Deployment,
     FairScheduler,
     Lease,
     MetricsGate,
@@ -20,7 +21,6 @@ from fair_sched_plugin.core import (
     TierLimits,
 )
 from fair_sched_plugin.core import scheduler as scheduler_module
-from fair_sched_plugin.core.backpressure import Deployment
 from fair_sched_plugin.core.placement import Candidate, Placer
 from fair_sched_plugin.core.scheduler import LOOKAHEAD
 from fair_sched_plugin.testing import FakeClock, ManualGate
