@@ -26,6 +26,7 @@ from fair_sched_plugin.core.scheduler import LOOKAHEAD
 from fair_sched_plugin.testing import FakeClock, ManualGate
 
 from .conftest import TIERS, drain, make_scheduler, settle, ticket
+from .engine_sim import EngineSim
 
 
 class HeldGate(ManualGate):
@@ -490,3 +491,81 @@ async def test_with_the_metrics_gate_a_full_home_lets_another_user_go_first() ->
     for future in futures:
         if future.done() and future.exception() is None:
             future.result().release()
+
+
+async def _shared_prefixes_through_engines(seconds: float = 120.0) -> tuple[int, int, float]:
+    """The issue's shared-prefix scenario in the core: 20 users, each with its own system prompt
+    and 3 requests parked at all times, the per-deployment MetricsGate in front of two scripted
+    engines (8 slots, 1 s per request, scrapes every 0.1 s), each engine's prefix cache an LRU
+    of 11 of the 20 prompts. Returns (requests, cache hits, Jain's index of per-user releases)."""
+    clock = FakeClock()
+    tier = TierLimits("interactive", waiting_below=3)
+    urls = {A_KEY: A_METRICS, B_KEY: B_METRICS}
+    group = BackendGroup(
+        "m",
+        tuple(Deployment(key, url) for key, url in urls.items()),
+        arrival_grace_s=0.3,
+        max_num_seqs=8,
+    )
+    gate = MetricsGate([group], stale_after_s=5.0, clock=clock)
+    scheduler = FairScheduler([tier], gate, clock=clock)
+    engines = {key: EngineSim(gate, clock, max_num_seqs=8, url=url) for key, url in urls.items()}
+    caches = {key: OrderedDict[tuple[int, ...], None]() for key in urls}
+    prefixes = {f"u{index}": (index * 100 + 1, index * 100 + 2) for index in range(20)}
+    released: Counter[str] = Counter()
+    hits = 0
+    waiting: list[asyncio.Future[Lease]] = []
+
+    def enqueue(user: str) -> None:
+        ticket = Ticket("m", user, "interactive", prefix=prefixes[user])
+        waiting.append(scheduler.enqueue(ticket).future)
+
+    for engine in engines.values():
+        engine.step(clock.now())
+    for user in prefixes:
+        for _ in range(3):
+            enqueue(user)
+    end = clock.now() + seconds
+    while clock.now() < end:
+        for engine in engines.values():
+            engine.step(clock.now())  # scrapes and ends, which release the next requests
+        granted = [future for future in waiting if future.done()]
+        waiting = [future for future in waiting if not future.done()]
+        for future in granted:
+            lease = future.result()
+            assert lease.deployment is not None
+            cache = caches[lease.deployment]
+            if lease.ticket.prefix in cache:
+                hits += 1
+                cache.move_to_end(lease.ticket.prefix)
+            else:
+                cache[lease.ticket.prefix] = None
+                if len(cache) > 11:
+                    cache.popitem(last=False)
+            released[lease.ticket.user] += 1
+            engines[lease.deployment].admit(lease, tier.name)
+            enqueue(lease.ticket.user)  # every user stays backlogged
+        clock.advance(0.01)
+    scheduler.close()
+    for future in waiting:
+        future.exception()
+    return sum(released.values()), hits, jain(list(released.values()))
+
+
+async def test_shared_prefixes_hit_the_cache_nearly_as_often_as_possible() -> None:
+    """Measured: 1,910 requests, hit rate 0.986 against the best possible 0.990 (each user's
+    first request misses) and 0.51 without the look-ahead; Jain's index 0.9999."""
+    requests, hits, fairness = await _shared_prefixes_through_engines()
+    best = 1 - 20 / requests
+    assert hits / requests >= best - 0.02, (hits, requests)
+    assert fairness >= 0.99
+
+
+async def test_shared_prefixes_without_the_look_ahead_miss_half_the_time(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The control: fair interleaving alone sends a user's requests to either engine."""
+    monkeypatch.setattr(scheduler_module, "LOOKAHEAD", 0)
+    requests, hits, fairness = await _shared_prefixes_through_engines()
+    assert hits / requests <= 0.6, (hits, requests)
+    assert fairness >= 0.99
