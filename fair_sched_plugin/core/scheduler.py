@@ -37,7 +37,7 @@ MAX_IDLE_USERS_REMEMBERED = 10_000
 # When the fair head of a tier would be bound away from the deployment that has its prefix
 # cached (`AdmissionGate.prefers_elsewhere`), at most this many users after it are considered
 # before it goes anyway: each costs a heap pop and push, so a decision stays O(log n).
-LOOKAHEAD = 4
+LOOKAHEAD = 5
 
 
 # A tier heap's entry: (virtual time, arrival counter, generation, user).
@@ -631,7 +631,13 @@ class FairScheduler:
             # again at the next decision. None found: the head goes and its prefix spills.
             found = self._look_ahead(tier)
             if found is not None:
-                self._release_head(queues, tier, found[0], off_heap_entry=found[1])
+                self._release_head(
+                    queues,
+                    tier,
+                    found[0],
+                    off_heap_entry=found[1],
+                    start_tag=user_queue.virtual_time,
+                )
                 return
         self._release_head(queues, tier, user_queue)
 
@@ -681,9 +687,11 @@ class FairScheduler:
         user_queue: _UserQueue,
         *,
         off_heap_entry: _HeapEntry | None = None,
+        start_tag: float | None = None,
     ) -> None:
         """Release `user_queue`'s head request (found by `_head_waiter`). The user's heap
-        entry is the heap's top, or `off_heap_entry` when the look-ahead took it off."""
+        entry is the heap's top, or `off_heap_entry` when the look-ahead took it off; then
+        `start_tag` is the passed-over head's virtual time."""
         if self._shortest_first:
             waiter = heapq.heappop(user_queue.sized)[2]
         else:
@@ -711,9 +719,14 @@ class FairScheduler:
                 self._forget_if_idle(tier, user_queue)
             return
         waiter.state = _GRANTED
-        # The start tag of the request now in service is the tier's virtual time.
-        if user_queue.virtual_time > tier.virtual_time:
-            tier.virtual_time = user_queue.virtual_time
+        # The start tag of the request now in service is the tier's virtual time. After a
+        # look-ahead it is the passed-over head's: the tier's time must not pass a backlogged
+        # user's, or a correction (`_correct`) or a newcomer's lift would cost the users passed
+        # over their place.
+        if start_tag is None:
+            start_tag = user_queue.virtual_time
+        if start_tag > tier.virtual_time:
+            tier.virtual_time = start_tag
         deployment = self._gate.place(waiter.ticket, tier.limits)
         lease = self._make_lease(
             queues, user_queue, waiter.ticket, enqueued_at=waiter.enqueued_at, deployment=deployment
