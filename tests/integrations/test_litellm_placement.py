@@ -88,7 +88,12 @@ async def stack(tmp_path_factory: pytest.TempPathFactory) -> AsyncIterator[Stack
         )
         # What a production config has: retries, and a fallback to another model group.
         config["litellm_settings"]["num_retries"] = 2
-        config["router_settings"] = {"fallbacks": [{"tiny": ["spare"]}]}
+        # The first failure puts a deployment in LiteLLM's cooldown for the rest of the module.
+        config["router_settings"] = {
+            "fallbacks": [{"tiny": ["spare"]}],
+            "allowed_fails": 0,
+            "cooldown_time": 120,
+        }
         proxy = await exits.enter_async_context(litellm_proxy(config, workdir, "placement"))
         yield Stack(a, b, spare, proxy)
 
@@ -139,8 +144,8 @@ async def test_a_failing_bound_deployment_is_neither_retried_elsewhere_nor_falle
     stack: Stack,
 ) -> None:
     """A answers every completion with a 500. LiteLLM would retry those on B, put A in
-    cooldown and fall back to `spare`; bound requests instead stay on A and fail with a message
-    that names A, and B and `spare` receive only what was bound to B."""
+    cooldown and fall back to `spare`; bound requests instead stay on A (A in cooldown: refused
+    with a message that names A) and fail, and B and `spare` receive only what was bound to B."""
     before = stack.received()
     stack.a.engine.faults.update({"fail_every_nth_completion": 1})
     try:
@@ -153,12 +158,15 @@ async def test_a_failing_bound_deployment_is_neither_retried_elsewhere_nor_falle
     on_a, on_b = bound[key(stack.a)], bound[key(stack.b)]
     assert on_a and len(on_a) + len(on_b) == REQUESTS
     assert all(response.status_code == 200 for response in on_b)
+    messages = []
     for response in on_a:
         assert response.status_code >= 500, response.text
-        message = response.json()["error"]["message"]
-        # A's own error after the retries on A; LiteLLM appends that the fallback failed, in
-        # our words (it masks the host of the URL we name).
-        assert "injected failure" in message or "fair_sched" in message, message
+        messages.append(response.json()["error"]["message"])
+    # A's own error, or (once LiteLLM has A in cooldown) ours naming it; LiteLLM appends that
+    # the fallback failed, in our words (it masks the host of the URL we name).
+    assert all("injected failure" in text or "fair_sched" in text for text in messages), messages
+    assert any("no healthy deployment" in text for text in messages), messages
+    assert all("not falling back to model group `spare`" in text for text in messages), messages
     arrived = {k: count - before[k] for k, count in stack.received().items()}
     # Injected failures are answered before the engine queues them: A counts none.
     assert arrived == {key(stack.a): 0, key(stack.b): len(on_b), key(stack.spare): 0}
