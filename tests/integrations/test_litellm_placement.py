@@ -24,8 +24,16 @@ import pytest_asyncio
 
 from fair_sched_plugin.emulator.engine import EmulatorConfig
 from fair_sched_plugin.emulator.server import RunningEmulator, run_emulator
+from fair_sched_plugin.observability import STATUS_PATH
 
-from .litellm_harness import ProxyProcess, litellm_proxy, model_entry, open_client, proxy_config
+from .litellm_harness import (
+    MASTER_KEY,
+    ProxyProcess,
+    litellm_proxy,
+    model_entry,
+    open_client,
+    proxy_config,
+)
 
 pytestmark = [
     pytest.mark.litellm,
@@ -170,3 +178,16 @@ async def test_a_failing_bound_deployment_is_neither_retried_elsewhere_nor_falle
     arrived = {k: count - before[k] for k, count in stack.received().items()}
     # Injected failures are answered before the engine queues them: A counts none.
     assert arrived == {key(stack.a): 0, key(stack.b): len(on_b), key(stack.spare): 0}
+
+
+async def test_every_lease_ended_after_the_failures(stack: Stack) -> None:
+    """Failed attempts do not end a lease (retries run within it), so the proxy's answer must:
+    nothing stays in flight or queued (the plugin's status, read with the master key)."""
+    async with open_client(stack.proxy.base_url, key=MASTER_KEY) as client:
+        totals: dict[str, Any] = {}
+        for _ in range(100):  # bounded: 5 s
+            totals = (await client.get(STATUS_PATH)).json()["totals"]
+            if totals["in_flight"] == 0 and totals["queued"] == 0:
+                break
+            await asyncio.sleep(0.05)
+    assert (totals["in_flight"], totals["queued"]) == (0, 0), totals
