@@ -346,23 +346,33 @@ async def test_gate_and_engine_readings_per_backend() -> None:
         ],
     )
     text = scrape(service)
-    assert value(text, "fair_sched_gate_mode", model="big", mode="starting") == 1
-    assert value(text, "fair_sched_engine_waiting_requests", model="big") is None  # unknown
+    a, b = ({"model": "big", "deployment": url} for url in urls)  # keyed by their metrics URLs
+    assert value(text, "fair_sched_gate_mode", **a, mode="starting") == 1
+    assert value(text, "fair_sched_engine_waiting_requests", **a) is None  # unknown
     service.gate.update("big", snapshot(urls[0], waiting=1, running=4, tpot_s=0.04, kv_usage=0.2))
     service.gate.update("big", snapshot(urls[1], waiting=2, running=3, tpot_s=0.08, kv_usage=0.5))
     lease = service.scheduler.try_acquire(Ticket("big", "alice", "interactive"))
-    assert lease is not None
+    assert lease is not None and lease.deployment == urls[0]  # the less loaded
     text = scrape(service)
-    assert value(text, "fair_sched_gate_mode", model="big", mode="metrics") == 1
-    assert value(text, "fair_sched_gate_mode", model="big", mode="starting") == 0
+    assert value(text, "fair_sched_gate_mode", **a, mode="metrics") == 1
+    assert value(text, "fair_sched_gate_mode", **b, mode="starting") == 0
     assert value(text, "fair_sched_gate_deployments", model="big") == 2
-    assert value(text, "fair_sched_engine_waiting_requests", model="big") == 3
-    assert value(text, "fair_sched_engine_running_requests", model="big") == 7
-    assert value(text, "fair_sched_engine_tpot_seconds", model="big") == 0.08
-    assert value(text, "fair_sched_engine_kv_cache_usage_ratio", model="big") == 0.5
-    assert (value(text, "fair_sched_engine_scrape_age_seconds", model="big") or -1) >= 0
-    assert value(text, "fair_sched_gate_pending_requests", model="big") == 1
-    assert value(text, "fair_sched_gate_in_flight_requests", model="big") == 1
+    # Each deployment's own readings: never a sum standing for the group.
+    assert value(text, "fair_sched_engine_waiting_requests", **a) == 1
+    assert value(text, "fair_sched_engine_waiting_requests", **b) == 2
+    assert value(text, "fair_sched_engine_running_requests", **b) == 3
+    assert value(text, "fair_sched_engine_tpot_seconds", **b) == 0.08
+    assert value(text, "fair_sched_engine_kv_cache_usage_ratio", **a) == 0.2
+    assert (value(text, "fair_sched_engine_scrape_age_seconds", **a) or -1) >= 0
+    assert value(text, "fair_sched_gate_pending_requests", **a) == 1
+    assert value(text, "fair_sched_gate_pending_requests", **b) == 0
+    assert value(text, "fair_sched_gate_in_flight_requests", **a) == 1
+    assert value(text, "fair_sched_gate_free_slots", **a) == 0
+    rows = service.observability.status()["models"]["big"]["gate"]["per_deployment"]
+    assert [(row["deployment"], row["waiting"], row["pending"]) for row in rows] == [
+        (urls[0], 1, 1),
+        (urls[1], 2, 0),
+    ]
     assert value(text, "fair_sched_tier_waiting_threshold", model="big", tier="interactive") == 6
     assert value(text, "fair_sched_tier_waiting_threshold", model="big", tier="batch") == 2
     assert value(text, "fair_sched_tier_tpot_threshold_seconds", tier="interactive") == 0.15
@@ -384,7 +394,8 @@ async def test_metrics_unavailable_transitions_are_counted() -> None:
     clock.advance(1.0)  # older than stale_after_ms
     service.gate.update("big", BackendSnapshot.failed(METRICS_URL, 0.0, "connection refused"))
     text = scrape(service)
-    assert value(text, "fair_sched_gate_mode", model="big", mode="fallback") == 1
+    where = {"model": "big", "deployment": METRICS_URL}
+    assert value(text, "fair_sched_gate_mode", **where, mode="fallback") == 1
     assert value(text, "fair_sched_metrics_unavailable_total", model="big") == 1
     assert (
         value(
@@ -836,8 +847,9 @@ async def test_scrape_from_another_thread_reads_on_the_loop() -> None:
     service.gate.update("big", snapshot(waiting=1))
     (await service.admit(who(service, ALICE_KEY), "m", BODY)).lease.release()
     text = (await asyncio.to_thread(service.observability.render)).decode()
-    assert value(text, "fair_sched_gate_mode", model="big", mode="metrics") == 1
-    assert value(text, "fair_sched_engine_waiting_requests", model="big") == 1
+    where = {"model": "big", "deployment": METRICS_URL}
+    assert value(text, "fair_sched_gate_mode", **where, mode="metrics") == 1
+    assert value(text, "fair_sched_engine_waiting_requests", **where) == 1
     await service.aclose()
 
 

@@ -166,6 +166,25 @@ def test_metrics_urls_default_from_deployments() -> None:
     ]
 
 
+def test_placement_settings_reach_the_gate_of_each_model() -> None:
+    svc = SchedulingService(
+        {
+            "backends": {
+                "m": {
+                    "api_bases": ["http://a:8000/v1", "http://b:8000/v1"],
+                    "placement": {"prefix_affinity": False, "load_bound": 2.0},
+                }
+            }
+        }
+    )
+    group = svc.gate.groups()["m"]
+    assert (group.prefix_affinity, group.load_bound) == (False, 2.0)
+    assert [(d.key, d.metrics_url) for d in group.deployments] == [
+        ("http://a:8000/v1", "http://a:8000/metrics"),
+        ("http://b:8000/v1", "http://b:8000/metrics"),
+    ]
+
+
 def test_litellm_deployments_pair_with_configured_metrics_urls_or_fail_naming_the_key() -> None:
     urls = ["http://a:9090/metrics", "http://b:9090/metrics"]
     svc = SchedulingService(

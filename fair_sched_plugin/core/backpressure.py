@@ -37,13 +37,24 @@ taken to show the engine as of `started_at - metrics_lag_s`: first bytes and pen
 are forgotten against that time, and ends seen after it give their slots back.
 
 A tier with `waiting_below: auto` has its threshold set by a `QueueTuner` (core/tuning.py) that
-the gate owns per model group and tier, and feeds with that tier's release-to-first-byte times,
-the engine's TTFT and TPOT, and whether the queue held requests back.
+the gate owns per deployment and tier, and feeds with that tier's release-to-first-byte times of
+the requests bound there, that engine's TTFT and TPOT, and whether its queue held requests back.
 
-Several deployments behind one model name are one group: their waiting counts are summed and the
-threshold scales with the number of deployments; TPOT and KV usage are the worst deployment's; a
-group is only as fresh as its stalest deployment. Without fresh metrics the group falls back to a
-fixed in-flight cap. This module is pure: the watcher feeds it snapshots, the clock is injected.
+Several deployments behind one model name (issue #16): every rule above is a deployment's own.
+Each has its snapshot, mode, pending leases, learned capacity, first bytes and ends, and its own
+threshold (the tier's `waiting_below`, or its tuner's, as users read it: per engine). A request
+may be released when some deployment has room for its tier; `place` then binds it to one of those
+(`core/placement.py`: prefix affinity within a load bound, else the least loaded by load per
+running slot), and its first byte and end settle against that deployment. The old rule, one group
+with the waiting counts summed against the threshold times the number of deployments, let one
+replica's queue grow far past the threshold while another idled (the slow engine of issue #16
+reached 11 waiting with `waiting_below: 3`). A lease that names no deployment of the group (one
+adopted from an older replica after a failover, or granted by a gate that did not place) counts
+against the least loaded deployment at its release and stays there until it ends: it runs
+somewhere we cannot tell, and that is where a wrong guess costs least (the deployment with the
+most room to spare). Without fresh metrics a deployment falls back to a fixed in-flight cap of
+its own (`fallback_max_inflight`) while the others keep their metrics. This module is pure: the
+watcher feeds it snapshots, the clock is injected.
 """
 
 from __future__ import annotations

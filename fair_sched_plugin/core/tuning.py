@@ -1,7 +1,7 @@
 """`waiting_below: auto`: a controller that finds the largest engine queue meeting the targets.
 
-One `QueueTuner` per (model group, tier) with `auto`, owned by the gate (a separate object so that
-a gate per deployment can own one each). It is AIMD, as TCP and the concurrency-limits libraries
+One `QueueTuner` per (deployment, tier) with `auto`, owned by the gate (each deployment has its
+own queue and its own targets to meet). It is AIMD, as TCP and the concurrency-limits libraries
 use it, on the queue the gate lets form in the engine:
 
 - every `interval_s` it compares the interval's latency with the tier's targets: our own

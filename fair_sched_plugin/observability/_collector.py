@@ -88,22 +88,31 @@ class FairSchedCollector:
         )
         gate_mode = GaugeMetricFamily(
             "fair_sched_gate_mode",
-            "1 for the gate's current mode per model group (starting, metrics, fallback).",
-            labels=("model", "mode"),
+            "1 for the gate's current mode per deployment (starting, metrics, fallback).",
+            labels=("model", "deployment", "mode"),
         )
-        per_group = {
-            name: GaugeMetricFamily(f"fair_sched_{name}", help_text, labels=("model",))
+        gate_deployments = GaugeMetricFamily(
+            "fair_sched_gate_deployments", "Deployments behind the model group.", labels=("model",)
+        )
+        # Each deployment has its own gate: its readings, never a sum standing for the group.
+        per_deployment = {
+            name: GaugeMetricFamily(f"fair_sched_{name}", help_text, labels=("model", "deployment"))
             for name, help_text in (
-                ("gate_deployments", "Deployments behind the model group."),
                 ("gate_pending_requests", "Released requests not yet seen by the engine."),
                 ("gate_in_flight_requests", "Requests in flight as the gate counts them."),
-                ("engine_waiting_requests", "Engine waiting queue at the last scrape (summed)."),
-                ("engine_running_requests", "Engine running requests at the last scrape (summed)."),
-                ("engine_tpot_seconds", "Recent time per output token (worst deployment)."),
-                ("engine_kv_cache_usage_ratio", "KV cache usage 0..1 (worst deployment)."),
-                ("engine_scrape_age_seconds", "Age of the stalest deployment's last good scrape."),
+                ("gate_free_slots", "Running slots the gate counts free (learned capacity)."),
+                ("engine_waiting_requests", "Engine waiting queue at the last good scrape."),
+                ("engine_running_requests", "Engine running requests at the last good scrape."),
+                ("engine_tpot_seconds", "Recent time per output token."),
+                ("engine_kv_cache_usage_ratio", "KV cache usage 0..1."),
+                ("engine_scrape_age_seconds", "Age of the deployment's last good scrape."),
             )
         }
+        allowed_queue = GaugeMetricFamily(
+            "fair_sched_gate_allowed_queue",
+            "The engine queue a `waiting_below: auto` tier's tuner allows now, per deployment.",
+            labels=("model", "deployment", "tier"),
+        )
         waiting_threshold = GaugeMetricFamily(
             "fair_sched_tier_waiting_threshold",
             "A tier releases only while engine waiting + pending is below this (per group).",
@@ -178,7 +187,9 @@ class FairSchedCollector:
             rejected,
             wait,
             gate_mode,
-            *per_group.values(),
+            gate_deployments,
+            *per_deployment.values(),
+            allowed_queue,
             waiting_threshold,
             tpot_threshold,
             scrapes,
@@ -256,20 +267,25 @@ class FairSchedCollector:
             wait.add_metric(list(labels), buckets, total)
 
         for group in state.gate or ():
-            for mode in GATE_MODES:
-                gate_mode.add_metric([group.model, mode], 1.0 if group.mode == mode else 0.0)
-            per_group["gate_deployments"].add_metric([group.model], group.deployments)
-            per_group["gate_pending_requests"].add_metric([group.model], group.pending)
-            per_group["gate_in_flight_requests"].add_metric([group.model], group.in_flight)
-            for name, reading in (
-                ("engine_waiting_requests", group.waiting),
-                ("engine_running_requests", group.running),
-                ("engine_tpot_seconds", group.tpot_s),
-                ("engine_kv_cache_usage_ratio", group.kv_usage),
-                ("engine_scrape_age_seconds", group.last_scrape_age_s),
-            ):
-                if reading is not None:
-                    per_group[name].add_metric([group.model], reading)
+            gate_deployments.add_metric([group.model], group.deployments)
+            for row in group.per_deployment:
+                where = [group.model, safe_url(row.deployment)]
+                for mode in GATE_MODES:
+                    gate_mode.add_metric([*where, mode], 1.0 if row.mode == mode else 0.0)
+                for name, reading in (
+                    ("gate_pending_requests", row.pending),
+                    ("gate_in_flight_requests", row.in_flight),
+                    ("gate_free_slots", row.free_slots),
+                    ("engine_waiting_requests", row.waiting),
+                    ("engine_running_requests", row.running),
+                    ("engine_tpot_seconds", row.tpot_s),
+                    ("engine_kv_cache_usage_ratio", row.kv_usage),
+                    ("engine_scrape_age_seconds", row.last_scrape_age_s),
+                ):
+                    if reading is not None:
+                        per_deployment[name].add_metric(where, reading)
+                for tier_name, queue in row.allowed_queue:
+                    allowed_queue.add_metric([*where, tier_name], queue)
         for model, by_tier in sorted(state.waiting_thresholds.items()):
             for tier_name, threshold in by_tier.items():
                 waiting_threshold.add_metric([model, tier_name], threshold)

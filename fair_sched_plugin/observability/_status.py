@@ -172,7 +172,13 @@ class StatusDocument:
             # Which replica these numbers describe: the leader's core decides while shared.
             "state": state.state._asdict(),
             "transitions": [
-                {"model": t.model, "from": t.old, "to": t.new, "reason": redact(t.reason)}
+                {
+                    "model": t.model,
+                    "deployment": safe_url(t.deployment),
+                    "from": t.old,
+                    "to": t.new,
+                    "reason": redact(t.reason),
+                }
                 for t in list(view.recent_transitions())[-STATUS_TRANSITIONS:]
             ],
             "recent_rejections": self._recent_rejections(),
@@ -228,6 +234,25 @@ def _gate_document(
         # The engine queue each tier may fill (summed over the group's deployments), as
         # fair_sched_tier_waiting_threshold reports it.
         "waiting_threshold": dict(waiting_threshold),
+        # Each deployment's own gate: the figures above are these rows' sums (worst for TPOT,
+        # KV usage, scrape age and mode).
+        "per_deployment": [
+            {
+                "deployment": safe_url(row.deployment),
+                "mode": row.mode,
+                "waiting": row.waiting,
+                "running": row.running,
+                "tpot_s": row.tpot_s,
+                "kv_usage": row.kv_usage,
+                "pending": row.pending,
+                "free_slots": row.free_slots,
+                "in_flight": row.in_flight,
+                "last_scrape_age_s": _round(row.last_scrape_age_s),
+                "blocked_reason": row.blocked_reason,
+                "allowed_queue": dict(row.allowed_queue),
+            }
+            for row in group.per_deployment
+        ],
     }
 
 

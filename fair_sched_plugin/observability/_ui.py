@@ -230,6 +230,26 @@ function deploymentsTable(doc) {
     }))));
 }
 
+function gateTable(gate) {
+  const rows = gate.per_deployment || [];
+  if (!rows.length) return null;
+  // Each deployment has its own gate: its threshold holds for its own engine queue.
+  return h("div", { class: "scroll" }, h("table", { class: "gates" },
+    h("thead", {}, h("tr", {}, h("th", {}, "deployment"), h("th", {}, "gate"),
+      h("th", { class: "num" }, "pending"), h("th", { class: "num" }, "free slots"),
+      h("th", { class: "num" }, "in flight"), h("th", {}, "allowed queue (auto)"))),
+    h("tbody", {}, rows.map((r) => h("tr", { "data-gate-deployment": r.deployment },
+      h("td", { class: "url", title: r.deployment }, shortUrl(r.deployment)),
+      h("td", {}, h("span", { class: `badge mode-${r.mode}` }, r.mode),
+        r.blocked_reason ? h("span", { class: "blocked" }, " blocked: " + r.blocked_reason)
+          : null),
+      h("td", { class: "num pending" }, num(r.pending)),
+      h("td", { class: "num free" }, num(r.free_slots)),
+      h("td", { class: "num in-flight" }, num(r.in_flight)),
+      h("td", { class: "muted" }, Object.entries(r.allowed_queue || {})
+        .map(([tier, n]) => `${tier} < ${num(n, 1)}`).join(" · ") || DASH))))));
+}
+
 function modelCard(name, doc) {
   const points = remember(name, doc);
   const queuedByTier = Object.entries(doc.queued || {}).map(([t, n]) => `${t} ${n}`).join(" · ");
@@ -240,7 +260,7 @@ function modelCard(name, doc) {
     allowedQueue(doc.gate || {}),
     h("div", { class: "grid" },
       h("div", {}, h("h3", {}, "Queued and in flight per principal"), principalsTable(doc)),
-      h("div", {}, h("h3", {}, "Engine"), deploymentsTable(doc),
+      h("div", {}, h("h3", {}, "Engine"), deploymentsTable(doc), gateTable(doc.gate || {}),
         h("h3", {}, "History"),
         h("div", { class: "spark" }, sparkline(points, "queued", "queue depth"),
           sparkline(points, "waiting", "engine waiting")))));

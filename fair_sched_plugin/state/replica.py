@@ -27,10 +27,10 @@ import json
 import logging
 import math
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Iterable, Sequence
 from typing import TYPE_CHECKING, Any, Literal, NamedTuple
 
-from ..core.backpressure import GroupStatus, MetricsGate
+from ..core.backpressure import DeploymentStatus, GroupStatus, MetricsGate
 from ..core.budget import BudgetBook
 from ..core.gate import AdmissionGate
 from ..core.scheduler import FairScheduler, Reservation, SchedulerStatistics, UserBacklog
@@ -377,6 +377,22 @@ class _Published(NamedTuple):
     gate: tuple[GroupStatus, ...]
 
 
+def _group_status(row: list[Any]) -> GroupStatus:
+    """A `GroupStatus` from its JSON row (an older leader's has no per-deployment rows)."""
+    group = GroupStatus(*row)
+    return group._replace(
+        allowed_queue=_allowed_queue(group.allowed_queue),
+        per_deployment=tuple(
+            DeploymentStatus(*deployment[:-1], _allowed_queue(deployment[-1]))
+            for deployment in group.per_deployment
+        ),
+    )
+
+
+def _allowed_queue(pairs: Iterable[Sequence[Any]]) -> tuple[tuple[str, float], ...]:
+    return tuple((str(name), float(queue)) for name, queue in pairs)
+
+
 def _read_published(text: str) -> _Published | None:
     """The leader's statistics document from `stats`; None if it is not one."""
     try:
@@ -387,7 +403,7 @@ def _read_published(text: str) -> _Published | None:
         }
         scheduler["in_flight_by_model"] = dict(scheduler["in_flight_by_model"])
         statistics = SchedulerStatistics(**scheduler)
-        gate = tuple(GroupStatus(*row) for row in document["gate"])
+        gate = tuple(_group_status(row) for row in document["gate"])
     except (ValueError, TypeError, KeyError):
         return None
     counts = [value for value in statistics[:8]]

@@ -61,6 +61,7 @@ class EngineSim:
     prefill_s: float = 0.02
     # Scripted changes: the engine's speed as a function of time (1.0 = normal, 3.0 = 3x slower).
     slowdown: Callable[[float], float] = lambda at: 1.0
+    url: str = URL
     # Time to first byte as the proxy measures it, per tier: (release time, seconds).
     ttfb: dict[str, list[tuple[float, float]]] = field(default_factory=dict)
     samples: list[Sample] = field(default_factory=list)
@@ -72,6 +73,7 @@ class EngineSim:
     _order: itertools.count[int] = field(default_factory=itertools.count)
     _next_scrape: float = 0.0
     _lease_ids: itertools.count[int] = field(default_factory=lambda: itertools.count(1))
+    _completed: int = 0
 
     def run(
         self,
@@ -109,12 +111,34 @@ class EngineSim:
             self.clock.advance(self.tick_s)
         return self.samples[first:]
 
+    def step(self, now: float, model: str = "m") -> None:
+        """Advance the engine to `now`, deliver what the proxy sees, scrape when due."""
+        self._step_engine(now)
+        self._deliver_events(now)
+        if now >= self._next_scrape:
+            self.gate.update(model, self._scrape(now))
+            self._next_scrape = now + self.poll_s
+
+    def admit(self, lease: Lease, tier: str) -> None:
+        """A request released to this engine (it arrives after `transit_s`)."""
+        self._in_transit.append(_Request(lease, tier, self.clock.now() + self.transit_s))
+
+    @property
+    def queue(self) -> tuple[int, int]:
+        """The engine's true (waiting, running) now."""
+        return len(self._waiting), len(self._running)
+
+    @property
+    def completed(self) -> int:
+        return self._completed
+
     def _step_engine(self, now: float) -> None:
         while self._in_transit and self._in_transit[0].arrives_at <= now:
             self._waiting.append(self._in_transit.popleft())
         service = self.service_s * self.slowdown(now)
         for request in [r for r in self._running if now - r.started_at >= service]:
             self._running.remove(request)
+            self._completed += 1
             self._schedule(now + self.proxy_delay_s, "end", request)
         while self._waiting and len(self._running) < self.max_num_seqs:
             request = self._waiting.popleft()
@@ -143,8 +167,42 @@ class EngineSim:
 
     def _scrape(self, now: float) -> BackendSnapshot:
         _, waiting, running = self._history[0]
-        return BackendSnapshot(url=URL, started_at=now, ok=True, waiting=waiting, running=running)
+        return BackendSnapshot(
+            url=self.url, started_at=now, ok=True, waiting=waiting, running=running
+        )
 
 
 def mean(values: list[float]) -> float:
     return sum(values) / len(values) if values else 0.0
+
+
+def run_deployments(
+    gate: MetricsGate,
+    clock: FakeClock,
+    engines: dict[str, EngineSim],
+    seconds: float,
+    parked: int,
+    tier: TierLimits,
+    sample: Callable[[float], None] = lambda at: None,
+) -> int:
+    """Several engines behind one model: each released request goes to the deployment the gate
+    placed it on (`engines` by deployment key). Returns how many are still parked at the end."""
+    owner = _Owner(gate)
+    lease_ids = itertools.count(1)
+    tick_s = min(engine.tick_s for engine in engines.values())
+    end = clock.now() + seconds
+    while clock.now() < end:
+        now = clock.now()
+        for engine in engines.values():
+            engine.step(now)
+        while parked and gate.may_release("m", tier):
+            ticket = Ticket("m", "user", tier.name)
+            deployment = gate.place(ticket, tier)
+            assert deployment is not None
+            lease = Lease(owner, ticket, next(lease_ids), now, now, 0.0, deployment=deployment)
+            gate.on_released(lease)
+            engines[deployment].admit(lease, tier.name)
+            parked -= 1
+        sample(now)
+        clock.advance(tick_s)
+    return parked

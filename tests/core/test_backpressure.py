@@ -21,7 +21,7 @@ from fair_sched_plugin.core import (
 from fair_sched_plugin.testing import FakeClock, ManualGate
 
 from .conftest import drain, settle, ticket
-from .engine_sim import EngineSim, mean
+from .engine_sim import EngineSim, mean, run_deployments
 
 URL = "http://engine/metrics"
 INTERACTIVE = TierLimits("interactive", waiting_below=3, tpot_below_s=0.15)
@@ -372,6 +372,57 @@ async def test_prefix_affinity_and_prefers_elsewhere() -> None:
     assert not gate.prefers_elsewhere(stranger, INTERACTIVE)
     assert not gate.prefers_elsewhere(Ticket("m", "carol", "interactive"), INTERACTIVE)
     await drain(scheduler)
+
+
+def _flood_deployments(service_s: dict[str, float]) -> dict[str, tuple[list[int], list[int], int]]:
+    """A flood parked in front of engines of 8 slots (`service_s` by deployment key, metrics
+    URL `<key>/metrics`) behind one model; per deployment after the ramp-up: the engine's true
+    waiting and running at every tick, and how many it completed."""
+    clock = FakeClock(0.0)
+    deployments = tuple(Deployment(key, f"{key}/metrics") for key in service_s)
+    group = BackendGroup("m", deployments, arrival_grace_s=0.3)
+    gate = MetricsGate([group], stale_after_s=1.0, clock=clock)
+    engines = {
+        d.key: EngineSim(gate, clock, url=d.metrics_url, service_s=service_s[d.key])
+        for d in deployments
+    }
+    waiting: dict[str, list[int]] = {key: [] for key in engines}
+    running: dict[str, list[int]] = {key: [] for key in engines}
+    completed: dict[str, int] = {}
+
+    def sample(at: float) -> None:
+        if at < 5.0:
+            return  # the ramp-up, while capacity is learned (as in the one-engine tests below)
+        for key, engine in engines.items():
+            completed.setdefault(key, engine.completed)
+            engine_waiting, engine_running = engine.queue
+            waiting[key].append(engine_waiting)
+            running[key].append(engine_running)
+
+    left = run_deployments(gate, clock, engines, 20.0, parked=400, tier=INTERACTIVE, sample=sample)
+    assert left > 0  # still a backlog at the end: every sample is under load
+    return {
+        key: (waiting[key], running[key], engine.completed - completed[key])
+        for key, engine in engines.items()
+    }
+
+
+def test_a_flood_on_a_fast_and_a_three_times_slower_engine_holds_each_as_if_alone() -> None:
+    """Issue #16's scenario in the core: a flood parked in front of two engines of 8 slots, one
+    three times slower, `waiting_below: 3`. Summed, the slow engine's queue reached 11 while the
+    fast one had slots free. Per deployment, each engine's queue is exactly what the same engine
+    gets alone behind the gate (the same ticks, the same queue: the one-engine rules and tests
+    hold for each), both stay full, and the fast one serves three times as many."""
+    both = _flood_deployments({"http://fast": 1.0, "http://slow": 3.0})
+    alone = {**_flood_deployments({"http://fast": 1.0}), **_flood_deployments({"http://slow": 3.0})}
+    for key, (waiting, running, _) in both.items():
+        assert (waiting, running) == alone[key][:2], key
+        # As alone: about the threshold (this engine's ends come in waves, every request takes
+        # exactly service_s, and a wave's settling overshoots by up to 3 for a moment).
+        assert mean(waiting) <= 3.5 and max(waiting) <= 3 + 3, key
+        assert mean(running) >= 0.95 * 8, key
+    fast, slow = both["http://fast"][2], both["http://slow"][2]
+    assert 2.5 <= fast / slow <= 3.5
 
 
 def test_gates_without_placement_never_prefer_elsewhere() -> None:

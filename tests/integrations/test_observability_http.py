@@ -105,7 +105,10 @@ async def test_proxy_metrics_and_status_after_a_flood() -> None:
         ):
             await gate_sees_metrics(service)
             metrics = (await admin.get(METRICS_PATH, headers=admin_headers())).text
-            assert value(metrics, "fair_sched_gate_mode", model=MODEL, mode="metrics") == 1
+            (deployment,) = service.gate.groups()[MODEL].deployments
+            assert deployment.key == f"{emu.base_url}/v1"  # its api_base
+            where = {"model": MODEL, "deployment": deployment.key}
+            assert value(metrics, "fair_sched_gate_mode", **where, mode="metrics") == 1
             assert (
                 value(
                     metrics,
@@ -250,6 +253,10 @@ async def test_litellm_proxy_serves_the_routes_to_the_master_key_only(tmp_path: 
                 )
                 == 2
             )
-            assert value(litellm_metrics, "fair_sched_gate_mode", model=MODEL, mode="metrics") == 1
+            # Keyed by the model_list entry's api_base.
+            (row,) = status["models"][MODEL]["gate"]["per_deployment"]
+            where = {"model": MODEL, "deployment": row["deployment"]}
+            assert row["deployment"].endswith("/v1")
+            assert value(litellm_metrics, "fair_sched_gate_mode", **where, mode="metrics") == 1
             everything = metrics + litellm_metrics + json.dumps(status) + proxy.log_text()
             assert ALICE_KEY not in everything

@@ -86,6 +86,7 @@ async def page_numbers(page: Any) -> dict[str, str]:
                 engine_running: text(`${model} [data-deployment] .running`),
                 engine_tpot: text(`${model} [data-deployment] .tpot`),
                 gate_mode: text(`${model} [data-gate-mode]`),
+                deployment_gate: text(`${model} [data-gate-deployment] .in-flight`),
                 completed: text(`[data-total="completed"] b`),
                 released: text(`[data-total="released"] b`),
               };
@@ -205,6 +206,8 @@ async def test_the_page_shows_a_flood_live_and_nothing_without_the_key(
             # The flooder's queue and the engine's gauges are on the page.
             assert int(first["flooder_queued"] or 0) >= 1, first
             assert first["gate_mode"] == "metrics", first
+            # The deployment's own gate: what it counts in flight.
+            assert first["deployment_gate"] not in (None, "\u2013"), first
             assert first["engine_running"] not in (None, "\u2013"), first
             assert float(first["engine_running"] or 0) >= 1, first
             assert first["engine_waiting"] not in (None, "\u2013"), first
