@@ -17,9 +17,12 @@ from fair_sched_plugin._request import ensure_current_request
 from fair_sched_plugin.core import FairScheduler, Lease, Ticket, TierLimits
 from fair_sched_plugin.testing import FakeClock, ManualGate
 
-pytestmark = pytest.mark.skipif(
-    importlib.util.find_spec("litellm") is None, reason="needs the litellm extra"
-)
+pytestmark = [
+    pytest.mark.litellm_range,
+    pytest.mark.skipif(
+        importlib.util.find_spec("litellm") is None, reason="needs the litellm extra"
+    ),
+]
 
 A = "http://10.0.0.1:8000/v1"
 B = "http://10.0.0.2:8000/v1"
