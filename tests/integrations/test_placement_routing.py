@@ -14,6 +14,7 @@ import contextlib
 from collections.abc import AsyncIterator
 from typing import Any
 
+import httpx
 from starlette.applications import Starlette
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
@@ -73,8 +74,8 @@ def body(index: int) -> dict[str, Any]:
     }
 
 
-async def burst(url: str) -> collections.Counter[str]:
-    """REQUESTS requests at once from four users; the deployment each response names."""
+async def burst_responses(url: str) -> list[httpx.Response]:
+    """REQUESTS requests at once from four users."""
     keys = ["sk-a", "sk-b", "sk-c", "sk-a"]
     clients = [open_client(url, key=key) for key in keys]
     try:
@@ -87,6 +88,12 @@ async def burst(url: str) -> collections.Counter[str]:
     finally:
         for client in clients:
             await client.aclose()
+    return list(responses)
+
+
+async def burst(url: str) -> collections.Counter[str]:
+    """REQUESTS requests at once, all answered; the deployment each response names."""
+    responses = await burst_responses(url)
     assert [response.status_code for response in responses] == [200] * REQUESTS
     return collections.Counter(response.headers[DEPLOYMENT_HEADER] for response in responses)
 
@@ -113,6 +120,27 @@ async def test_proxy_forwards_each_request_to_its_leases_deployment() -> None:
             placed = await burst(url)
             await assert_idle(service)
         assert_each_engine_got_its_placements(placed, first, second)
+
+
+async def test_proxy_sends_nothing_elsewhere_when_the_bound_deployment_fails() -> None:
+    """The first engine answers every completion with a 500: requests bound to it get that
+    answer (the proxy retries only connection failures, and only there); the second engine
+    receives exactly the requests bound to it."""
+    async with two_engines() as (first, second):
+        app = build_proxy_app(two_deployment_config(first, second))
+        service: SchedulingService = app.state.fair_sched
+        first.engine.faults.update({"fail_every_nth_completion": 1})
+        async with serve(app) as url:
+            await gate_sees_metrics(service)
+            responses = await burst_responses(url)
+            await assert_idle(service)
+    by_deployment = collections.defaultdict(list)
+    for response in responses:
+        by_deployment[response.headers[DEPLOYMENT_HEADER]].append(response.status_code)
+    assert set(by_deployment[key_of(first)]) == {500}
+    assert set(by_deployment[key_of(second)]) <= {200}
+    assert len(second.engine.received) == len(by_deployment[key_of(second)])
+    assert len(first.engine.received) == 0  # failures are answered before the engine queues
 
 
 def forwarding_app() -> Starlette:
