@@ -1,11 +1,14 @@
 """Core scheduler throughput: admit+release pairs per second, decision latency, bytes per ticket.
 
     .venv/bin/python benchmarks/core_decisions.py [--users 10 1000 10000] [--pairs 200000]\
-        [--cpu-time]
+        [--cpu-time] [--held 0.5]
 
 With U backlogged users (each with a few parked requests), every pair is: one lease ends, which
 releases the next waiter (an O(log U) heap decision), then one new ticket is admitted to keep the
 backlog constant. The clock is fake and the gate an in-flight limit, so only the core is measured.
+`--held F`: the gate says a fraction F of the users' requests would rather go to another
+deployment (`prefers_elsewhere`), so decisions run the look-ahead (F=1: every decision looks at
+the head and LOOKAHEAD more users, then releases the head: the worst case).
 """
 
 from __future__ import annotations
@@ -36,9 +39,26 @@ _nanoseconds = time.perf_counter_ns
 TIERS = (TierLimits("interactive", waiting_below=3), TierLimits("batch", waiting_below=1))
 
 
-async def _run_pairs(users: int, pairs: int, fairness: FairnessPolicy) -> tuple[float, list[float]]:
+class _HeldGate(InflightLimitGate):
+    """An in-flight limit whose `prefers_elsewhere` holds back the users in `held`."""
+
+    def __init__(self, limit: int, held: frozenset[str]) -> None:
+        super().__init__(limit)
+        self._held = held
+
+    def prefers_elsewhere(self, ticket: Ticket, tier: TierLimits) -> bool:
+        return ticket.user in self._held
+
+
+async def _run_pairs(
+    users: int, pairs: int, fairness: FairnessPolicy, held: float = 0.0
+) -> tuple[float, list[float]]:
     clock = FakeClock()
-    gate = InflightLimitGate(8)
+    # Spread evenly over the fairness order (as many as users * held).
+    held_users = frozenset(
+        f"u{user}" for user in range(users) if int(user * held) != int((user + 1) * held)
+    )
+    gate = _HeldGate(8, held_users)
     scheduler = FairScheduler(
         TIERS,
         gate,
@@ -121,14 +141,17 @@ def main() -> None:
         "--fairness", default="round_robin", choices=["round_robin", "weighted", "tokens"]
     )
     parser.add_argument("--cpu-time", action="store_true", help="measure process CPU time")
+    parser.add_argument(
+        "--held", type=float, default=0.0, help="fraction of users held back for their prefix"
+    )
     args = parser.parse_args()
     if args.cpu_time:
         global _seconds, _nanoseconds
         _seconds, _nanoseconds = time.process_time, time.process_time_ns
-    print(f"fairness={args.fairness} pairs={args.pairs}")
+    print(f"fairness={args.fairness} pairs={args.pairs} held={args.held:g}")
     print(f"{'backlogged users':>17} {'pairs/s':>10} {'p50 us':>8} {'p99 us':>8}")
     for users in args.users:
-        rate, latencies = asyncio.run(_run_pairs(users, args.pairs, args.fairness))
+        rate, latencies = asyncio.run(_run_pairs(users, args.pairs, args.fairness, args.held))
         quantiles = statistics.quantiles(latencies, n=100)
         print(f"{users:>17} {rate:>10,.0f} {quantiles[49]:>8.1f} {quantiles[98]:>8.1f}")
     per_ticket = asyncio.run(_bytes_per_ticket(50_000))

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import logging
 from typing import Any
 
 import pytest
@@ -200,6 +201,26 @@ def test_litellm_deployments_pair_with_configured_metrics_urls_or_fail_naming_th
             {"backends": {"m": {"metrics_urls": urls}}},
             deployments={"m": ["http://a:8000/v1", "http://b:8000/v1", "http://c:8000/v1"]},
         )
+
+
+async def test_a_deployment_losing_its_metrics_is_logged_by_name_and_only_it_falls_back(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    clock = FakeClock()
+    bases = ["http://a:8000/v1", "http://b:8000/v1"]
+    svc = SchedulingService({"backends": {"m": {"api_bases": bases}}}, clock=clock)
+    for base in bases:
+        metrics_url = base.replace("/v1", "/metrics")
+        svc.gate.update("m", BackendSnapshot(metrics_url, clock.now(), ok=True))
+    clock.advance(10.0)
+    with caplog.at_level(logging.WARNING, logger="fair_sched"):
+        svc.gate.update("m", BackendSnapshot("http://a:8000/metrics", clock.now(), ok=True))
+        svc.gate.update("m", BackendSnapshot.failed("http://b:8000/metrics", clock.now(), "down"))
+    (record,) = [r for r in caplog.records if "mode=fallback" in r.getMessage()]
+    assert "deployment=http://b:8000/v1" in record.getMessage()
+    modes = {row.deployment: row.mode for row in svc.gate_status()[0].per_deployment}
+    assert modes == {bases[0]: "metrics", bases[1]: "fallback"}
+    await svc.aclose()
 
 
 def test_cost_estimates() -> None:

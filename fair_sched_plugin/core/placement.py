@@ -6,6 +6,9 @@ The gate knows which deployments have room; this policy chooses among them:
    (`fair_sched_plugin.prefix`): two prompts share their first k hashes exactly when their first
    k blocks are the same text. The deployment where the longest leading run of these blocks was
    placed most recently probably still has them in its prefix cache, so the request goes there.
+   Only that one: after a spill the older home is not a fallback, so each prefix keeps one
+   home and the engines' caches, each holding part of all prefixes, hold different ones (with
+   every home a fallback, prefixes drift onto every deployment and each cache must hold all).
 2. **Bounded load** (consistent hashing with bounded loads, Mirrokni, Thorup and Zadimoghaddam,
    2018): an affinity target is not used when it would then hold more than `load_bound` times
    its share of all the requests on the model's deployments, its share being in proportion to
@@ -17,15 +20,15 @@ The gate knows which deployments have room; this policy chooses among them:
    once this request is on it, so unequal replicas get work in proportion to their slots. Ties go
    to the lowest deployment key (the same answer for the same state, in every replica).
 
-The index of where blocks went is bounded (`remembered_blocks` block-deployment entries, least
-recently placed forgotten first) and a decision costs O(blocks of the prompt), never O(users).
+The index of where blocks went is bounded (`remembered_blocks` blocks, each with the deployment
+it went to last, least recently placed forgotten first) and a decision costs O(log blocks of the
+prompt), never O(users).
 Pure: no I/O, no clock; the gate owns one `Placer` per model and calls `record` with the
 deployment each ticket was bound to.
 """
 
 from __future__ import annotations
 
-import itertools
 import math
 from collections import OrderedDict
 from collections.abc import Sequence
@@ -69,15 +72,13 @@ class Placer:
         self._prefix_affinity = prefix_affinity
         self._load_bound = load_bound
         self._remembered_blocks = remembered_blocks
-        # block hash -> {deployment: placement stamp}, least recently placed block first. A block
-        # maps to several deployments after a spill; the highest stamp is the most recent.
-        self._blocks: OrderedDict[int, dict[str, int]] = OrderedDict()
-        self._entries = 0
-        self._stamps = itertools.count(1)
+        # block hash -> the deployment a prompt with that block (and so with every block before
+        # it) was placed on most recently; least recently placed first.
+        self._blocks: OrderedDict[int, str] = OrderedDict()
 
     def __len__(self) -> int:
-        """Block-deployment entries remembered now (at most `remembered_blocks`)."""
-        return self._entries
+        """Blocks remembered now (at most `remembered_blocks`)."""
+        return len(self._blocks)
 
     def choose(self, prefix: tuple[int, ...], candidates: Sequence[Candidate]) -> Placement | None:
         """Where a ticket with this prefix goes now; None when no candidate has room."""
@@ -107,49 +108,40 @@ class Placer:
         """A ticket with this prefix was bound to `deployment`."""
         if not self._prefix_affinity or not prefix:
             return
-        stamp = next(self._stamps)
         blocks = self._blocks
         # Last block first, so the leading blocks are the most recently placed: eviction then
         # forgets a prompt's tail before its head, and a remembered block's predecessors are
-        # always remembered too (the lookup may stop at the first block it does not know).
+        # always remembered too (what `_affinity_target`'s binary search relies on).
+        move_to_end = blocks.move_to_end
         for block in reversed(prefix):
-            placed = blocks.get(block)
-            if placed is None:
-                blocks[block] = {deployment: stamp}
-                self._entries += 1
-            else:
-                blocks.move_to_end(block)
-                if deployment not in placed:
-                    self._entries += 1
-                placed[deployment] = stamp
-        while self._entries > self._remembered_blocks:
-            _, forgotten = blocks.popitem(last=False)
-            self._entries -= len(forgotten)
+            blocks[block] = deployment
+            move_to_end(block)
+        while len(blocks) > self._remembered_blocks:
+            blocks.popitem(last=False)
 
     def _affinity_target(
         self, prefix: tuple[int, ...], candidates: Sequence[Candidate]
     ) -> Candidate | None:
         """The candidate where the longest leading run of `prefix` was placed most recently."""
-        if not self._prefix_affinity or not prefix or not self._blocks:
+        blocks = self._blocks
+        if not self._prefix_affinity or not prefix or prefix[0] not in blocks:
             return None
+        # The remembered blocks of a prefix are a leading run (see `record`): binary search for
+        # its end, O(log blocks) lookups.
+        low, high = 1, len(prefix)  # prefix[low - 1] is remembered; past `high` nothing is
+        while low < high:
+            middle = (low + high + 1) // 2
+            if prefix[middle - 1] in blocks:
+                low = middle
+            else:
+                high = middle - 1
         by_deployment = {candidate.deployment: candidate for candidate in candidates}
-        target: Candidate | None = None
-        for block in prefix:
-            placed = self._blocks.get(block)
-            if placed is None:
-                break
-            # Chained hashes: a deployment that has block k had blocks 1..k-1 placed with it,
-            # so the deepest block with a candidate names the longest match.
-            newest = -1
-            deepest: Candidate | None = None
-            for deployment, stamp in placed.items():
-                candidate = by_deployment.get(deployment)
-                if candidate is not None and stamp > newest:
-                    newest, deepest = stamp, candidate
-            if deepest is None:
-                break
-            target = deepest
-        return target
+        # A deployment that is gone (no longer a candidate): its shorter runs may be elsewhere.
+        for index in range(low - 1, -1, -1):
+            target = by_deployment.get(blocks[prefix[index]])
+            if target is not None:
+                return target
+        return None
 
     def _within_bound(self, target: Candidate, candidates: Sequence[Candidate]) -> bool:
         """Would `target` stay within `load_bound` times its capacity's share of all the load,

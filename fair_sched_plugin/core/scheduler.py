@@ -34,6 +34,15 @@ _QUEUED, _GRANTED, _CANCELLED, _EXPIRED, _CLOSED = range(5)
 # memory cannot grow with the number of distinct callers (rotating keys, claimed names).
 MAX_IDLE_USERS_REMEMBERED = 10_000
 
+# When the fair head of a tier would be bound away from the deployment that has its prefix
+# cached (`AdmissionGate.prefers_elsewhere`), at most this many users after it are considered
+# before it goes anyway: each costs a heap pop and push, so a decision stays O(log n).
+LOOKAHEAD = 5
+
+
+# A tier heap's entry: (virtual time, arrival counter, generation, user).
+_HeapEntry = tuple[float, int, int, "_UserQueue"]
+
 
 class UserBacklog(NamedTuple):
     model: str
@@ -174,7 +183,7 @@ class _TierQueue:
         self.users: dict[str, _UserQueue] = {}
         # Users kept only for their virtual time, longest idle first (bounded).
         self.idle: OrderedDict[str, _UserQueue] = OrderedDict()
-        self.heap: list[tuple[float, int, int, _UserQueue]] = []
+        self.heap: list[_HeapEntry] = []
         self.stale_entries = 0
         self.virtual_time = 0.0
         self.queued = 0
@@ -613,16 +622,80 @@ class FairScheduler:
 
     def _release_next(self, queues: _ModelQueues, tier: _TierQueue) -> None:
         user_queue = self._peek_user(tier)
+        head = self._head_waiter(user_queue)
+        if not head.done() and self._gate.prefers_elsewhere(head.ticket, tier.limits):
+            # Releasing the fair head now would bind it away from the deployment that has its
+            # prefix cached (a miss, which also evicts others' prefixes there), and holding
+            # everybody back would idle the deployment that has room: a later user whose own
+            # deployment has room goes first. The head keeps its virtual time, so it is first
+            # again at the next decision. None found: the head goes and its prefix spills.
+            found = self._look_ahead(tier)
+            if found is not None:
+                self._release_head(
+                    queues,
+                    tier,
+                    found[0],
+                    off_heap_entry=found[1],
+                    start_tag=user_queue.virtual_time,
+                )
+                return
+        self._release_head(queues, tier, user_queue)
+
+    def _look_ahead(self, tier: _TierQueue) -> tuple[_UserQueue, _HeapEntry] | None:
+        """The first of the next `LOOKAHEAD` backlogged users after the head (fairness order)
+        whose head request is not held back for its prefix, taken off the heap with its entry;
+        the users passed over are put back unchanged. O(LOOKAHEAD log n)."""
+        heap = tier.heap
+        prefers_elsewhere = self._gate.prefers_elsewhere
+        passed_over = [heapq.heappop(heap)]  # the head's entry (valid: it was just peeked)
+        try:
+            while len(passed_over) <= LOOKAHEAD:
+                user_queue = self._peek_user_or_none(tier)
+                if user_queue is None:
+                    return None
+                waiter = self._head_waiter(user_queue)
+                # A waiter whose task was cancelled (not yet cleaned up) is taken too: the
+                # release path then discards it, as it would at the head.
+                if waiter.done() or not prefers_elsewhere(waiter.ticket, tier.limits):
+                    entry = heapq.heappop(heap)
+                    user_queue.in_heap = False
+                    return user_queue, entry
+                passed_over.append(heapq.heappop(heap))
+            return None
+        finally:
+            # Back exactly as they were (same key, arrival and generation): lazy deletion
+            # still recognises them, and their order among themselves is unchanged.
+            for entry in passed_over:
+                heapq.heappush(heap, entry)
+
+    def _head_waiter(self, user_queue: _UserQueue) -> _Waiter:
+        """The user's next request in its order (cancelled entries before it are dropped)."""
         if self._shortest_first:
             sized = user_queue.sized
-            waiter = heapq.heappop(sized)[2]
-            while waiter.state != _QUEUED:
-                waiter = heapq.heappop(sized)[2]
+            while sized[0][2].state != _QUEUED:
+                heapq.heappop(sized)
+            return sized[0][2]
+        waiters = user_queue.waiters
+        while waiters[0].state != _QUEUED:
+            waiters.popleft()
+        return waiters[0]
+
+    def _release_head(
+        self,
+        queues: _ModelQueues,
+        tier: _TierQueue,
+        user_queue: _UserQueue,
+        *,
+        off_heap_entry: _HeapEntry | None = None,
+        start_tag: float | None = None,
+    ) -> None:
+        """Release `user_queue`'s head request (found by `_head_waiter`). The user's heap
+        entry is the heap's top, or `off_heap_entry` when the look-ahead took it off; then
+        `start_tag` is the passed-over head's virtual time."""
+        if self._shortest_first:
+            waiter = heapq.heappop(user_queue.sized)[2]
         else:
-            waiters = user_queue.waiters
-            waiter = waiters.popleft()
-            while waiter.state != _QUEUED:
-                waiter = waiters.popleft()
+            waiter = user_queue.waiters.popleft()
         user_queue.depth -= 1
         if not user_queue.depth:
             user_queue.waiters.clear()
@@ -636,19 +709,32 @@ class FairScheduler:
             # user's position is unchanged: its heap entry stays if it still has requests.
             waiter.state = _CANCELLED
             self._cancelled_total += 1
-            if not user_queue.depth:
+            if off_heap_entry is not None:
+                if user_queue.depth:
+                    user_queue.in_heap = True
+                    heapq.heappush(tier.heap, off_heap_entry)
+            elif not user_queue.depth:
                 self._pop_top(tier, user_queue)
+            if not user_queue.depth:
                 self._forget_if_idle(tier, user_queue)
             return
         waiter.state = _GRANTED
-        # The start tag of the request now in service is the tier's virtual time.
-        if user_queue.virtual_time > tier.virtual_time:
-            tier.virtual_time = user_queue.virtual_time
+        # The start tag of the request now in service is the tier's virtual time. After a
+        # look-ahead it is the passed-over head's: the tier's time must not pass a backlogged
+        # user's, or a correction (`_correct`) or a newcomer's lift would cost the users passed
+        # over their place.
+        if start_tag is None:
+            start_tag = user_queue.virtual_time
+        if start_tag > tier.virtual_time:
+            tier.virtual_time = start_tag
         deployment = self._gate.place(waiter.ticket, tier.limits)
         lease = self._make_lease(
             queues, user_queue, waiter.ticket, enqueued_at=waiter.enqueued_at, deployment=deployment
         )
-        if user_queue.depth:
+        if off_heap_entry is not None:
+            if user_queue.depth:
+                self._push(tier, user_queue)
+        elif user_queue.depth:
             # Back in line at its new virtual time: one sift instead of a pop and a push.
             user_queue.heap_generation += 1
             heapq.heapreplace(
@@ -776,6 +862,17 @@ class FairScheduler:
             ]
             heapq.heapify(tier.heap)
             tier.stale_entries = 0
+
+    def _peek_user_or_none(self, tier: _TierQueue) -> _UserQueue | None:
+        """`_peek_user`, or None when no entry is left (the look-ahead has taken some off)."""
+        heap = tier.heap
+        while heap:
+            _, _, generation, user_queue = heap[0]
+            if user_queue.in_heap and generation == user_queue.heap_generation:
+                return user_queue
+            heapq.heappop(heap)
+            tier.stale_entries -= 1
+        return None
 
     def _peek_user(self, tier: _TierQueue) -> _UserQueue:
         """The backlogged user with the lowest virtual time (stale entries on top are dropped)."""

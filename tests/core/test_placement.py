@@ -176,7 +176,7 @@ def test_memory_stays_bounded_under_many_distinct_prefixes() -> None:
 def test_eviction_forgets_a_prompts_tail_before_its_head() -> None:
     placer = Placer(remembered_blocks=4)
     placer.record((1, 2, 3), "a")
-    placer.record((9, 8), "b")  # 5 entries: the oldest block, a's last, goes
+    placer.record((9, 8), "b")  # 5 blocks: the oldest, a's last, goes
     assert len(placer) == 4
     assert placer.choose((1, 2, 3), [cand("a", load=3), cand("b")]) == Placement("a", True)
 
@@ -184,11 +184,21 @@ def test_eviction_forgets_a_prompts_tail_before_its_head() -> None:
 def test_a_spilled_prefix_follows_its_most_recent_placement() -> None:
     placer = Placer()
     placer.record((1, 2), "a")
-    placer.record((1, 2), "b")  # spilled there
-    assert len(placer) == 4
+    placer.record((1, 2), "b")  # spilled there: its one home is b now
+    assert len(placer) == 2
     assert placer.preferred((1, 2), [cand("a"), cand("b")]) == "b"
-    # Where b is gone, a still has it.
-    assert placer.preferred((1, 2), [cand("a"), cand("c")]) == "a"
+    assert placer.choose((1, 2), [cand("a"), cand("b", load=2)]) == Placement("b", True)
+
+
+def test_a_gone_deployment_leaves_the_shorter_runs_placed_elsewhere() -> None:
+    placer = Placer()
+    placer.record((1, 2), "a")
+    placer.record((1, 2, 3, 4), "gone")  # its blocks 1 and 2 now point at "gone" too
+    placer.record((1, 5), "b")  # block 1 points at b
+    candidates = [cand("a"), cand("b")]
+    # The longest run's deployment is no candidate: the deepest block that names one wins.
+    assert placer.preferred((1, 2, 3, 4), candidates) == "b"
+    assert placer.preferred((9,), candidates) is None
 
 
 def test_invalid_settings_are_refused() -> None:

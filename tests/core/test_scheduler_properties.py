@@ -1,5 +1,6 @@
-"""Property: any interleaving of submit, cancel, release, timeout and gate changes ends with nothing
-queued, nothing in flight, and every ticket ended exactly once."""
+"""Property: any interleaving of submit, cancel, release, timeout and gate changes (the
+look-ahead's held users included) ends with nothing queued, nothing in flight, and every ticket
+ended exactly once."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ import asyncio
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from fair_sched_plugin.core import FairScheduler, InflightLimitGate, Lease
+from fair_sched_plugin.core import FairScheduler, InflightLimitGate, Lease, Ticket, TierLimits
 from fair_sched_plugin.errors import QueueFull, QueueTimeout, SchedulerClosed
 from fair_sched_plugin.testing import FakeClock
 
@@ -23,6 +24,8 @@ operations = st.lists(
         st.tuples(st.just("release"), st.integers(0, 40), st.integers(0, 500)),
         st.tuples(st.just("advance"), st.floats(0.1, 6.0)),
         st.tuples(st.just("limit"), st.integers(0, 3)),
+        # Users whose requests the gate would rather place elsewhere (the look-ahead skips them).
+        st.tuples(st.just("held"), st.frozensets(st.sampled_from("abcd"))),
         st.tuples(
             st.just("yield"),
         ),
@@ -32,23 +35,29 @@ operations = st.lists(
 
 
 class _AdjustableGate(InflightLimitGate):
+    held: frozenset[str] = frozenset()
+
+    def prefers_elsewhere(self, ticket: Ticket, tier: TierLimits) -> bool:
+        return ticket.user in self.held
+
     def set_limit(self, limit: int) -> None:
         # 0 closes the gate entirely.
         self._default_limit = limit
         self._notify(None)
 
 
-async def _play(ops: list[tuple[object, ...]], fairness: str) -> None:
+async def _play(ops: list[tuple[object, ...]], fairness: str, order: str) -> None:
     clock = FakeClock()
     gate = _AdjustableGate(1)
     scheduler = FairScheduler(
         TIERS,
         gate,
         clock=clock,
-        fairness=fairness,
+        fairness=fairness,  # type: ignore[arg-type]
         max_per_user=5,
         max_total=12,
-        max_wait_s=10,  # type: ignore[arg-type]
+        max_wait_s=10,
+        order=order,  # type: ignore[arg-type]
     )
     outcomes: dict[int, list[str]] = {}
     tasks: list[asyncio.Task[None]] = []
@@ -83,6 +92,8 @@ async def _play(ops: list[tuple[object, ...]], fairness: str) -> None:
             clock.advance(float(op[1]))  # type: ignore[arg-type]
         elif kind == "limit":
             gate.set_limit(int(op[1]))
+        elif kind == "held":
+            gate.held = op[1]  # type: ignore[assignment]
         await asyncio.sleep(0)
 
     # Wind down: open the gate, end every lease, then close.
@@ -108,6 +119,12 @@ async def _play(ops: list[tuple[object, ...]], fairness: str) -> None:
 
 
 @settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(ops=operations, fairness=st.sampled_from(["round_robin", "weighted", "tokens"]))
-def test_every_ticket_ends_exactly_once(ops: list[tuple[object, ...]], fairness: str) -> None:
-    asyncio.run(_play(ops, fairness))
+@given(
+    ops=operations,
+    fairness=st.sampled_from(["round_robin", "weighted", "tokens"]),
+    order=st.sampled_from(["fifo", "shortest_first"]),
+)
+def test_every_ticket_ends_exactly_once(
+    ops: list[tuple[object, ...]], fairness: str, order: str
+) -> None:
+    asyncio.run(_play(ops, fairness, order))

@@ -223,3 +223,57 @@ async def test_idle_gate_with_parked_requests_burns_almost_no_cpu() -> None:
             # Nothing polls parked requests: they add (almost) nothing to the baseline.
             assert with_parked < baseline * 1.5 + 0.05
             await cancel_all([blocker, *parked])
+
+
+async def test_two_deployments_each_hold_their_own_threshold_and_the_faster_serves_more() -> None:
+    """Issue #16 on real servers: two emulators behind one model name, one three times slower
+    per step, 200 parked requests. Each engine's own waiting queue stays within the threshold
+    (summed, the slow one's grew past it while the fast one had room), every request goes to the
+    deployment its lease is bound to, and the faster engine serves more of them."""
+    async with (
+        emulator(max_num_seqs=4, base_step_ms=10.0) as fast,
+        emulator(max_num_seqs=4, base_step_ms=30.0) as slow,
+    ):
+        settings = fair_config(
+            fast,
+            waiting_below=3,
+            backend={"api_bases": [f"{slow.base_url}/v1"]},
+            queue={"max_per_user": 1000, "max_total": 2000},
+        )
+        engines = {f"{fast.base_url}/v1": fast, f"{slow.base_url}/v1": slow}
+        async with (
+            SchedulingService(settings) as service,
+            httpx.AsyncClient(timeout=120, limits=httpx.Limits(max_connections=None)) as client,
+        ):
+            await wait_until(lambda: service.gate.status()[0].mode == "metrics")
+            body = completion_body(max_tokens=8, stream=True)
+
+            async def forward(user: str) -> None:
+                principal = service.identify(Credentials(api_key=user))
+                admission = await service.admit(principal, MODEL, body)
+                deployment = admission.lease.deployment
+                assert deployment in engines
+                try:
+                    url = f"{deployment}/completions"
+                    async with client.stream("POST", url, json=body) as response:
+                        async for _ in response.aiter_raw():
+                            admission.lease.mark_started()
+                finally:
+                    admission.lease.release()
+
+            requests = [asyncio.ensure_future(forward(f"sk-user-{i % 10}")) for i in range(200)]
+            try:
+                await asyncio.wait_for(asyncio.gather(*requests), timeout=240)
+            finally:
+                await cancel_all(requests)
+        fast_stats, slow_stats = fast.engine.statistics(), slow.engine.statistics()
+        print(
+            f"\ntwo deployments: fast served {fast_stats.requests_finished} (max waiting "
+            f"{fast_stats.max_waiting_seen}), slow {slow_stats.requests_finished} (max waiting "
+            f"{slow_stats.max_waiting_seen}), threshold 3 each"
+        )
+        assert fast_stats.requests_finished + slow_stats.requests_finished == 200
+        assert fast_stats.max_waiting_seen <= 3
+        assert slow_stats.max_waiting_seen <= 3
+        # In proportion to speed (2.4 to 1 measured here; a router blind to load splits evenly).
+        assert fast_stats.requests_finished > 1.5 * slow_stats.requests_finished > 0
