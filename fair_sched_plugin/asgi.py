@@ -16,8 +16,9 @@ Where the model has several deployments (`backends.<model>.api_bases`), the sche
 request to one of them and the app must send it there: the deployment's key (its api_base
 without a trailing "/") is `request.state.fair_sched_deployment` (`scope["state"]`) and the
 request header `x-fair-sched-deployment` (a client's own header of that name is removed, so the
-app may trust it); None and no header where the model has one engine. The response carries the
-same `x-fair-sched-deployment` header.
+app may trust it); None and no header for a model without deployments the gate knows (one
+scheduled on the shared in-flight cap). The response carries the same `x-fair-sched-deployment`
+header.
 """
 
 from __future__ import annotations
@@ -57,7 +58,7 @@ MAX_BODY_BYTES = 8 * 1024 * 1024
 USAGE_SNIFF_BYTES = 256 * 1024
 
 # Key in the ASGI scope's "state" (Starlette's `request.state.fair_sched_deployment`): the
-# deployment the request is bound to, None where its model has one engine.
+# deployment the request is bound to, None where the gate knows no deployment of its model.
 DEPLOYMENT_STATE = "fair_sched_deployment"
 
 __all__ = ["DEFAULT_PATHS", "DEPLOYMENT_STATE", "QUEUE_PATH", "FairSchedulerMiddleware"]

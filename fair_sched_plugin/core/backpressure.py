@@ -32,7 +32,8 @@ Work-conserving against late signals (issue #17): a pending request that already
 otherwise count twice (pending, and running in the scrape) until its first byte, which a
 CPU-starved proxy sees late; that eats the queue credit that keeps the engine full. So each
 scrape also settles as many pending requests as the engine's requests grew since the previous
-one (plus our ends in between, which hide as many arrivals). With `metrics_lag_s` a scrape is
+one (plus our ends in between, which hide as many arrivals, less ours settled in between by
+their first byte or end, which are among them). With `metrics_lag_s` a scrape is
 taken to show the engine as of `started_at - metrics_lag_s`: first bytes and pending requests
 are forgotten against that time, and ends seen after it give their slots back.
 
@@ -187,6 +188,9 @@ class _DeploymentState:
     scrape_requested: bool = False
     # Started leases that ended since the last scrape (see _settle_arrivals).
     ends_since_scrape: int = 0
+    # Pending leases settled by their first byte or end since the last scrape: arrivals the
+    # engine's growth may show too (see _settle_arrivals).
+    settled_since_scrape: int = 0
     # The gate held a request back for this engine's queue since the last scrape (demand).
     held_back: bool = False
     # `waiting_below: auto` tiers' controllers, by tier name, made on the tier's first decision.
@@ -270,9 +274,11 @@ class MetricsGate:
             # Replicas sharing the engine (share_with) each see the others' arrivals as growth:
             # taken for their own, they would let as many more in, n times over.
             if self._sharers > 1 or not self._growth_settles:
-                deployment.ends_since_scrape = 0
+                deployment.ends_since_scrape = deployment.settled_since_scrape = 0
             elif previous is not None and previous.started_at < snapshot.started_at:
                 self._settle_arrivals(state.spec, deployment, previous, snapshot)
+            else:  # nothing to compare with: what happened before this scrape is in it
+                deployment.ends_since_scrape = deployment.settled_since_scrape = 0
             self._account_scraped(state.spec, deployment)
             # After the settling: probing asks whether anything is still on its way.
             self._learn_capacity(state.spec, deployment, snapshot)
@@ -311,13 +317,14 @@ class MetricsGate:
     def on_started(self, lease: Lease) -> None:
         state = self._groups.get(lease.ticket.model)
         deployment = state.counted.get(lease.lease_id) if state is not None else None
-        if deployment is None:
+        if state is None or deployment is None:
             return
         now = self._clock.now()
         tuner = deployment.tuners.get(lease.ticket.tier)
         if tuner is not None:
             tuner.observe_first_byte(lease.lease_id, lease.released_at, now - lease.released_at)
         if self._settle(deployment, lease):
+            deployment.settled_since_scrape += 1
             deployment.first_bytes.append(now)
             self._notify(lease.ticket.model)
 
@@ -335,7 +342,8 @@ class MetricsGate:
         if deployment is None:
             return  # never released through this gate: nothing counted
         deployment.in_flight -= 1
-        self._settle(deployment, lease)
+        if self._settle(deployment, lease):
+            deployment.settled_since_scrape += 1
         for name, tuner in deployment.tuners.items():
             if name == lease.ticket.tier:
                 tuner.observe_ended(lease.lease_id)
@@ -667,8 +675,13 @@ class MetricsGate:
         grown = snapshot.waiting + snapshot.running - previous.waiting - previous.running
         # Requests that left the engine in between hide as many arrivals: our own ends since the
         # last scrape stand for them (seen late, like everything else the proxy sees).
-        arrived = int(grown) + deployment.ends_since_scrape
-        deployment.ends_since_scrape = 0
+        # Ours settled since by their first byte or end may be among those arrivals: settling as
+        # many others for them let as many more in (a wave of ends refilled by releases whose
+        # first bytes came back before the scrape put the engine's queue 3 over a fixed
+        # threshold). One that arrived before the last scrape keeps a lease pending a little
+        # longer instead (until its own first byte, or the grace).
+        arrived = int(grown) + deployment.ends_since_scrape - deployment.settled_since_scrape
+        deployment.ends_since_scrape = deployment.settled_since_scrape = 0
         as_of = snapshot.started_at - spec.metrics_lag_s
         pending = deployment.pending
         while arrived > 0 and pending and pending[0].released_at <= as_of:

@@ -197,6 +197,9 @@ class FairSchedCallback(CustomLogger):
             _release_with_usage(lease, self._service, getattr(response, "usage", None))
         return response
 
+    # No `async_log_failure_event`: it fires for each failed attempt, and LiteLLM's router may
+    # retry on the same deployment within the lease, which ends when the proxy answers (here, or
+    # at the request's end).
     async def async_post_call_failure_hook(
         self,
         request_data: dict[str, Any],
@@ -215,14 +218,6 @@ class FairSchedCallback(CustomLogger):
         lease = _request_lease()
         if lease is not None:
             _release_with_usage(lease, self._service, getattr(response_obj, "usage", None))
-
-    async def async_log_failure_event(
-        self, kwargs: dict[str, Any], response_obj: Any, start_time: Any, end_time: Any
-    ) -> None:
-        # One failed attempt: LiteLLM's router may retry on the same deployment, so the lease
-        # ends when the proxy answers (`async_post_call_failure_hook`, or the request's end).
-        # Outside the proxy (no request) there is no lease to end.
-        return None
 
 
 def _bound_lease() -> Lease | None:

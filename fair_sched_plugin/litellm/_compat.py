@@ -32,7 +32,6 @@ HOOKS = (
     "async_post_call_success_hook",
     "async_post_call_failure_hook",
     "async_log_success_event",
-    "async_log_failure_event",
     "async_filter_deployments",
     "async_pre_call_check",
 )

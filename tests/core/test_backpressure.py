@@ -412,14 +412,15 @@ def test_a_flood_on_a_fast_and_a_three_times_slower_engine_holds_each_as_if_alon
     three times slower, `waiting_below: 3`. Summed, the slow engine's queue reached 11 while the
     fast one had slots free. Per deployment, each engine's queue is exactly what the same engine
     gets alone behind the gate (the same ticks, the same queue: the one-engine rules and tests
-    hold for each), both stay full, and the fast one serves three times as many."""
+    hold for each), never above the threshold, both stay full, and the fast one serves three
+    times as many. Every request here takes exactly its service time, so ends come in waves:
+    settling pending releases by the engine's growth counted ours whose first bytes had already
+    settled them as further arrivals, and the queue reached 6 (5 at 1.3 s service)."""
     both = _flood_deployments({"http://fast": 1.0, "http://slow": 3.0})
     alone = {**_flood_deployments({"http://fast": 1.0}), **_flood_deployments({"http://slow": 3.0})}
     for key, (waiting, running, _) in both.items():
         assert (waiting, running) == alone[key][:2], key
-        # As alone: about the threshold (this engine's ends come in waves, every request takes
-        # exactly service_s, and a wave's settling overshoots by up to 3 for a moment).
-        assert mean(waiting) <= 3.5 and max(waiting) <= 3 + 3, key
+        assert max(waiting) <= 3, key
         assert mean(running) >= 0.95 * 8, key
     fast, slow = both["http://fast"][2], both["http://slow"][2]
     assert 2.5 <= fast / slow <= 3.5
