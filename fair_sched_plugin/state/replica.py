@@ -262,6 +262,12 @@ def _error_from(reply: _Reply) -> Rejected:
 
 
 _TICKET_FIELDS = 6
+# A replica of the version before placement (#16) sends tickets without `prefix`, adopted leases
+# without their deployment, and grants without a deployment: during a rolling upgrade those
+# still mean what they meant (no prefix, not placed), rather than being skipped as malformed,
+# which left a follower's request parked until its wait ran out while the leader counted its
+# lease in flight for good.
+_OLDER_TICKET_FIELDS = 5
 # More leading blocks than any replica of this version sends (prefix.DEFAULT_MAX_BLOCKS).
 _MAX_PREFIX_BLOCKS = 1024
 _MAX_PREFIX_HASH = 1 << 52
@@ -274,6 +280,8 @@ def _ticket_fields(ticket: Ticket) -> list[Any]:
 def _ticket_from(fields: list[Any]) -> Ticket:
     """The ticket a message carries; TypeError/ValueError if it is not one (the core must never
     hold a field of the wrong type: its heaps compare them later, for everyone)."""
+    if len(fields) == _OLDER_TICKET_FIELDS:
+        fields = [*fields, []]
     model, user, tier, weight, cost, prefix = fields
     if not all(isinstance(text, str) for text in (model, user, tier)):
         raise TypeError(f"ticket names: {fields[:3]!r}")
@@ -362,6 +370,10 @@ def _read_reply(text: str) -> _Reply | None:
     if not isinstance(reply, list) or len(reply) < 3:
         return None
     kind, epoch, session, *rest = reply
+    if kind == "g" and len(rest) == len(_REPLY_SHAPES["g"]) - 1:
+        # An older leader's grant (see _OLDER_TICKET_FIELDS): it did not place the request.
+        rest.append(None)
+        reply.append(None)
     shape = _REPLY_SHAPES.get(kind) if isinstance(kind, str) else None
     if shape is None or len(rest) != len(shape) or not all(map(lambda f, v: f(v), shape, rest)):
         return None
@@ -1054,13 +1066,16 @@ class ReplicaScheduler:
                 raise TypeError(f"tokens used: {tokens!r}")
             term.end(key, None if tokens < 0 else tokens, abandoned=bool(message[6]))
         elif kind == "a":
-            deployment = message[6 + _TICKET_FIELDS]
+            # [ticket..., started, deployment]; an older replica's: [ticket (5 fields), started].
+            older = len(message) <= 5 + _OLDER_TICKET_FIELDS + 1
+            fields = _OLDER_TICKET_FIELDS if older else _TICKET_FIELDS
+            deployment = None if older else message[6 + fields]
             if deployment is not None and not isinstance(deployment, str):
                 raise TypeError(f"deployment: {deployment!r}")
             term.adopt(
                 key,
-                _ticket_from(message[5 : 5 + _TICKET_FIELDS]),
-                started=bool(message[5 + _TICKET_FIELDS]),
+                _ticket_from(message[5 : 5 + fields]),
+                started=bool(message[5 + fields]),
                 deployment=deployment,
             )
         elif kind == "p":

@@ -420,3 +420,59 @@ async def test_a_leader_after_redis_lost_its_data_holds_like_any_later_leader(
         lease.release()
     finally:
         await asyncio.gather(*(asyncio.wait_for(r.aclose(), 10) for r in replicas))
+
+
+def _as_before_placement(message: list[Any]) -> list[Any]:
+    """A follower message as a replica of the version before placement (#16) wrote it: tickets
+    without `prefix`, adopted leases without their deployment."""
+    if message[0] == "s":
+        return message[:10]
+    if message[0] == "a":
+        return [*message[:10], message[11]]
+    return message
+
+
+async def test_an_older_leaders_grant_without_a_deployment_is_used(cluster: Cluster) -> None:
+    """Rolling upgrade: a leader of the version before placement grants `["g", epoch, session,
+    tid, charged]`. Before: the follower skipped it as malformed, its request stayed parked
+    until its wait ran out, and the leader counted the lease in flight for good."""
+    leader, follower = await pair(cluster)
+    assert leader._term is not None
+    reply = leader._term._reply
+
+    def older_reply(replica: str, message: Any) -> None:
+        reply(replica, message[:5] if message[0] == "g" else message)
+
+    leader._term._reply = older_reply
+    lease = await asyncio.wait_for(follower.acquire(ticket("A")), 5)
+    assert lease.deployment is None
+    lease.release()
+    await follower.barrier()
+    stats = leader.statistics()
+    assert (stats.in_flight, stats.completed_total) == (0, 1)
+
+
+async def test_an_older_followers_tickets_and_adopted_leases_are_accepted(
+    cluster: Cluster,
+) -> None:
+    """Rolling upgrade: a follower of the version before placement sends 5-field tickets and
+    adopted leases without a deployment. Before: the leader skipped both as malformed (the
+    request waited out its limit; an adopted lease was not counted, so the cap was exceeded)."""
+    leader, follower = await pair(cluster)
+    send = follower._send
+    follower._send = lambda message: send(_as_before_placement(message))  # type: ignore[method-assign]
+    lease = await asyncio.wait_for(follower.acquire(ticket("A")), 5)
+    await follower.barrier()
+    assert leader.statistics().in_flight == 1
+    lease.release()
+    await follower.barrier()
+    assert leader.statistics().in_flight == 0
+    # A lease an older replica reports to a new leader (what it re-sends after a failover).
+    adopted = ["a", follower._epoch, follower._session, follower.replica, 10_000]
+    follower._send([*adopted, "m", "B", "interactive", 1.0, 1, [], True, None])
+    await follower.barrier()
+    assert leader.statistics().in_flight == 1
+    assert follower.try_acquire(ticket("C")) is None  # the cap of one holds
+    follower._send(["e", follower._epoch, follower._session, follower.replica, 10_000, -1, True])
+    await follower.barrier()
+    assert leader.statistics().in_flight == 0
