@@ -15,10 +15,10 @@ straight through.
 Where the model has several deployments (`backends.<model>.api_bases`), the scheduler binds each
 request to one of them and the app must send it there: the deployment's key (its api_base
 without a trailing "/") is `request.state.fair_sched_deployment` (`scope["state"]`) and the
-request header `x-fair-sched-deployment` (a client's own header of that name is removed, so the
-app may trust it); None and no header for a model without deployments the gate knows (one
-scheduled on the shared in-flight cap). The response carries the same `x-fair-sched-deployment`
-header.
+request header `x-fair-sched-deployment` (a client's own header of that name is removed from
+every HTTP request, scheduled or not, so the app may trust it); None and no header for a model
+without deployments the gate knows (one scheduled on the shared in-flight cap). The response
+carries the same `x-fair-sched-deployment` header.
 """
 
 from __future__ import annotations
@@ -150,7 +150,7 @@ class FairSchedulerMiddleware:
             or scope.get("method") != "POST"
             or not any(pattern.search(scope.get("path", "")) for pattern in self._paths)
         ):
-            await self.app(scope, receive, send)
+            await self.app(_without_client_deployment(scope), receive, send)
             return
         settings = self.service.settings
         watch = RequestWatch(
@@ -255,7 +255,9 @@ class _ScheduledRequest:
         if body_bytes is None:
             return  # the client left before sending its body, or it was too large
         if self.middleware._pass_unmodelled and not _names_a_model(body_bytes):
-            await self.middleware.app(scope, self._replay(body_bytes, receive), send)
+            await self.middleware.app(
+                _without_client_deployment(scope), self._replay(body_bytes, receive), send
+            )
             return
         try:
             body = parse_request_body(body_bytes)
@@ -399,6 +401,19 @@ def _for_app(
     if deployment is not None:
         kept.append((DEPLOYMENT_HEADER, deployment.encode("latin-1", "replace")))
     return kept
+
+
+def _without_client_deployment(scope: Scope) -> Scope:
+    """`scope` for a request the middleware does not schedule, without a client's own
+    `x-fair-sched-deployment`: the app may trust that header on every route (one that forwards
+    an unscheduled call, an embeddings route say, by it would otherwise go where the client
+    said, past the deployment's gate)."""
+    if scope["type"] != "http" or not any(
+        name.lower() == DEPLOYMENT_HEADER for name, _ in scope.get("headers", ())
+    ):
+        return scope
+    headers = [(n, v) for n, v in scope["headers"] if n.lower() != DEPLOYMENT_HEADER]
+    return {**scope, "headers": headers}
 
 
 def _usage_from_sse(chunk: bytes) -> Usage | None:

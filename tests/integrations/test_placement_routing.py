@@ -242,3 +242,30 @@ async def test_proxy_with_one_api_base_in_front_of_engines_known_by_metrics() ->
     assert [response.status_code for response in responses] == [200] * 4
     assert len(first.engine.received) == 4
     assert len(second.engine.received) == 0
+
+
+async def test_a_clients_deployment_header_is_removed_on_unscheduled_routes_too() -> None:
+    """Before: only scheduled requests lost a client's `x-fair-sched-deployment`; on a route
+    the middleware passes (embeddings, a GET, a body it passes unmodelled) the app got the
+    client's value, and an app that forwards by that header (as the docs say it may trust it)
+    sent the call where the client chose, past that deployment's gate."""
+    seen: list[list[str]] = []
+
+    async def endpoint(request: Request) -> Response:
+        seen.append(request.headers.getlist(DEPLOYMENT_HEADER))
+        return JSONResponse({})
+
+    async with emulator() as emu:
+        app = Starlette(
+            routes=[Route("/v1/embeddings", endpoint, methods=["POST", "GET"])],
+        )
+        service = SchedulingService(fair_config(emu))
+        app.add_middleware(FairSchedulerMiddleware, service=service)
+        async with serve(app) as url, open_client(url, key="sk-a") as client:
+            headers = {DEPLOYMENT_HEADER: "http://attacker.example/v1"}
+            post = await client.post(
+                "/v1/embeddings", json={"model": MODEL, "input": "x"}, headers=headers
+            )
+            get = await client.get("/v1/embeddings", headers=headers)
+    assert (post.status_code, get.status_code) == (200, 200)
+    assert seen == [[], []]
