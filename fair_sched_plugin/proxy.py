@@ -38,6 +38,7 @@ from starlette.types import Receive, Scope, Send
 
 from . import _responses
 from ._http import KEEPALIVE_EXPIRY_S
+from ._request import current_request
 from .asgi import DEPLOYMENT_STATE, FairSchedulerMiddleware
 from .config import FairSchedSettings, load_settings
 from .errors import ConfigError, EngineUnavailable, Rejected
@@ -234,6 +235,11 @@ class _ProxyRoutes:
                 model,
                 _describe(exc),
             )
+            # The engine never had it: the turn passes on uncharged, and our own answer below
+            # is not the engine's first byte (the gate would count a slot taken there).
+            watch = current_request()
+            for lease in watch.leases if watch is not None else ():
+                lease.abandon()
             # Retry when the queue ahead would have drained at the measured rate, or at least
             # once the gate could have noticed (metrics go stale and it falls back).
             service = self._service

@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import contextlib
+import socket
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -269,3 +270,31 @@ async def test_a_clients_deployment_header_is_removed_on_unscheduled_routes_too(
             get = await client.get("/v1/embeddings", headers=headers)
     assert (post.status_code, get.status_code) == (200, 200)
     assert seen == [[], []]
+
+
+async def test_proxy_abandons_the_lease_of_a_request_its_deployment_refused() -> None:
+    """The second deployment refuses connections. Requests bound to it get a 502 that names it
+    and says when to retry, and their leases end abandoned (uncharged, no first byte for the
+    gate), as LiteLLM's adapter does when no byte came back. Before: the proxy's own 503 body
+    counted as the engine's first byte, and the lease as completed and charged."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        dead = f"http://127.0.0.1:{sock.getsockname()[1]}/v1"
+    # Nothing listens there once the socket is closed (never listened, in fact).
+    async with emulator(max_num_seqs=4, **STEPS) as live:
+        config = fair_config(live, backend={"api_bases": [f"{live.base_url}/v1", dead]})
+        app = build_proxy_app(config)
+        service: SchedulingService = app.state.fair_sched
+        async with serve(app) as url, open_client(url, key="sk-a") as client:
+            responses = [
+                await client.post("/v1/chat/completions", json=body(index)) for index in range(6)
+            ]
+            await assert_idle(service)
+    refused = [r for r in responses if r.headers[DEPLOYMENT_HEADER] == dead]
+    served = [r for r in responses if r.headers[DEPLOYMENT_HEADER] != dead]
+    assert refused, [r.headers[DEPLOYMENT_HEADER] for r in responses]
+    assert {r.status_code for r in refused} == {502}
+    assert all("retry-after" in r.headers for r in refused)
+    assert {r.status_code for r in served} <= {200}
+    stats = service.scheduler.statistics()
+    assert (stats.abandoned_total, stats.completed_total) == (len(refused), len(served))
