@@ -54,7 +54,8 @@ adopted from an older replica after a failover, or granted by a gate that did no
 against the least loaded deployment at its release and stays there until it ends: it runs
 somewhere we cannot tell, and that is where a wrong guess costs least (the deployment with the
 most room to spare). Without fresh metrics a deployment falls back to a fixed in-flight cap of
-its own (`fallback_max_inflight`) while the others keep their metrics. This module is pure: the
+its own (`fallback_max_inflight`) while the others keep their metrics, and is placed on only
+when none of them has room (see `_candidates`). This module is pure: the
 watcher feeds it snapshots, the clock is injected.
 """
 
@@ -422,17 +423,27 @@ class MetricsGate:
         return not rooms[preferred] and any(rooms.values())
 
     def _candidates(self, state: _GroupState, tier: TierLimits) -> list[Candidate]:
+        """The deployments placement chooses among: those with fresh metrics while one of them
+        has room for the tier, else all. A deployment without fresh metrics may be down, and
+        one that refuses connections ends each request at once: counted only by its in-flight
+        requests against the fallback cap, it would look least loaded for ever and take every
+        request of a light load, each failing. (It still takes what the others have no room
+        for, so an engine whose /metrics alone is broken keeps working.)"""
         candidates = []
+        fresh: list[Candidate] = []
         for deployment in state.deployments.values():
             self._refresh_mode(state, deployment)
-            candidates.append(
-                Candidate(
-                    deployment.spec.key,
-                    self._load(deployment),
-                    self._slots(state.spec, deployment),
-                    self._blocked_reason(state.spec, deployment, tier) is None,
-                )
+            candidate = Candidate(
+                deployment.spec.key,
+                self._load(deployment),
+                self._slots(state.spec, deployment),
+                self._blocked_reason(state.spec, deployment, tier) is None,
             )
+            candidates.append(candidate)
+            if deployment.mode == "metrics":
+                fresh.append(candidate)
+        if len(fresh) < len(candidates) and any(candidate.has_room for candidate in fresh):
+            return fresh
         return candidates
 
     def _least_loaded(self, state: _GroupState) -> _DeploymentState:

@@ -310,6 +310,32 @@ async def test_a_stale_deployment_uses_its_own_fallback_cap_while_the_other_keep
     await drain(scheduler)
 
 
+async def test_a_deployment_without_fresh_metrics_takes_only_what_the_others_have_no_room_for() -> (
+    None
+):
+    """B is down: its scrapes and its connections are refused. Before: counted by its in-flight
+    requests alone, and each refused request ending at once, it always looked least loaded and
+    took every request of a light load (each failing), its prefixes' too."""
+    clock = FakeClock()
+    gate = two_deployments(clock)
+    scheduler = FairScheduler([INTERACTIVE], gate, clock=clock)
+    gate.update("m", scrape(clock, url=A))
+    gate.update("m", BackendSnapshot.failed(B, clock.now(), "ConnectError"))
+    for index in range(4):
+        lease = take(scheduler, f"u{index}", prefix=(7, 8))
+        assert lease is not None and lease.deployment == "http://a/v1"
+        lease.abandon()  # as quickly as a refused connection ends it
+    # A has no room: B takes the overflow, up to its fallback cap.
+    gate.update("m", scrape(clock, waiting=3, running=2, url=A))
+    overflow = [take(scheduler, f"v{index}") for index in range(3)]
+    assert [lease.deployment if lease else None for lease in overflow] == [
+        "http://b/v1",
+        "http://b/v1",
+        None,
+    ]
+    await drain(scheduler)
+
+
 async def test_first_byte_and_end_settle_against_the_bound_deployment() -> None:
     clock = FakeClock()
     gate = two_deployments(clock)

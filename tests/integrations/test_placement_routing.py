@@ -36,6 +36,7 @@ from .conftest import (
     open_client,
     relay_upstream,
     serve,
+    wait_until,
 )
 
 DEPLOYMENT_HEADER = "x-fair-sched-deployment"
@@ -272,29 +273,62 @@ async def test_a_clients_deployment_header_is_removed_on_unscheduled_routes_too(
     assert seen == [[], []]
 
 
-async def test_proxy_abandons_the_lease_of_a_request_its_deployment_refused() -> None:
-    """The second deployment refuses connections. Requests bound to it get a 502 that names it
-    and says when to retry, and their leases end abandoned (uncharged, no first byte for the
-    gate), as LiteLLM's adapter does when no byte came back. Before: the proxy's own 503 body
-    counted as the engine's first byte, and the lease as completed and charged."""
+def refusing_base() -> str:
+    """An address on 127.0.0.1 where nothing listens (the port was bound, never listened on)."""
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
-        dead = f"http://127.0.0.1:{sock.getsockname()[1]}/v1"
-    # Nothing listens there once the socket is closed (never listened, in fact).
+        return f"http://127.0.0.1:{sock.getsockname()[1]}/v1"
+
+
+async def test_proxy_abandons_the_lease_of_a_request_its_deployment_refused() -> None:
+    """The second deployment refuses connections (its metrics, from a second emulator, look
+    healthy, so it gets its share). Requests bound to it get a 502 that says when to retry,
+    and their leases end abandoned (uncharged, no first byte for the gate), as LiteLLM's
+    adapter does when no byte came back. Before: the proxy's own 502 body counted as the
+    engine's first byte, and the lease as completed and charged."""
+    dead = refusing_base()
+    async with two_engines() as (live, decoy):
+        backend = {
+            "api_bases": [f"{live.base_url}/v1", dead],
+            "metrics_urls": [f"{live.base_url}/metrics", f"{decoy.base_url}/metrics"],
+        }
+        app = build_proxy_app(fair_config(live, backend=backend))
+        service: SchedulingService = app.state.fair_sched
+        async with serve(app) as url:
+            await gate_sees_metrics(service)
+            responses = await burst_responses(url)
+            await assert_idle(service)
+    refused = [r for r in responses if r.headers[DEPLOYMENT_HEADER] == dead]
+    served = [r for r in responses if r.headers[DEPLOYMENT_HEADER] != dead]
+    assert refused and served, [r.headers[DEPLOYMENT_HEADER] for r in responses]
+    assert {r.status_code for r in refused} == {502}
+    assert all("retry-after" in r.headers for r in refused)
+    assert {r.status_code for r in served} == {200}
+    stats = service.scheduler.statistics()
+    assert (stats.abandoned_total, stats.completed_total) == (len(refused), len(served))
+
+
+async def test_a_deployment_without_metrics_gets_nothing_while_one_with_metrics_has_room() -> None:
+    """The second deployment is down: connections and scrapes refused. Before: it had no
+    metrics, so it counted only its in-flight requests against the fallback cap; each refused
+    request ended at once, it always looked least loaded, and every request of a light load
+    was bound there and failed (6 of 6). Now a deployment without fresh metrics is placed on
+    only when no deployment with fresh metrics has room."""
+    dead = refusing_base()
     async with emulator(max_num_seqs=4, **STEPS) as live:
         config = fair_config(live, backend={"api_bases": [f"{live.base_url}/v1", dead]})
         app = build_proxy_app(config)
         service: SchedulingService = app.state.fair_sched
         async with serve(app) as url, open_client(url, key="sk-a") as client:
+            await wait_until(
+                lambda: (
+                    {row.mode for row in service.gate.status()[0].per_deployment}
+                    == {"metrics", "fallback"}
+                )
+            )
             responses = [
                 await client.post("/v1/chat/completions", json=body(index)) for index in range(6)
             ]
             await assert_idle(service)
-    refused = [r for r in responses if r.headers[DEPLOYMENT_HEADER] == dead]
-    served = [r for r in responses if r.headers[DEPLOYMENT_HEADER] != dead]
-    assert refused, [r.headers[DEPLOYMENT_HEADER] for r in responses]
-    assert {r.status_code for r in refused} == {502}
-    assert all("retry-after" in r.headers for r in refused)
-    assert {r.status_code for r in served} <= {200}
-    stats = service.scheduler.statistics()
-    assert (stats.abandoned_total, stats.completed_total) == (len(refused), len(served))
+    assert [r.status_code for r in responses] == [200] * 6
+    assert {r.headers[DEPLOYMENT_HEADER] for r in responses} == {key_of(live)}
