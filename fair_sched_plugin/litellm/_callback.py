@@ -33,7 +33,7 @@ from .._responses import error_response
 from .._usage import read_usage
 from ..config import PriceSettings, deployment_key
 from ..core import Lease
-from ..errors import ClientDisconnected, Rejected
+from ..errors import ClientDisconnected, InvalidRequest, Rejected
 from ..identity import Credentials, Principal
 from ..service import UNKNOWN_MODELS, SchedulingService
 from ._proxy import running_proxy
@@ -93,6 +93,8 @@ class FairSchedCallback(CustomLogger):
         principal = self._principal(service, user_api_key_dict, data)
         request.streaming = data.get("stream") is True
         try:
+            if not pass_through:
+                model = router_model_group(model, service.known_models)
             admission = await service.admit(
                 principal,
                 model,
@@ -218,6 +220,39 @@ class FairSchedCallback(CustomLogger):
         lease = _request_lease()
         if lease is not None:
             _release_with_usage(lease, self._service, getattr(response_obj, "usage", None))
+
+
+def router_model_group(model: Any, groups: frozenset[str]) -> Any:
+    """The name a call is scheduled under: the model group LiteLLM's router sends `model` to.
+
+    Names other than a group's own reach a group's deployments too: a `model_group_alias` is
+    scheduled as its group. A deployment's id (which LiteLLM names in every response's
+    `x-litellm-model-id`) or its `litellm_params.model` make the router call that one deployment
+    directly; scheduled as an unknown name, they ran on the shared in-flight cap, past every gate
+    of the group. Those are refused (400): the scheduler chooses the deployment, not the client.
+    """
+    router = getattr(running_proxy(), "llm_router", None)
+    if router is None or not isinstance(model, str) or model in groups:
+        return model
+    alias = router.get_model_from_alias(model=model)
+    if isinstance(alias, str) and alias in groups:
+        return alias
+    pinned = [
+        entry.get("model_name")
+        for entry in router.model_list
+        if isinstance(entry, Mapping)
+        and (
+            (entry.get("model_info") or {}).get("id") == model
+            or (entry.get("litellm_params") or {}).get("model") == model
+        )
+    ]
+    if any(group in groups for group in pinned):
+        raise InvalidRequest(
+            "the model names one deployment of a scheduled model group; send the group's "
+            "name, the scheduler chooses the deployment",
+            param="model",
+        )
+    return model
 
 
 def _bound_lease() -> Lease | None:

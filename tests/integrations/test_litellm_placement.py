@@ -101,6 +101,7 @@ async def stack(tmp_path_factory: pytest.TempPathFactory) -> AsyncIterator[Stack
             "fallbacks": [{"tiny": ["spare"]}],
             "allowed_fails": 0,
             "cooldown_time": 120,
+            "model_group_alias": {"tiny-alias": "tiny"},
         }
         proxy = await exits.enter_async_context(litellm_proxy(config, workdir, "placement"))
         yield Stack(a, b, spare, proxy)
@@ -146,6 +147,31 @@ async def test_every_request_reaches_the_deployment_its_lease_names(stack: Stack
     }
     # Both deployments took part: the burst is larger than one engine's room.
     assert placed[key(stack.a)] > 0 and placed[key(stack.b)] > 0
+
+
+def chat(model: str) -> dict[str, Any]:
+    return {"model": model, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}
+
+
+async def test_a_name_for_one_deployment_is_refused_and_an_alias_is_its_group(stack: Stack) -> None:
+    """Before: a deployment's id (named in every response's `x-litellm-model-id`) or its
+    `litellm_params.model` made LiteLLM's router call that deployment directly, and the plugin,
+    seeing a name it did not know, scheduled it on the shared in-flight cap: past both engines'
+    gates, with no deployment bound. Now those are refused; an alias is scheduled (and bound)
+    as the group it names. Runs before A is put in LiteLLM's cooldown below."""
+    before = stack.received()
+    async with open_client(stack.proxy.base_url, key="sk-alice") as client:
+        normal = await client.post(CHAT, json=chat("tiny"))
+        assert normal.status_code == 200, normal.text
+        by_id = await client.post(CHAT, json=chat(normal.headers["x-litellm-model-id"]))
+        by_engine_name = await client.post(CHAT, json=chat("openai/tiny"))
+        alias = await client.post(CHAT, json=chat("tiny-alias"))
+    assert (by_id.status_code, by_engine_name.status_code) == (400, 400), by_id.text
+    assert "scheduler chooses the deployment" in by_id.json()["error"]["message"]
+    assert alias.status_code == 200, alias.text
+    assert alias.headers[DEPLOYMENT_HEADER] in {key(stack.a), key(stack.b)}
+    arrived = {k: count - before[k] for k, count in stack.received().items()}
+    assert sum(arrived.values()) == 2  # the group's request and the alias's
 
 
 async def test_a_failing_bound_deployment_is_neither_retried_elsewhere_nor_fallen_back(
