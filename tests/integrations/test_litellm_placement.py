@@ -174,6 +174,30 @@ async def test_a_name_for_one_deployment_is_refused_and_an_alias_is_its_group(st
     assert sum(arrived.values()) == 2  # the group's request and the alias's
 
 
+async def test_body_fields_that_pick_a_deployment_do_not_move_a_request(stack: Stack) -> None:
+    """A client's own `api_base` (LiteLLM refuses client-side credentials unless configured),
+    `specific_deployment`, `model_id` or `x-fair-sched-deployment` header: each request either
+    fails or reaches exactly the deployment its lease names, never `spare` (all held when tried:
+    `api_base` is a 500 from LiteLLM, `specific_deployment` our 503, the others are ignored)."""
+    attempts: list[tuple[dict[str, Any], dict[str, str]]] = [
+        ({"api_base": f"{stack.spare.base_url}/v1"}, {}),
+        ({"base_url": f"{stack.spare.base_url}/v1"}, {}),
+        ({"specific_deployment": True}, {}),
+        ({"model_id": "spare"}, {}),
+        ({"metadata": {"model_id": "spare"}}, {}),
+        ({}, {DEPLOYMENT_HEADER: key(stack.spare)}),
+    ]
+    async with open_client(stack.proxy.base_url, key="sk-bob") as client:
+        for fields, headers in attempts:
+            before = stack.received()
+            response = await client.post(CHAT, json={**chat("tiny"), **fields}, headers=headers)
+            arrived = {k: n - before[k] for k, n in stack.received().items() if n > before[k]}
+            if response.status_code == 200:
+                assert arrived == {response.headers[DEPLOYMENT_HEADER]: 1}, (fields, arrived)
+            else:
+                assert arrived == {}, (fields, response.status_code, arrived)
+
+
 async def test_a_failing_bound_deployment_is_neither_retried_elsewhere_nor_fallen_back(
     stack: Stack,
 ) -> None:
