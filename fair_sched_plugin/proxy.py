@@ -202,10 +202,30 @@ class _ProxyRoutes:
                     param="model",
                 )
             )
-        # Bound by the middleware in front; a key that is not an api_base (deployments known by
-        # their metrics URLs behind one api_base) or none (one engine) means the first api_base.
+        # Bound by the middleware in front; none (one engine), or a key that is not an api_base
+        # in front of one api_base (deployments known by their metrics URLs), means that one.
         deployment = getattr(request.state, DEPLOYMENT_STATE, None)
         api_base = deployment if deployment in api_bases else api_bases[0]
+        if deployment is not None and deployment not in api_bases and len(api_bases) > 1:
+            # A leader whose `api_bases` differ (a config change rolling out) bound it to an
+            # engine this replica does not serve: sent to another, it would run where the
+            # leader did not count it.
+            logger.warning(
+                "fair_sched proxy: a request for model %r was bound to %s, which this proxy "
+                "does not serve (do the replicas' api_bases differ?)",
+                model,
+                deployment,
+            )
+            _abandon_leases()
+            return _json_error(
+                _responses.error_response(
+                    EngineUnavailable(
+                        f"the request was bound to a deployment this proxy does not serve "
+                        f"({deployment})",
+                        retry_after_s=1.0,
+                    )
+                )
+            )
         client = self._client
         if client is None:
             return _json_error(_responses.error(503, "the proxy is not running", code="not_ready"))
@@ -235,11 +255,7 @@ class _ProxyRoutes:
                 model,
                 _describe(exc),
             )
-            # The engine never had it: the turn passes on uncharged, and our own answer below
-            # is not the engine's first byte (the gate would count a slot taken there).
-            watch = current_request()
-            for lease in watch.leases if watch is not None else ():
-                lease.abandon()
+            _abandon_leases()
             # Retry when the queue ahead would have drained at the measured rate, or at least
             # once the gate could have noticed (metrics go stale and it falls back).
             service = self._service
@@ -265,6 +281,14 @@ class _ProxyRoutes:
 
     async def health(self, request: Request) -> Response:
         return JSONResponse({"status": "ok"})
+
+
+def _abandon_leases() -> None:
+    """The engine never had the running request: its turn passes on uncharged, and our own
+    answer is not the engine's first byte (the gate would count a slot taken there)."""
+    watch = current_request()
+    for lease in watch.leases if watch is not None else ():
+        lease.abandon()
 
 
 async def _send_retrying_once(

@@ -3,14 +3,24 @@ follower that asked holds a lease naming that deployment; a new leader adopts it
 
 from __future__ import annotations
 
+import asyncio
 import collections
 
 import pytest
 
 from fair_sched_plugin.identity import Credentials
+from fair_sched_plugin.proxy import build_proxy_app
 from fair_sched_plugin.service import SchedulingService
 
-from ..integrations.conftest import MODEL, emulator, fair_config, wait_until
+from ..integrations.conftest import (
+    MODEL,
+    chat_body,
+    emulator,
+    fair_config,
+    open_client,
+    serve,
+    wait_until,
+)
 from .conftest import RedisServer
 from .test_redis_replicas import cut_off, replicas, settled, shared
 
@@ -59,3 +69,51 @@ async def test_a_followers_lease_names_the_deployment_the_leader_chose(
             for lease in leases:
                 follower.finish(lease)
             await wait_until(lambda: not in_flight_per_deployment(follower))
+
+
+async def test_a_proxy_refuses_a_grant_for_a_deployment_it_does_not_serve(
+    redis_server: RedisServer,
+) -> None:
+    """Mid-rollout of a config change: one replica serves the model on A and B, the other on A
+    and C. A grant for the deployment only the leader knows reaches the other proxy. Before: it
+    went to that proxy's first api_base (A), which the leader had not counted it on. Now it is
+    refused with a 502 naming the deployment, its lease abandoned."""
+    steps = {"base_step_ms": 20.0, "step_ms_per_running_seq": 0.0, "prefill_ms_per_token": 0.0}
+    async with (
+        emulator(max_num_seqs=2, **steps) as a,
+        emulator(max_num_seqs=2, **steps) as b,
+        emulator(max_num_seqs=2, **steps) as c,
+    ):
+        prefix = shared(redis_server.url)
+        configs = [
+            fair_config(
+                a,
+                waiting_below=1,
+                backend={"api_bases": [f"{a.base_url}/v1", f"{other.base_url}/v1"]},
+                **prefix,
+            )
+            for other in (b, c)
+        ]
+        async with replicas(configs) as services:
+            leader = await settled(services)
+            follower = next(service for service in services if service is not leader)
+            theirs = set(follower.settings.backends[MODEL].all_api_bases())
+            async with (
+                serve(build_proxy_app(service=follower)) as url,
+                open_client(url, key="sk-a") as client,
+            ):
+                responses = await asyncio.gather(
+                    *(client.post("/v1/chat/completions", json=chat_body()) for _ in range(8))
+                )
+            await wait_until(lambda: leader.scheduler.statistics().in_flight == 0, timeout_s=10)
+    placed = collections.Counter(r.headers["x-fair-sched-deployment"] for r in responses)
+    foreign = [r for r in responses if r.headers["x-fair-sched-deployment"] not in theirs]
+    assert foreign, placed
+    assert {r.status_code for r in foreign} == {502}
+    assert all("does not serve" in r.json()["error"]["message"] for r in foreign)
+    assert all(r.status_code == 200 for r in responses if r not in foreign)
+    # Each engine received exactly what was bound to it (nothing re-routed to A).
+    received = {f"{emu.base_url}/v1": len(emu.engine.received) for emu in (a, b, c)}
+    assert {k: n for k, n in received.items() if n} == {
+        k: n for k, n in placed.items() if k in theirs
+    }
