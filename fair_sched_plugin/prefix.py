@@ -15,6 +15,7 @@ tickets through Redis agree, and small enough to survive a JSON number in Lua ex
 from __future__ import annotations
 
 import hashlib
+import itertools
 from collections.abc import Iterator, Mapping
 from typing import Any
 
@@ -52,10 +53,12 @@ def prompt_prefix(
 def _prompt_text(body: Mapping[str, Any], *, limit: int) -> Iterator[str]:
     """The prompt's text in order, each message's role before its content (a system prompt
     and a user message with the same words are different prefixes); stops after `limit`
-    characters."""
+    characters, and after `limit` pieces of text (empty ones add no characters), so the work is
+    bounded by the blocks hashed, not by the body (a 10 MB message is not copied, a million
+    empty content parts are not walked)."""
     produced = 0
-    for piece in _pieces(body):
-        yield piece
+    for piece in itertools.islice(_pieces(body), limit):
+        yield piece[: limit - produced]
         produced += len(piece)
         if produced >= limit:
             return
@@ -63,18 +66,23 @@ def _prompt_text(body: Mapping[str, Any], *, limit: int) -> Iterator[str]:
 
 def _pieces(body: Mapping[str, Any]) -> Iterator[str]:
     instructions = body.get("instructions")
+    # Markers and texts are separate pieces: a huge text is cut, never copied (`_prompt_text`).
     if isinstance(instructions, str):
-        yield "\x00instructions\x00" + instructions
+        yield "\x00instructions\x00"
+        yield instructions
     for field in ("messages", "input"):
         items = body.get(field)
         if isinstance(items, str):
-            yield "\x00user\x00" + items
+            yield "\x00user\x00"
+            yield items
         elif isinstance(items, list):
             for item in items:
                 if isinstance(item, Mapping):
                     role = item.get("role")
-                    yield "\x00" + (role if isinstance(role, str) else "") + "\x00"
+                    yield "\x00" + (role[:64] if isinstance(role, str) else "") + "\x00"
                     yield from _content_text(item.get("content"))
+                else:
+                    yield ""  # counted (see `_prompt_text`), adds nothing
     prompt = body.get("prompt")
     if isinstance(prompt, str):
         yield prompt
@@ -87,7 +95,6 @@ def _content_text(content: Any) -> Iterator[str]:
         yield content
     elif isinstance(content, list):
         for part in content:
-            if isinstance(part, Mapping):
-                text = part.get("text")
-                if isinstance(text, str):
-                    yield text
+            # Every part is a piece, text or not (an image, garbage): `_prompt_text` counts them.
+            text = part.get("text") if isinstance(part, Mapping) else None
+            yield text if isinstance(text, str) else ""

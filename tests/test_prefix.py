@@ -68,3 +68,42 @@ def test_hashes_are_the_same_in_every_process() -> None:
         )
         seen.add(tuple(json.loads(result.stdout)))
     assert seen == {prompt_prefix(body)}
+
+
+class _CountedPart(dict[str, object]):
+    """A content part that counts how often the prefix reads it."""
+
+    reads = 0
+
+    def get(self, key: str, default: object = None) -> object:
+        _CountedPart.reads += 1
+        return super().get(key, default)
+
+
+def test_the_work_is_bounded_by_the_blocks_hashed_not_by_the_body() -> None:
+    """Before: every content part of a body was read (a million image or empty parts: a million
+    reads, ~2 s on this machine, per request, on the event loop), and a 10 MB message copied
+    whole before its first 16 KB were hashed."""
+    image = _CountedPart(type="image_url", image_url={"url": "data:..."})
+    parts = {"messages": [{"role": "user", "content": [image] * 1_000_000}]}
+    assert prompt_prefix(parts) == ()
+    assert _CountedPart.reads <= 64 * 256
+    huge = "x" * 10_000_000
+    limit = 64 * 256
+    for field in ("instructions", "input", "prompt"):
+        assert prompt_prefix({field: huge}) == prompt_prefix({field: huge[:limit]})
+    assert prompt_prefix({"messages": [{"role": "user", "content": huge}]}) == prompt_prefix(
+        {"messages": [{"role": "user", "content": huge[:limit]}]}
+    )
+
+
+def test_odd_bodies_give_a_prefix_or_none_never_an_error() -> None:
+    surrogates = json.loads(
+        '{"messages": [{"role": "user", "content": "' + "\\ud800" * 300 + '"}]}'
+    )
+    assert len(prompt_prefix(surrogates)) == 1
+    assert prompt_prefix({"messages": [{"role": 5, "content": SYSTEM}]})
+    assert prompt_prefix({"messages": [{"role": "user", "content": None}, None, 3]}) == ()
+    assert prompt_prefix({"prompt": [[1, 2, 3] * 500]}) == ()
+    assert prompt_prefix({"prompt": [1, 2, 3] * 500}) == ()
+    assert prompt_prefix({"messages": {"role": "user", "content": SYSTEM}}) == ()
