@@ -153,7 +153,7 @@ class FairSchedCallback(CustomLogger):
         request_kwargs: dict[str, Any] | None = None,
         parent_otel_span: Any = None,
     ) -> list[dict[str, Any]]:
-        lease = _bound_lease()
+        lease = _bound_lease(self.service)
         if lease is None:
             return healthy_deployments
         _check_same_model(lease, model)
@@ -168,7 +168,7 @@ class FairSchedCallback(CustomLogger):
     async def async_pre_call_check(
         self, deployment: dict[str, Any], parent_otel_span: Any
     ) -> dict[str, Any] | None:
-        lease = _bound_lease()
+        lease = _bound_lease(self.service)
         if lease is not None and _key_of(deployment) != lease.deployment:
             raise _unavailable(lease, f"LiteLLM's router picked {_key_of(deployment)} instead")
         return None
@@ -255,14 +255,29 @@ def router_model_group(model: Any, groups: frozenset[str]) -> Any:
     return model
 
 
-def _bound_lease() -> Lease | None:
+def _bound_lease(service: SchedulingService) -> Lease | None:
     """The last lease the running request was granted, if the scheduler bound it to one
-    deployment; also once it ended (an attempt after that must not go elsewhere either)."""
+    deployment LiteLLM knows by its api_base; also once it ended (an attempt after that must
+    not go elsewhere either).
+
+    A deployment the gate knows by its metrics URL only (a model_list entry without api_base,
+    `backends.<model>.metrics_url` given) names no LiteLLM deployment: there is nothing to hold
+    the router to (held to it, every request was refused with a 503). A key that is neither
+    (a leader whose configuration differs) is held to, and fails: no deployment has it."""
     request = current_request()
     if request is None or not request.leases:
         return None
     lease = request.leases[-1]
-    return lease if lease.deployment is not None else None
+    if lease.deployment is None:
+        return None
+    backend = service.backends.get(lease.ticket.model)
+    if (
+        backend is not None
+        and lease.deployment not in backend.all_api_bases()
+        and lease.deployment in backend.all_metrics_urls()
+    ):
+        return None
+    return lease
 
 
 def _key_of(deployment: Any) -> str | None:

@@ -85,8 +85,15 @@ async def stack(tmp_path_factory: pytest.TempPathFactory) -> AsyncIterator[Stack
                 model_entry("tiny", f"{a.base_url}/v1"),
                 model_entry("tiny", f"{b.base_url}/v1/"),
                 model_entry("spare", f"{spare.base_url}/v1"),
+                # No api_base: LiteLLM finds the engine from the environment, the plugin its
+                # metrics from `backends` (the documented way for such an entry).
+                {
+                    "model_name": "solo",
+                    "litellm_params": {"model": "hosted_vllm/tiny", "api_key": "none"},
+                },
             ],
             {
+                "backends": {"solo": {"metrics_url": f"{spare.base_url}/metrics"}},
                 "tiers": [{"name": "interactive", "waiting_below": 2}],
                 "principals": [
                     {"name": name, "keys": [f"sk-{name}"]} for name in ("alice", "bob", "carol")
@@ -103,7 +110,10 @@ async def stack(tmp_path_factory: pytest.TempPathFactory) -> AsyncIterator[Stack
             "cooldown_time": 120,
             "model_group_alias": {"tiny-alias": "tiny"},
         }
-        proxy = await exits.enter_async_context(litellm_proxy(config, workdir, "placement"))
+        env = {"HOSTED_VLLM_API_BASE": f"{spare.base_url}/v1"}
+        proxy = await exits.enter_async_context(
+            litellm_proxy(config, workdir, "placement", env=env)
+        )
         yield Stack(a, b, spare, proxy)
 
 
@@ -172,6 +182,21 @@ async def test_a_name_for_one_deployment_is_refused_and_an_alias_is_its_group(st
     assert alias.headers[DEPLOYMENT_HEADER] in {key(stack.a), key(stack.b)}
     arrived = {k: count - before[k] for k, count in stack.received().items()}
     assert sum(arrived.values()) == 2  # the group's request and the alias's
+
+
+async def test_a_deployment_known_by_its_metrics_url_only_is_served(stack: Stack) -> None:
+    """A model_list entry without api_base, its metrics URL in `backends`: the gate knows the
+    deployment by that URL, which names no LiteLLM deployment. Before: the routing hooks found
+    no deployment with that key and refused every request with a 503 (the binding cannot be
+    enforced there, and with one engine there is nothing to choose)."""
+    before = stack.received()
+    async with open_client(stack.proxy.base_url, key="sk-carol") as client:
+        responses = [await client.post(CHAT, json=chat("solo")) for _ in range(2)]
+    assert [response.status_code for response in responses] == [200, 200], responses[0].text
+    assert {response.headers[DEPLOYMENT_HEADER] for response in responses} == {
+        f"{stack.spare.base_url}/metrics"
+    }
+    assert stack.received()[key(stack.spare)] - before[key(stack.spare)] == 2
 
 
 async def test_body_fields_that_pick_a_deployment_do_not_move_a_request(stack: Stack) -> None:
