@@ -153,7 +153,7 @@ class FairSchedCallback(CustomLogger):
         request_kwargs: dict[str, Any] | None = None,
         parent_otel_span: Any = None,
     ) -> list[dict[str, Any]]:
-        lease = _bound_lease(self.service)
+        lease = _bound_lease(self._service)
         if lease is None:
             return healthy_deployments
         _check_same_model(lease, model)
@@ -168,7 +168,7 @@ class FairSchedCallback(CustomLogger):
     async def async_pre_call_check(
         self, deployment: dict[str, Any], parent_otel_span: Any
     ) -> dict[str, Any] | None:
-        lease = _bound_lease(self.service)
+        lease = _bound_lease(self._service)
         if lease is not None and _key_of(deployment) != lease.deployment:
             raise _unavailable(lease, f"LiteLLM's router picked {_key_of(deployment)} instead")
         return None
@@ -255,7 +255,7 @@ def router_model_group(model: Any, groups: frozenset[str]) -> Any:
     return model
 
 
-def _bound_lease(service: SchedulingService) -> Lease | None:
+def _bound_lease(service: SchedulingService | None) -> Lease | None:
     """The last lease the running request was granted, if the scheduler bound it to one
     deployment LiteLLM knows by its api_base; also once it ended (an attempt after that must
     not go elsewhere either).
@@ -270,7 +270,7 @@ def _bound_lease(service: SchedulingService) -> Lease | None:
     lease = request.leases[-1]
     if lease.deployment is None:
         return None
-    backend = service.backends.get(lease.ticket.model)
+    backend = service.backends.get(lease.ticket.model) if service is not None else None
     if (
         backend is not None
         and lease.deployment not in backend.all_api_bases()
