@@ -202,7 +202,8 @@ class _ProxyRoutes:
                 )
             )
         # Bound by the middleware in front; a key that is not an api_base (deployments known by
-        # their metrics URLs behind one api_base) or none (one engine) means the first api_base.
+        # their metrics URLs behind one api_base) or none (the gate did not place the request)
+        # means the first api_base.
         deployment = getattr(request.state, DEPLOYMENT_STATE, None)
         api_base = deployment if deployment in api_bases else api_bases[0]
         client = self._client

@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import contextvars
 import importlib.util
+import logging
 import re
 from typing import Any
 
@@ -133,3 +134,26 @@ async def test_an_unbound_request_keeps_litellms_choice(bound_to: str | None) ->
         == candidates
     )
     assert await in_request(lease, lambda: hooks.async_pre_call_check(deployment(B), None)) is None
+
+
+async def test_a_leases_refusal_is_a_warning_once_and_its_repeats_are_debug(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """LiteLLM retries a refused attempt and tries each fallback: one lease, one warning."""
+    from litellm.exceptions import ServiceUnavailableError
+
+    first, second = leased(A), leased(A)
+    hooks = callback()
+
+    async def refused_attempts() -> None:
+        watch = ensure_current_request()
+        for lease in (first, second):
+            watch.hold(lease)
+            for model in ("tiny", "spare", "tiny"):
+                with pytest.raises(ServiceUnavailableError):
+                    await hooks.async_filter_deployments(model, [deployment(B)], None)
+
+    with caplog.at_level(logging.DEBUG, logger="fair_sched"):
+        await contextvars.copy_context().run(asyncio.ensure_future, refused_attempts())
+    refusals = [r for r in caplog.records if "is not available" in r.getMessage()]
+    assert [r.levelno for r in refusals] == [logging.WARNING, logging.DEBUG, logging.DEBUG] * 2
