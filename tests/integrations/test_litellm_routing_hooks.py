@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import asyncio
 import contextvars
-import importlib.util
 import logging
 import re
 from typing import Any
@@ -18,11 +17,11 @@ from fair_sched_plugin._request import ensure_current_request
 from fair_sched_plugin.core import FairScheduler, Lease, Ticket, TierLimits
 from fair_sched_plugin.testing import FakeClock, ManualGate
 
+from .litellm_harness import NEEDS_LITELLM
+
 pytestmark = [
     pytest.mark.litellm_range,
-    pytest.mark.skipif(
-        importlib.util.find_spec("litellm") is None, reason="needs the litellm extra"
-    ),
+    NEEDS_LITELLM,
 ]
 
 A = "http://10.0.0.1:8000/v1"
