@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -373,6 +373,25 @@ def _bar_plot(title: str, values: dict[str, float], path: Path) -> None:
         print("matplotlib is not installed: no plot", file=sys.stderr)
 
 
+ReplicaColumn = tuple[str, Callable[[ReplicaResult], str]]
+
+
+def _throughput_columns(results: Sequence[ReplicaResult]) -> list[ReplicaColumn]:
+    """The first columns of every replica table."""
+    return [
+        ("tokens/s", lambda r: f"{r.summary['throughput_tps']:,.0f}"),
+        ("vs LiteLLM default", lambda r: _times(_vs_litellm(results, r))),
+    ]
+
+
+def _served_columns() -> list[ReplicaColumn]:
+    """The last columns of every replica table."""
+    return [
+        ("requests", lambda r: _per_engine(r, "requests_received")),
+        ("errors", lambda r: str(r.summary["errors"])),
+    ]
+
+
 def _per_engine(result: ReplicaResult, key: str, fmt: str = "{:.0f}") -> str:
     values = [engine[key] for engine in result.summary["engines"]]
     return " / ".join("-" if value is None else fmt.format(value) for value in values)
@@ -410,8 +429,7 @@ async def _unequal_section(args: argparse.Namespace, out: Path, progress: Progre
         results,
         lambda r: r.variant.label,
         [
-            ("tokens/s", lambda r: f"{r.summary['throughput_tps']:,.0f}"),
-            ("vs LiteLLM default", lambda r: _times(_vs_litellm(results, r))),
+            *_throughput_columns(results),
             ("light TTFT p50", lambda r: _seconds(r.summary["light_ttft_p50"])),
             ("light TTFT p95", lambda r: _seconds(r.summary["light_ttft_p95"])),
             ("light p50 vs direct FIFO", lambda r: _times(r.summary["light_ttft_vs_direct"])),
@@ -419,8 +437,7 @@ async def _unequal_section(args: argparse.Namespace, out: Path, progress: Progre
             ("max waiting (sampled)", lambda r: _per_engine(r, "max_waiting_sampled")),
             ("mean waiting", lambda r: _per_engine(r, "mean_waiting_sampled", "{:.1f}")),
             ("mean running", lambda r: _per_engine(r, "mean_running_sampled", "{:.1f}")),
-            ("requests", lambda r: _per_engine(r, "requests_received")),
-            ("errors", lambda r: str(r.summary["errors"])),
+            *_served_columns(),
         ],
     )
     plotted = _replica_plot(
@@ -462,8 +479,7 @@ async def _shared_section(args: argparse.Namespace, out: Path, progress: Progres
         results,
         lambda r: r.variant.label,
         [
-            ("tokens/s", lambda r: f"{r.summary['throughput_tps']:,.0f}"),
-            ("vs LiteLLM default", lambda r: _times(_vs_litellm(results, r))),
+            *_throughput_columns(results),
             ("hit rate", lambda r: _fraction(r.summary["hit_rate"])),
             ("best possible", lambda r: _fraction(r.summary["best_hit_rate"])),
             ("hit rate per engine", lambda r: _per_engine(r, "hit_rate", "{:.2f}")),
@@ -473,8 +489,7 @@ async def _shared_section(args: argparse.Namespace, out: Path, progress: Progres
             ),
             ("max waiting (engine's own)", lambda r: _per_engine(r, "max_waiting_seen")),
             ("mean waiting", lambda r: _per_engine(r, "mean_waiting_sampled", "{:.1f}")),
-            ("requests", lambda r: _per_engine(r, "requests_received")),
-            ("errors", lambda r: str(r.summary["errors"])),
+            *_served_columns(),
         ],
     )
     plotted = _replica_plot(
