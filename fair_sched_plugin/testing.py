@@ -69,11 +69,13 @@ class FakeClock:
 
 
 class ManualGate:
-    """An `AdmissionGate` opened and closed by hand; `allow(n)` lets exactly n more through."""
+    """An `AdmissionGate` opened and closed by hand; `allow(n)` lets exactly n more through.
+    `binds_to` is the deployment every released ticket is bound to (None: it places none)."""
 
-    def __init__(self, *, is_open: bool = False) -> None:
+    def __init__(self, *, is_open: bool = False, binds_to: str | None = None) -> None:
         self._listener: CapacityListener | None = None
         self._open = is_open
+        self.binds_to = binds_to
         self._budget = 0
         self.released: list[Lease] = []
         self.ended: list[Lease] = []
@@ -100,7 +102,7 @@ class ManualGate:
         return self._open or self._budget > 0
 
     def place(self, ticket: Ticket, tier: TierLimits) -> str | None:
-        return None
+        return self.binds_to
 
     def prefers_elsewhere(self, ticket: Ticket, tier: TierLimits) -> bool:
         return False

@@ -28,24 +28,15 @@ A = "http://10.0.0.1:8000/v1"
 B = "http://10.0.0.2:8000/v1"
 
 
-class PlacingGate(ManualGate):
-    """Opens for everything and binds every ticket to one deployment."""
-
-    def __init__(self, deployment: str | None) -> None:
-        super().__init__(is_open=True)
-        self.deployment = deployment
-
-    def place(self, ticket: Ticket, tier: TierLimits) -> str | None:
-        return self.deployment
-
-
 def deployment(api_base: str) -> dict[str, Any]:
     return {"model_name": "tiny", "litellm_params": {"model": "openai/tiny", "api_base": api_base}}
 
 
 def leased(bound_to: str | None) -> Lease:
     scheduler = FairScheduler(
-        [TierLimits("interactive", waiting_below=3)], PlacingGate(bound_to), clock=FakeClock()
+        [TierLimits("interactive", waiting_below=3)],
+        ManualGate(is_open=True, binds_to=bound_to),
+        clock=FakeClock(),
     )
     lease = scheduler.try_acquire(Ticket(model="tiny", user="alice", tier="interactive"))
     assert lease is not None and lease.deployment == bound_to
