@@ -113,6 +113,9 @@ class RequestWatch:
         self.response_started = False
         self.response_complete = False
         self.leases: list[Lease] = []
+        # The leases whose bound deployment an adapter refused to replace, and said so (by
+        # `id`: they stay in `leases`): LiteLLM retries each refused attempt.
+        self.refusals_logged: set[int] = set()
         self._watcher: asyncio.Task[Message] | None = None
         self._app_task: asyncio.Task[None] | None = None
         self._lease_timer: asyncio.TimerHandle | None = None

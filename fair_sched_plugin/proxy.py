@@ -202,8 +202,9 @@ class _ProxyRoutes:
                     param="model",
                 )
             )
-        # Bound by the middleware in front; none (one engine), or a key that is not an api_base
-        # in front of one api_base (deployments known by their metrics URLs), means that one.
+        # Bound by the middleware in front; a key that is not an api_base in front of one
+        # api_base (deployments known by their metrics URLs), or none (the gate did not place
+        # the request), means the first api_base.
         deployment = getattr(request.state, DEPLOYMENT_STATE, None)
         api_base = deployment if deployment in api_bases else api_bases[0]
         if deployment is not None and deployment not in api_bases and len(api_bases) > 1:

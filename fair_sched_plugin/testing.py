@@ -1,20 +1,35 @@
-"""Test doubles for code built on fair-sched: a clock that moves only when told to and a gate
-opened by hand (in the spirit of `trio.testing.MockClock`).
+"""Test doubles for code built on fair-sched: a clock that moves only when told to, a gate
+opened by hand (in the spirit of `trio.testing.MockClock`), and the few helpers every scheduler
+test needs (tickets, waiting callers, letting woken tasks run, closing down).
 
 Pure like the core: importing this module pulls in no HTTP stack, LiteLLM or Redis.
 """
 
 from __future__ import annotations
 
+import asyncio
 import heapq
 import itertools
 from collections.abc import Callable
+from typing import Any, Protocol
 
 from .core.clock import TimerHandle
 from .core.gate import CapacityListener
+from .core.scheduler import FairScheduler
+from .core.snapshot import BackendSnapshot
 from .core.ticket import Lease, Ticket, TierLimits
 
-__all__ = ["FakeClock", "ManualGate"]
+__all__ = [
+    "FakeClock",
+    "GateLeaseOwner",
+    "ManualGate",
+    "drain",
+    "make_ticket",
+    "released_users",
+    "settle",
+    "snapshot",
+    "submit",
+]
 
 
 class _FakeTimer:
@@ -54,11 +69,13 @@ class FakeClock:
 
 
 class ManualGate:
-    """An `AdmissionGate` opened and closed by hand; `allow(n)` lets exactly n more through."""
+    """An `AdmissionGate` opened and closed by hand; `allow(n)` lets exactly n more through.
+    `binds_to` is the deployment every released ticket is bound to (None: it places none)."""
 
-    def __init__(self, *, is_open: bool = False) -> None:
+    def __init__(self, *, is_open: bool = False, binds_to: str | None = None) -> None:
         self._listener: CapacityListener | None = None
         self._open = is_open
+        self.binds_to = binds_to
         self._budget = 0
         self.released: list[Lease] = []
         self.ended: list[Lease] = []
@@ -85,7 +102,7 @@ class ManualGate:
         return self._open or self._budget > 0
 
     def place(self, ticket: Ticket, tier: TierLimits) -> str | None:
-        return None
+        return self.binds_to
 
     def prefers_elsewhere(self, ticket: Ticket, tier: TierLimits) -> bool:
         return False
@@ -100,3 +117,72 @@ class ManualGate:
 
     def on_ended(self, lease: Lease) -> None:
         self.ended.append(lease)
+
+
+class _GateEvents(Protocol):
+    def on_started(self, lease: Lease) -> None: ...
+
+    def on_ended(self, lease: Lease) -> None: ...
+
+
+class GateLeaseOwner:
+    """A `LeaseOwner` that only tells the gate (for leases built by hand, outside a scheduler)."""
+
+    def __init__(self, gate: _GateEvents) -> None:
+        self._gate = gate
+
+    def lease_started(self, lease: Lease) -> None:
+        self._gate.on_started(lease)
+
+    def lease_ended(self, lease: Lease, tokens_used: int | None, *, abandoned: bool) -> None:
+        self._gate.on_ended(lease)
+
+
+def make_ticket(
+    user: str,
+    *,
+    model: str = "m",
+    tier: str = "interactive",
+    weight: float = 1.0,
+    cost: int = 1,
+    price: float = 0.0,
+    prefix: tuple[int, ...] = (),
+) -> Ticket:
+    """A ticket for `user` on model "m" in tier "interactive" unless told otherwise."""
+    return Ticket(model, user, tier, weight=weight, cost=cost, price=price, prefix=prefix)
+
+
+def snapshot(
+    clock: FakeClock, url: str, *, waiting: float = 0, running: float = 0, **fields: Any
+) -> BackendSnapshot:
+    """A successful scrape of `url` sent now."""
+    return BackendSnapshot(
+        url=url, started_at=clock.now(), ok=True, waiting=waiting, running=running, **fields
+    )
+
+
+def submit(
+    scheduler: FairScheduler, user: str, count: int = 1, **fields: Any
+) -> list[asyncio.Task[Lease]]:
+    """`count` callers of `scheduler.acquire` for `user` (`fields` as `make_ticket` takes them),
+    each a task that starts waiting on the next turn of the loop."""
+    return [
+        asyncio.create_task(scheduler.acquire(make_ticket(user, **fields))) for _ in range(count)
+    ]
+
+
+def released_users(gate: ManualGate) -> list[str]:
+    return [lease.ticket.user for lease in gate.released]
+
+
+async def settle(rounds: int = 5) -> None:
+    """Let woken tasks run (yields to the loop; never waits for time to pass)."""
+    for _ in range(rounds):
+        await asyncio.sleep(0)
+
+
+async def drain(scheduler: FairScheduler) -> None:
+    """Close the scheduler and collect every other task's outcome (no unretrieved exceptions)."""
+    scheduler.close()
+    others = [task for task in asyncio.all_tasks() if task is not asyncio.current_task()]
+    await asyncio.gather(*others, return_exceptions=True)

@@ -52,7 +52,7 @@ from fair_sched_plugin.observability import (
 )
 from fair_sched_plugin.service import ClientDisconnected, SchedulingService
 from fair_sched_plugin.state import StateStatistics
-from fair_sched_plugin.testing import FakeClock
+from fair_sched_plugin.testing import FakeClock, settle
 
 ALICE_KEY = "sk-secret-alice-0123456789"
 BOB_KEY = "sk-secret-bob-0123456789"
@@ -74,11 +74,6 @@ def make_service(**settings: Any) -> SchedulingService:
     # Model names the tests use, served under their own names (any other name would be
     # scheduled as the one shared `UNKNOWN_MODELS`).
     return SchedulingService({**base, **settings}, models=("m", "m0", "m1", "m2", "m3"))
-
-
-async def settle() -> None:
-    for _ in range(5):
-        await asyncio.sleep(0)
 
 
 def metric_samples(text: str) -> dict[tuple[str, frozenset[tuple[str, str]]], float]:

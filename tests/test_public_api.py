@@ -38,7 +38,17 @@ def test_all_is_pinned_and_every_name_resolves() -> None:
 
 
 def test_the_testing_module_is_pinned() -> None:
-    assert set(fair_sched_plugin.testing.__all__) == {"FakeClock", "ManualGate"}
+    assert set(fair_sched_plugin.testing.__all__) == {
+        "FakeClock",
+        "GateLeaseOwner",
+        "ManualGate",
+        "drain",
+        "make_ticket",
+        "released_users",
+        "settle",
+        "snapshot",
+        "submit",
+    }
 
 
 @pytest.mark.parametrize("module", ["fair_sched_plugin.core", "fair_sched_plugin.testing"])

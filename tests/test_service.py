@@ -18,13 +18,7 @@ from fair_sched_plugin.service import (
     estimate_prompt_tokens,
     requested_max_tokens,
 )
-from fair_sched_plugin.testing import FakeClock
-
-
-async def settle() -> None:
-    for _ in range(5):
-        await asyncio.sleep(0)
-
+from fair_sched_plugin.testing import FakeClock, settle
 
 BODY = {"model": "m", "messages": [{"role": "user", "content": "x" * 400}], "max_tokens": 50}
 

@@ -11,14 +11,9 @@ import pytest
 from fair_sched_plugin.errors import QueueFull, QueueTimeout, SchedulerClosed
 from fair_sched_plugin.identity import Credentials
 from fair_sched_plugin.service import UNKNOWN_MODELS, Admission, ParkedRequest, SchedulingService
-from fair_sched_plugin.testing import FakeClock
+from fair_sched_plugin.testing import FakeClock, settle
 
 BODY = {"model": "m", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 10}
-
-
-async def settle() -> None:
-    for _ in range(5):
-        await asyncio.sleep(0)
 
 
 def make_service(clock: FakeClock, **settings: Any) -> SchedulingService:

@@ -25,6 +25,7 @@ from .processes import (
     EmulatorSettings,
     emulator_process,
     engine_stats,
+    enter_side_by_side,
     fair_proxy,
     litellm_config,
     litellm_proxy,
@@ -206,21 +207,12 @@ async def started_targets(
     idle while the others are measured.
     """
     async with contextlib.AsyncExitStack() as stack:
-        started = time.perf_counter()
-        progress(f"starting {len(variants)} engine(s) and gateways ...")
-
-        async def enter(variant: Variant) -> Target:
-            return await stack.enter_async_context(_target(variant, emulator, engine_url, workdir))
-
-        tasks = [asyncio.ensure_future(enter(variant)) for variant in variants]
-        # Wait for every start to finish (or fail) before unwinding, so nothing starts late and
-        # escapes the stack.
-        outcomes = await asyncio.gather(*tasks, return_exceptions=True)
-        failures = [o for o in outcomes if isinstance(o, BaseException)]
-        if failures:
-            raise failures[0]
-        progress(f"all started in {time.perf_counter() - started:.1f} s")
-        yield [o for o in outcomes if isinstance(o, Target)]
+        yield await enter_side_by_side(
+            stack,
+            [_target(variant, emulator, engine_url, workdir) for variant in variants],
+            progress,
+            f"starting {len(variants)} engine(s) and gateways ...",
+        )
 
 
 @dataclass

@@ -38,6 +38,7 @@ from .processes import (
     EmulatorSettings,
     emulator_process,
     engine_stats,
+    enter_side_by_side,
     fair_proxy,
     litellm_config,
     litellm_proxy,
@@ -379,22 +380,12 @@ async def started_replica_targets(
 ) -> AsyncIterator[list[ReplicaTarget]]:
     """Start every variant's engines and gateway at once (LiteLLM imports slowly); stop all."""
     async with contextlib.AsyncExitStack() as stack:
-        started = time.perf_counter()
-        progress(f"starting {len(variants)} variant(s), each with its own engines ...")
-
-        async def enter(variant: ReplicaVariant) -> ReplicaTarget:
-            return await stack.enter_async_context(
-                _replica_target(variant, engines, fair_sched, workdir)
-            )
-
-        outcomes = await asyncio.gather(
-            *(enter(variant) for variant in variants), return_exceptions=True
+        yield await enter_side_by_side(
+            stack,
+            [_replica_target(variant, engines, fair_sched, workdir) for variant in variants],
+            progress,
+            f"starting {len(variants)} variant(s), each with its own engines ...",
         )
-        failures = [o for o in outcomes if isinstance(o, BaseException)]
-        if failures:
-            raise failures[0]
-        progress(f"all started in {time.perf_counter() - started:.1f} s")
-        yield [o for o in outcomes if isinstance(o, ReplicaTarget)]
 
 
 # ----------------------------------------------------------------------------- playing

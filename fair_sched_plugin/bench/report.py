@@ -7,10 +7,12 @@ import sys
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 from .flood import FloodResult
 from .processes import plugin_available
+
+R = TypeVar("R")
 
 STAND_IN_NOTE = (
     "* The LiteLLM plugin (fair_sched_plugin.litellm) is not installed here, so the standalone "
@@ -129,3 +131,15 @@ def markdown_table(header: Sequence[str], rows: Sequence[Sequence[str]]) -> str:
     lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
     lines += ["| " + " | ".join(row) + " |" for row in rows]
     return "\n".join(lines)
+
+
+def results_table(
+    results: Sequence[R],
+    label: Callable[[R], str],
+    columns: Sequence[tuple[str, Callable[[R], str]]],
+) -> str:
+    """One row a result: its label, then each column's cell; a column's heading and its cell
+    are written side by side, so they cannot drift apart."""
+    header = ["", *(heading for heading, _ in columns)]
+    rows = [[label(result), *(cell(result) for _, cell in columns)] for result in results]
+    return markdown_table(header, rows)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -38,6 +38,7 @@ from .report import (
     flood_json,
     flood_table,
     markdown_table,
+    results_table,
     write_json,
     write_plots,
 )
@@ -372,6 +373,25 @@ def _bar_plot(title: str, values: dict[str, float], path: Path) -> None:
         print("matplotlib is not installed: no plot", file=sys.stderr)
 
 
+ReplicaColumn = tuple[str, Callable[[ReplicaResult], str]]
+
+
+def _throughput_columns(results: Sequence[ReplicaResult]) -> list[ReplicaColumn]:
+    """The first columns of every replica table."""
+    return [
+        ("tokens/s", lambda r: f"{r.summary['throughput_tps']:,.0f}"),
+        ("vs LiteLLM default", lambda r: _times(_vs_litellm(results, r))),
+    ]
+
+
+def _served_columns() -> list[ReplicaColumn]:
+    """The last columns of every replica table."""
+    return [
+        ("requests", lambda r: _per_engine(r, "requests_received")),
+        ("errors", lambda r: str(r.summary["errors"])),
+    ]
+
+
 def _per_engine(result: ReplicaResult, key: str, fmt: str = "{:.0f}") -> str:
     values = [engine[key] for engine in result.summary["engines"]]
     return " / ".join("-" if value is None else fmt.format(value) for value in values)
@@ -405,37 +425,21 @@ async def _unequal_section(args: argparse.Namespace, out: Path, progress: Progre
     size = QUICK_UNEQUAL if args.quick else UnequalSize()
     results = await run_unequal(size, out / "logs", progress)
     write_json(out / "unequal-replicas.json", replica_json(results))
-    rows = [
+    table = results_table(
+        results,
+        lambda r: r.variant.label,
         [
-            r.variant.label,
-            f"{r.summary['throughput_tps']:,.0f}",
-            _times(_vs_litellm(results, r)),
-            _seconds(r.summary["light_ttft_p50"]),
-            _seconds(r.summary["light_ttft_p95"]),
-            _times(r.summary["light_ttft_vs_direct"]),
-            _per_engine(r, "max_waiting_seen"),
-            _per_engine(r, "max_waiting_sampled"),
-            _per_engine(r, "mean_waiting_sampled", "{:.1f}"),
-            _per_engine(r, "mean_running_sampled", "{:.1f}"),
-            _per_engine(r, "requests_received"),
-            str(r.summary["errors"]),
-        ]
-        for r in results
-    ]
-    header = [
-        "",
-        "tokens/s",
-        "vs LiteLLM default",
-        "light TTFT p50",
-        "light TTFT p95",
-        "light p50 vs direct FIFO",
-        "max waiting (engine's own)",
-        "max waiting (sampled)",
-        "mean waiting",
-        "mean running",
-        "requests",
-        "errors",
-    ]
+            *_throughput_columns(results),
+            ("light TTFT p50", lambda r: _seconds(r.summary["light_ttft_p50"])),
+            ("light TTFT p95", lambda r: _seconds(r.summary["light_ttft_p95"])),
+            ("light p50 vs direct FIFO", lambda r: _times(r.summary["light_ttft_vs_direct"])),
+            ("max waiting (engine's own)", lambda r: _per_engine(r, "max_waiting_seen")),
+            ("max waiting (sampled)", lambda r: _per_engine(r, "max_waiting_sampled")),
+            ("mean waiting", lambda r: _per_engine(r, "mean_waiting_sampled", "{:.1f}")),
+            ("mean running", lambda r: _per_engine(r, "mean_running_sampled", "{:.1f}")),
+            *_served_columns(),
+        ],
+    )
     plotted = _replica_plot(
         "plot_engine_queues",
         results,
@@ -458,7 +462,7 @@ async def _unequal_section(args: argparse.Namespace, out: Path, progress: Progre
         "engine's own maximum is taken after each step's scheduling (exact), the sampled ones "
         f"from its /metrics every {SAMPLE_EVERY_S:g} s.",
         "",
-        markdown_table(header, rows),
+        table,
         "",
         *(["![each engine's queue](unequal-replicas-queues.png)", ""] if plotted else []),
     ]
@@ -471,35 +475,23 @@ async def _shared_section(args: argparse.Namespace, out: Path, progress: Progres
     results = await run_shared(size, out / "logs", progress)
     write_json(out / "shared-prefixes.json", replica_json(results))
     best = results[0].summary["best_hit_rate"] if results else None
-    rows = [
+    table = results_table(
+        results,
+        lambda r: r.variant.label,
         [
-            r.variant.label,
-            f"{r.summary['throughput_tps']:,.0f}",
-            _times(_vs_litellm(results, r)),
-            _fraction(r.summary["hit_rate"]),
-            _fraction(r.summary["best_hit_rate"]),
-            _per_engine(r, "hit_rate", "{:.2f}"),
-            _fraction(r.summary["jain_backlogged"], "{:.3f}"),
-            _per_engine(r, "max_waiting_seen"),
-            _per_engine(r, "mean_waiting_sampled", "{:.1f}"),
-            _per_engine(r, "requests_received"),
-            str(r.summary["errors"]),
-        ]
-        for r in results
-    ]
-    header = [
-        "",
-        "tokens/s",
-        "vs LiteLLM default",
-        "hit rate",
-        "best possible",
-        "hit rate per engine",
-        "Jain (while all backlogged)",
-        "max waiting (engine's own)",
-        "mean waiting",
-        "requests",
-        "errors",
-    ]
+            *_throughput_columns(results),
+            ("hit rate", lambda r: _fraction(r.summary["hit_rate"])),
+            ("best possible", lambda r: _fraction(r.summary["best_hit_rate"])),
+            ("hit rate per engine", lambda r: _per_engine(r, "hit_rate", "{:.2f}")),
+            (
+                "Jain (while all backlogged)",
+                lambda r: _fraction(r.summary["jain_backlogged"], "{:.3f}"),
+            ),
+            ("max waiting (engine's own)", lambda r: _per_engine(r, "max_waiting_seen")),
+            ("mean waiting", lambda r: _per_engine(r, "mean_waiting_sampled", "{:.1f}")),
+            *_served_columns(),
+        ],
+    )
     plotted = _replica_plot(
         "plot_engine_queues",
         results,
@@ -521,7 +513,7 @@ async def _shared_section(args: argparse.Namespace, out: Path, progress: Progres
         "evicts). Jain's index is over each user's streamed tokens until the first user had "
         "nothing left in flight.",
         "",
-        markdown_table(header, rows),
+        table,
         "",
         *(
             [

@@ -64,7 +64,7 @@ from __future__ import annotations
 from collections import deque
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
-from typing import Literal, NamedTuple
+from typing import Any, Literal, NamedTuple
 
 from .clock import Clock, LoopClock
 from .gate import CapacityListener
@@ -138,6 +138,18 @@ class DeploymentStatus(NamedTuple):
     # Per tier with `waiting_below: auto`: the engine queue its tuner allows now.
     allowed_queue: tuple[tuple[str, float], ...] = ()
 
+    def to_wire(self) -> dict[str, Any]:
+        """This row as JSON values keyed by field name (how a leader publishes it)."""
+        return {**self._asdict(), "allowed_queue": [list(pair) for pair in self.allowed_queue]}
+
+    @classmethod
+    def from_wire(cls, fields: object) -> DeploymentStatus:
+        """The row `to_wire` wrote, by name: names a newer replica added are ignored, a field
+        added with a default may be missing; ValueError names whatever else is wrong."""
+        values = _named_fields(cls, fields)
+        values["allowed_queue"] = _allowed_queue(values.get("allowed_queue", ()))
+        return cls(**values)
+
 
 class GroupStatus(NamedTuple):
     """One model group: its deployments' rows and their sums (for metrics and the status page).
@@ -161,6 +173,42 @@ class GroupStatus(NamedTuple):
     # Per tier with `waiting_below: auto`: the engine queue its tuners allow now (all deployments).
     allowed_queue: tuple[tuple[str, float], ...] = ()
     per_deployment: tuple[DeploymentStatus, ...] = ()
+
+    def to_wire(self) -> dict[str, Any]:
+        """This group as JSON values keyed by field name, its deployments' rows included."""
+        return {
+            **self._asdict(),
+            "allowed_queue": [list(pair) for pair in self.allowed_queue],
+            "per_deployment": [row.to_wire() for row in self.per_deployment],
+        }
+
+    @classmethod
+    def from_wire(cls, fields: object) -> GroupStatus:
+        """The group `to_wire` wrote, by name (see `DeploymentStatus.from_wire`)."""
+        values = _named_fields(cls, fields)
+        values["allowed_queue"] = _allowed_queue(values.get("allowed_queue", ()))
+        rows = values.get("per_deployment", ())
+        if not isinstance(rows, list | tuple):
+            raise ValueError(f"GroupStatus.per_deployment is not a list: {rows!r:.60}")
+        values["per_deployment"] = tuple(DeploymentStatus.from_wire(row) for row in rows)
+        return cls(**values)
+
+
+def _named_fields(cls: type[DeploymentStatus | GroupStatus], fields: object) -> dict[str, Any]:
+    if not isinstance(fields, Mapping):
+        raise ValueError(
+            f"a {cls.__name__} on the wire is an object keyed by field name, not {fields!r:.60}"
+        )
+    missing = [n for n in cls._fields if n not in fields and n not in cls._field_defaults]
+    if missing:
+        raise ValueError(f"a {cls.__name__} on the wire lacks {', '.join(missing)}")
+    return {name: fields[name] for name in cls._fields if name in fields}
+
+
+def _allowed_queue(pairs: object) -> tuple[tuple[str, float], ...]:
+    if not isinstance(pairs, list | tuple):
+        raise ValueError(f"allowed_queue is not a list of [tier, queue] pairs: {pairs!r:.60}")
+    return tuple((str(name), float(queue)) for name, queue in pairs)
 
 
 @dataclass

@@ -118,8 +118,10 @@ class Lease:
         self.owner_ref = owner_ref
         self.ticket = ticket
         # The deployment (its api_base, or its metrics URL where no api_base is known) the gate
-        # bound this request to: it must go exactly there. None: the model has one engine, or
-        # the gate does not place (InflightLimitGate).
+        # bound this request to: it must go exactly there. The metrics gate binds a one-engine
+        # model's requests too, to that engine. None: the gate does not place
+        # (InflightLimitGate), does not know the model, or found no deployment with room at
+        # the release (the request goes wherever the adapter routes it).
         self.deployment = deployment
         self.lease_id = lease_id
         self.enqueued_at = enqueued_at

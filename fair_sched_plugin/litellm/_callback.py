@@ -298,7 +298,13 @@ def _unavailable(lease: Lease, why: str) -> Exception:
         f"fair_sched: the deployment this request was scheduled to ({lease.deployment}, model "
         f"`{lease.ticket.model}`) is not available: {why}; retry to be placed again"
     )
-    logger.warning("%s", message)
+    # LiteLLM's router retries a refused attempt (and tries each fallback): one warning per
+    # lease says it; the repeats are for debugging.
+    request = current_request()
+    repeat = request is not None and id(lease) in request.refusals_logged
+    if request is not None:
+        request.refusals_logged.add(id(lease))
+    logger.log(logging.DEBUG if repeat else logging.WARNING, "%s", message)
     return ServiceUnavailableError(
         message=message, model=lease.ticket.model, llm_provider="fair_sched"
     )

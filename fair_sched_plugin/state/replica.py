@@ -27,10 +27,10 @@ import json
 import logging
 import math
 import uuid
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, Literal, NamedTuple
 
-from ..core.backpressure import DeploymentStatus, GroupStatus, MetricsGate
+from ..core.backpressure import GroupStatus, MetricsGate
 from ..core.budget import BudgetBook
 from ..core.gate import AdmissionGate
 from ..core.scheduler import FairScheduler, Reservation, SchedulerStatistics, UserBacklog
@@ -389,24 +389,53 @@ class _Published(NamedTuple):
     gate: tuple[GroupStatus, ...]
 
 
-def _group_status(row: list[Any]) -> GroupStatus:
-    """A `GroupStatus` from its JSON row (an older leader's has no per-deployment rows)."""
-    group = GroupStatus(*row)
-    return group._replace(
-        allowed_queue=_allowed_queue(group.allowed_queue),
-        per_deployment=tuple(
-            DeploymentStatus(*deployment[:-1], _allowed_queue(deployment[-1]))
-            for deployment in group.per_deployment
-        ),
-    )
+# A leader older than `GroupStatus.to_wire` published each gate row as a list in this order (the
+# older still, without the last fields); a follower reads those by these names during a rolling
+# upgrade. Frozen: fields added to the types since then travel by name only.
+_POSITIONAL_DEPLOYMENT = (
+    "deployment",
+    "mode",
+    "waiting",
+    "running",
+    "tpot_s",
+    "kv_usage",
+    "pending",
+    "free_slots",
+    "in_flight",
+    "last_scrape_age_s",
+    "blocked_reason",
+    "allowed_queue",
+)
+_POSITIONAL_GROUP = (
+    "model",
+    "mode",
+    "deployments",
+    *_POSITIONAL_DEPLOYMENT[2:],
+    "per_deployment",
+)
 
 
-def _allowed_queue(pairs: Iterable[Sequence[Any]]) -> tuple[tuple[str, float], ...]:
-    return tuple((str(name), float(queue)) for name, queue in pairs)
+def _by_name(row: object, names: tuple[str, ...]) -> object:
+    """An older leader's positional row keyed by name; anything else as it came."""
+    if not isinstance(row, list):
+        return row
+    if len(row) > len(names):
+        raise ValueError(f"a positional gate row has {len(row)} fields, more than {len(names)}")
+    return dict(zip(names, row, strict=False))
 
 
-def _read_published(text: str) -> _Published | None:
-    """The leader's statistics document from `stats`; None if it is not one."""
+def _group_status(row: object) -> GroupStatus:
+    """A `GroupStatus` from the leader's document: by name, or an older leader's list."""
+    group = _by_name(row, _POSITIONAL_GROUP)
+    if isinstance(group, dict) and isinstance(group.get("per_deployment"), list):
+        group["per_deployment"] = [
+            _by_name(deployment, _POSITIONAL_DEPLOYMENT) for deployment in group["per_deployment"]
+        ]
+    return GroupStatus.from_wire(group)
+
+
+def _read_published(text: str) -> _Published:
+    """The leader's statistics document from `stats`; ValueError says why it is not one."""
     try:
         document = json.loads(text)
         scheduler = dict(document["scheduler"])
@@ -416,14 +445,16 @@ def _read_published(text: str) -> _Published | None:
         scheduler["in_flight_by_model"] = dict(scheduler["in_flight_by_model"])
         statistics = SchedulerStatistics(**scheduler)
         gate = tuple(_group_status(row) for row in document["gate"])
-    except (ValueError, TypeError, KeyError):
-        return None
+    except KeyError as exc:
+        raise ValueError(f"no {exc}") from None
+    except TypeError as exc:
+        raise ValueError(str(exc)) from None
     counts = [value for value in statistics[:8]]
     counts += [*statistics.queued_by_model_tier.values(), *statistics.in_flight_by_model.values()]
     if not all(isinstance(count, int) for count in counts):
-        return None
+        raise ValueError("a scheduler count is not a whole number")
     if not all(isinstance(row.model, str) and isinstance(row.mode, str) for row in gate):
-        return None
+        raise ValueError("a gate row's model or mode is not a string")
     return _Published(statistics, gate)
 
 
@@ -955,11 +986,13 @@ class ReplicaScheduler:
         self._alive = beat.alive or [self.replica]
         self._published = None
         if beat.statistics:
-            self._published = _read_published(beat.statistics)
-            if self._published is None:
+            try:
+                self._published = _read_published(beat.statistics)
+            except ValueError as exc:
                 # Not the leader's document: reported as our own until its next renewal.
                 corrupt_value(
-                    link.statistics_key, f"not a statistics document: {beat.statistics[:40]!r}"
+                    link.statistics_key,
+                    f"not a statistics document ({exc}): {beat.statistics[:40]!r}",
                 )
         if self._token is not None:
             if beat.leader != self._token:
@@ -1116,7 +1149,7 @@ class ReplicaScheduler:
                     ],
                     "in_flight_by_model": list(stats.in_flight_by_model.items()),
                 },
-                "gate": [list(row) for row in (self._gate.status() if self._gate else [])],
+                "gate": [row.to_wire() for row in (self._gate.status() if self._gate else [])],
             }
         )
 

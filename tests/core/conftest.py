@@ -1,33 +1,18 @@
 from __future__ import annotations
 
-import asyncio
 from collections.abc import Iterable
 
 import pytest
 
-from fair_sched_plugin.core import FairScheduler, Ticket, TierLimits
-from fair_sched_plugin.testing import FakeClock, ManualGate
+from fair_sched_plugin.core import FairScheduler, TierLimits
+from fair_sched_plugin.testing import FakeClock, ManualGate, drain, make_ticket, settle
+
+# The helpers live in `fair_sched_plugin.testing`; these names stay for tests that import them
+# from here.
+ticket = make_ticket
+__all__ = ["TIERS", "drain", "make_scheduler", "settle", "ticket"]
 
 TIERS = (TierLimits("interactive", waiting_below=3), TierLimits("batch", waiting_below=1))
-
-
-async def settle(rounds: int = 5) -> None:
-    """Let woken tasks run (yields to the loop; never waits for time to pass)."""
-    for _ in range(rounds):
-        await asyncio.sleep(0)
-
-
-async def drain(scheduler: FairScheduler) -> None:
-    """Close the scheduler and collect every other task's outcome (no unretrieved exceptions)."""
-    scheduler.close()
-    others = [task for task in asyncio.all_tasks() if task is not asyncio.current_task()]
-    await asyncio.gather(*others, return_exceptions=True)
-
-
-def ticket(
-    user: str, *, model: str = "m", tier: str = "interactive", weight: float = 1.0, cost: int = 1
-) -> Ticket:
-    return Ticket(model=model, user=user, tier=tier, weight=weight, cost=cost)
 
 
 @pytest.fixture

@@ -12,20 +12,9 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from fair_sched_plugin.core import BackendSnapshot, Lease, MetricsGate, Ticket, TierLimits
-from fair_sched_plugin.testing import FakeClock
+from fair_sched_plugin.testing import FakeClock, GateLeaseOwner
 
 URL = "http://engine/metrics"
-
-
-class _Owner:
-    def __init__(self, gate: MetricsGate) -> None:
-        self.gate = gate
-
-    def lease_started(self, lease: Lease) -> None:
-        self.gate.on_started(lease)
-
-    def lease_ended(self, lease: Lease, tokens_used: int | None, *, abandoned: bool) -> None:
-        self.gate.on_ended(lease)
 
 
 @dataclass
@@ -84,7 +73,7 @@ class EngineSim:
     ) -> list[Sample]:
         """Run for `seconds` with `parked[tier]` requests waiting in our queue at the start
         (most urgent tier first); return this run's samples."""
-        owner = _Owner(self.gate)
+        owner = GateLeaseOwner(self.gate)
         left = dict(parked)
         first = len(self.samples)
         end = self.clock.now() + seconds
@@ -187,7 +176,7 @@ def run_deployments(
 ) -> int:
     """Several engines behind one model: each released request goes to the deployment the gate
     placed it on (`engines` by deployment key). Returns how many are still parked at the end."""
-    owner = _Owner(gate)
+    owner = GateLeaseOwner(gate)
     lease_ids = itertools.count(1)
     tick_s = min(engine.tick_s for engine in engines.values())
     end = clock.now() + seconds

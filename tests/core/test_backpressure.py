@@ -18,7 +18,7 @@ from fair_sched_plugin.core import (
     Ticket,
     TierLimits,
 )
-from fair_sched_plugin.testing import FakeClock, ManualGate
+from fair_sched_plugin.testing import FakeClock, GateLeaseOwner, ManualGate, snapshot
 
 from .conftest import drain, settle, ticket
 from .engine_sim import EngineSim, mean, run_deployments
@@ -54,9 +54,7 @@ def make_gate(
 def scrape(
     clock: FakeClock, waiting: float = 0, running: float = 0, url: str = URL, **extra: object
 ) -> BackendSnapshot:
-    return BackendSnapshot(
-        url=url, started_at=clock.now(), ok=True, waiting=waiting, running=running, **extra
-    )  # type: ignore[arg-type]
+    return snapshot(clock, url, waiting=waiting, running=running, **extra)
 
 
 async def test_released_requests_count_until_a_late_enough_scrape_sees_them() -> None:
@@ -778,7 +776,7 @@ def test_with_metrics_lag_an_end_after_the_scrapes_view_frees_its_slot() -> None
         stale_after_s=5.0,
         clock=clock,
     )
-    owner = _GateOwner(gate)
+    owner = GateLeaseOwner(gate)
     leases = [Lease(owner, ticket("u"), n, clock.now(), clock.now(), 0.0) for n in (1, 2)]
     for lease in leases:
         gate.on_released(lease)
@@ -792,14 +790,3 @@ def test_with_metrics_lag_an_end_after_the_scrapes_view_frees_its_slot() -> None
     clock.advance(3.0)
     gate.update("m", scrape(clock, running=1))
     assert gate.status()[0].free_slots == 1
-
-
-class _GateOwner:
-    def __init__(self, gate: MetricsGate) -> None:
-        self._gate = gate
-
-    def lease_started(self, lease: Lease) -> None:
-        self._gate.on_started(lease)
-
-    def lease_ended(self, lease: Lease, tokens_used: int | None, *, abandoned: bool) -> None:
-        self._gate.on_ended(lease)

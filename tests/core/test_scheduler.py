@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import asyncio
 from collections import Counter
 
 import pytest
@@ -10,26 +9,20 @@ import pytest
 from fair_sched_plugin.core import (
     FairScheduler,
     InflightLimitGate,
-    Lease,
     TierLimits,
 )
 from fair_sched_plugin.errors import QueueFull, QueueTimeout, SchedulerClosed
-from fair_sched_plugin.testing import FakeClock, ManualGate
+from fair_sched_plugin.testing import (
+    FakeClock,
+    ManualGate,
+    drain,
+    make_ticket,
+    released_users,
+    settle,
+    submit,
+)
 
-from .conftest import TIERS, drain, make_scheduler, settle, ticket
-
-
-def submit(
-    scheduler: FairScheduler, user: str, count: int = 1, **options: object
-) -> list[asyncio.Task[Lease]]:
-    return [
-        asyncio.create_task(scheduler.acquire(ticket(user, **options)))  # type: ignore[arg-type]
-        for _ in range(count)
-    ]
-
-
-def released_users(gate: ManualGate) -> list[str]:
-    return [lease.ticket.user for lease in gate.released]
+from .conftest import TIERS, make_scheduler
 
 
 async def test_late_user_goes_right_after_the_current_turn(
@@ -185,7 +178,7 @@ async def test_per_user_cap_rejects_with_retry_hint(gate: ManualGate, clock: Fak
     submit(scheduler, "a", 2)
     await settle()
     with pytest.raises(QueueFull) as caught:
-        await scheduler.acquire(ticket("a"))
+        await scheduler.acquire(make_ticket("a"))
     assert caught.value.scope == "user"
     assert caught.value.retry_after_s >= 1
     assert caught.value.status_code == 429
@@ -203,7 +196,7 @@ async def test_total_cap_rejects(gate: ManualGate, clock: FakeClock) -> None:
         submit(scheduler, user)
     await settle()
     with pytest.raises(QueueFull) as caught:
-        await scheduler.acquire(ticket("d"))
+        await scheduler.acquire(make_ticket("d"))
     assert caught.value.scope == "total"
     await drain(scheduler)
 
@@ -235,7 +228,7 @@ async def test_max_wait_raises_queue_timeout_and_frees_the_slot(
 async def test_release_is_idempotent(gate: ManualGate, clock: FakeClock) -> None:
     gate.open()
     scheduler = make_scheduler(gate, clock)
-    lease = await scheduler.acquire(ticket("a"))
+    lease = await scheduler.acquire(make_ticket("a"))
     assert lease.release() is True
     assert lease.release() is False
     assert lease.release(tokens_used=10) is False
@@ -246,29 +239,29 @@ async def test_release_is_idempotent(gate: ManualGate, clock: FakeClock) -> None
 async def test_async_with_releases_on_exit_and_on_error(gate: ManualGate, clock: FakeClock) -> None:
     gate.open()
     scheduler = make_scheduler(gate, clock)
-    async with await scheduler.acquire(ticket("a")) as lease:
+    async with await scheduler.acquire(make_ticket("a")) as lease:
         assert lease.active
     assert not lease.active
     with pytest.raises(RuntimeError):
-        async with await scheduler.acquire(ticket("a")):
+        async with await scheduler.acquire(make_ticket("a")):
             raise RuntimeError("backend failed")
     assert scheduler.statistics().in_flight == 0
 
 
 async def test_try_acquire_never_jumps_the_queue(gate: ManualGate, clock: FakeClock) -> None:
     scheduler = make_scheduler(gate, clock)
-    assert scheduler.try_acquire(ticket("a")) is None  # gate closed
+    assert scheduler.try_acquire(make_ticket("a")) is None  # gate closed
     queued = submit(scheduler, "a", 1)
     await settle()
     gate.open()
     await settle()
     assert queued[0].done()
-    lease = scheduler.try_acquire(ticket("b"))
+    lease = scheduler.try_acquire(make_ticket("b"))
     assert lease is not None
     gate.close()
     submit(scheduler, "c", 1, tier="interactive")
     await settle()
-    assert scheduler.try_acquire(ticket("d", tier="batch")) is None
+    assert scheduler.try_acquire(make_ticket("d", tier="batch")) is None
     lease.release()
     await drain(scheduler)
 
@@ -313,7 +306,7 @@ async def test_woken_then_cancelled_waiter_passes_its_turn_on(clock: FakeClock) 
     the lease must go back and the next waiter get the capacity."""
     gate = InflightLimitGate(1)
     scheduler = FairScheduler(TIERS, gate, clock=clock)
-    holder = await scheduler.acquire(ticket("x"))
+    holder = await scheduler.acquire(make_ticket("x"))
     (woken,) = submit(scheduler, "a", 1)
     (next_in_line,) = submit(scheduler, "b", 1)
     await settle()
@@ -331,7 +324,7 @@ async def test_abandoned_turn_is_not_charged(clock: FakeClock) -> None:
     """Race: a woken-then-cancelled request must not cost its user a round-robin turn."""
     gate = InflightLimitGate(1)
     scheduler = FairScheduler(TIERS, gate, clock=clock)
-    holder = await scheduler.acquire(ticket("x"))
+    holder = await scheduler.acquire(make_ticket("x"))
     a_tasks = submit(scheduler, "a", 3)
     b_tasks = submit(scheduler, "b", 3)
     await settle()
@@ -364,7 +357,7 @@ async def test_close_fails_waiters_and_refuses_new_tickets(
 ) -> None:
     gate.allow(1)
     scheduler = make_scheduler(gate, clock)
-    held = await scheduler.acquire(ticket("a"))
+    held = await scheduler.acquire(make_ticket("a"))
     waiting = submit(scheduler, "b", 2)
     await settle()
     await drain(scheduler)
@@ -372,7 +365,7 @@ async def test_close_fails_waiters_and_refuses_new_tickets(
         with pytest.raises(SchedulerClosed):
             task.result()
     with pytest.raises(SchedulerClosed):
-        await scheduler.acquire(ticket("c"))
+        await scheduler.acquire(make_ticket("c"))
     assert held.release() is True
     assert scheduler.statistics().in_flight == 0
 
@@ -380,7 +373,7 @@ async def test_close_fails_waiters_and_refuses_new_tickets(
 async def test_unknown_tier_is_a_value_error(gate: ManualGate, clock: FakeClock) -> None:
     scheduler = make_scheduler(gate, clock)
     with pytest.raises(ValueError, match="unknown tier"):
-        await scheduler.acquire(ticket("a", tier="gold"))
+        await scheduler.acquire(make_ticket("a", tier="gold"))
 
 
 async def test_backlog_reports_depth_and_oldest(gate: ManualGate, clock: FakeClock) -> None:
@@ -415,7 +408,7 @@ async def test_a_reservation_is_granted_through_its_future(
     gate: ManualGate, clock: FakeClock
 ) -> None:
     scheduler = make_scheduler(gate, clock)
-    reservation = scheduler.enqueue(ticket("a"))
+    reservation = scheduler.enqueue(make_ticket("a"))
     assert not reservation.future.done()
     gate.allow(1)
     lease = reservation.future.result()
@@ -428,8 +421,8 @@ async def test_a_reservation_is_granted_through_its_future(
 async def test_a_cancelled_reservation_is_never_granted(gate: ManualGate, clock: FakeClock) -> None:
     """Race: cancelled by callback (no task) while queued, then capacity opens."""
     scheduler = make_scheduler(gate, clock)
-    first = scheduler.enqueue(ticket("a"))
-    second = scheduler.enqueue(ticket("b"))
+    first = scheduler.enqueue(make_ticket("a"))
+    second = scheduler.enqueue(make_ticket("b"))
     assert first.cancel()
     assert not first.cancel()  # once
     gate.allow(2)
@@ -443,7 +436,7 @@ async def test_a_cancelled_reservation_is_never_granted(gate: ManualGate, clock:
 async def test_an_adopted_lease_counts_in_flight_and_is_not_charged(clock: FakeClock) -> None:
     gate = InflightLimitGate(2)
     scheduler = make_scheduler(gate, clock)  # type: ignore[arg-type]
-    adopted = scheduler.adopt(ticket("a"), started=True)
+    adopted = scheduler.adopt(make_ticket("a"), started=True)
     assert adopted.started and adopted.charged == 0.0
     assert gate.in_flight("m") == 1
     tasks = submit(scheduler, "a", 1) + submit(scheduler, "b", 2)

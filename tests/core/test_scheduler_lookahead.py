@@ -12,7 +12,6 @@ import pytest
 
 from fair_sched_plugin.core import (
     BackendGroup,
-    BackendSnapshot,
     Deployment,
     FairScheduler,
     Lease,
@@ -23,9 +22,17 @@ from fair_sched_plugin.core import (
 from fair_sched_plugin.core import scheduler as scheduler_module
 from fair_sched_plugin.core.placement import Candidate, Placer
 from fair_sched_plugin.core.scheduler import LOOKAHEAD
-from fair_sched_plugin.testing import FakeClock, ManualGate
+from fair_sched_plugin.testing import (
+    FakeClock,
+    ManualGate,
+    drain,
+    released_users,
+    settle,
+    snapshot,
+    submit,
+)
 
-from .conftest import TIERS, drain, make_scheduler, settle, ticket
+from .conftest import TIERS, make_scheduler
 from .engine_sim import EngineSim
 
 
@@ -40,19 +47,6 @@ class HeldGate(ManualGate):
     def prefers_elsewhere(self, ticket: Ticket, tier: TierLimits) -> bool:
         self.asked.append(ticket.user)
         return ticket.user in self.held
-
-
-def submit(
-    scheduler: FairScheduler, user: str, count: int = 1, **options: object
-) -> list[asyncio.Task[Lease]]:
-    return [
-        asyncio.create_task(scheduler.acquire(ticket(user, **options)))  # type: ignore[arg-type]
-        for _ in range(count)
-    ]
-
-
-def released_users(gate: ManualGate) -> list[str]:
-    return [lease.ticket.user for lease in gate.released]
 
 
 async def test_a_later_user_whose_deployment_has_room_goes_before_the_held_head(
@@ -429,12 +423,6 @@ A_KEY, A_METRICS = "http://a/v1", "http://a/metrics"
 B_KEY, B_METRICS = "http://b/v1", "http://b/metrics"
 
 
-def scrape(clock: FakeClock, url: str, waiting: float, running: float) -> BackendSnapshot:
-    return BackendSnapshot(
-        url=url, started_at=clock.now(), ok=True, waiting=waiting, running=running
-    )
-
-
 async def test_with_the_metrics_gate_a_full_home_lets_another_user_go_first() -> None:
     """End to end in the core: the per-deployment MetricsGate places with the Placer and tells
     the scheduler when a ticket's home is full; the look-ahead serves a user whose home has room,
@@ -449,8 +437,8 @@ async def test_with_the_metrics_gate_a_full_home_lets_another_user_go_first() ->
     )
     gate = MetricsGate([group], stale_after_s=5.0, clock=clock)
     scheduler = FairScheduler([tier], gate, clock=clock)
-    gate.update("m", scrape(clock, A_METRICS, waiting=0, running=0))
-    gate.update("m", scrape(clock, B_METRICS, waiting=0, running=0))
+    gate.update("m", snapshot(clock, A_METRICS, waiting=0, running=0))
+    gate.update("m", snapshot(clock, B_METRICS, waiting=0, running=0))
     prefixes = {"alice": (1,), "bob": (2,), "carol": (3,)}
 
     def make(user: str) -> Ticket:
@@ -465,8 +453,8 @@ async def test_with_the_metrics_gate_a_full_home_lets_another_user_go_first() ->
         lease.release()
 
     clock.advance(0.5)
-    gate.update("m", scrape(clock, A_METRICS, waiting=3, running=4))  # both full
-    gate.update("m", scrape(clock, B_METRICS, waiting=3, running=4))
+    gate.update("m", snapshot(clock, A_METRICS, waiting=3, running=4))  # both full
+    gate.update("m", snapshot(clock, B_METRICS, waiting=3, running=4))
     futures = [scheduler.enqueue(make(user)).future for user in ["alice", "bob", "carol"] * 2]
     assert not any(future.done() for future in futures)
 
@@ -476,16 +464,16 @@ async def test_with_the_metrics_gate_a_full_home_lets_another_user_go_first() ->
         return [(lease.ticket.user, lease.deployment) for lease in done]
 
     clock.advance(0.5)
-    gate.update("m", scrape(clock, B_METRICS, waiting=2, running=4))  # room for one on B
+    gate.update("m", snapshot(clock, B_METRICS, waiting=2, running=4))  # room for one on B
     assert granted() == [("carol", B_KEY)]  # alice and bob wait for A: their prefixes are there
 
     clock.advance(0.5)
-    gate.update("m", scrape(clock, B_METRICS, waiting=1, running=4))  # room for two on B
+    gate.update("m", snapshot(clock, B_METRICS, waiting=1, running=4))  # room for two on B
     # carol again; then only alice and bob are left, both held: the head (alice) spills.
     assert granted() == [("carol", B_KEY), ("carol", B_KEY), ("alice", B_KEY)]
 
     clock.advance(0.5)
-    gate.update("m", scrape(clock, A_METRICS, waiting=2, running=4))  # room for one on A
+    gate.update("m", snapshot(clock, A_METRICS, waiting=2, running=4))  # room for one on A
     assert granted()[3:] == [("bob", A_KEY)]  # bob kept his turn and his home
     scheduler.close()
     for future in futures:

@@ -24,6 +24,7 @@ from fair_sched_plugin.identity import Credentials
 from fair_sched_plugin.proxy import build_proxy_app
 from fair_sched_plugin.service import ClientDisconnected, SchedulingService
 from fair_sched_plugin.state import ReplicaScheduler
+from fair_sched_plugin.testing import settle
 
 from ..integrations.conftest import (
     assert_idle,
@@ -90,11 +91,6 @@ def scheduler_internals(scheduler: object) -> dict[str, int]:
         "held": len(scheduler._held),
         "term": len(term.reservations) + len(term.leases),
     }
-
-
-async def settle() -> None:
-    for _ in range(5):
-        await asyncio.sleep(0)
 
 
 async def flood(service: SchedulingService, attempts: int) -> tuple[list[asyncio.Task[Any]], int]:

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import importlib.util
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import Any
@@ -23,24 +22,19 @@ from fair_sched_plugin.emulator.server import RunningEmulator
 
 from ..integrations.conftest import chat_body, emulator, wait_until
 from ..integrations.litellm_harness import (
+    CHAT,
     MASTER_KEY,
     ProxyProcess,
     litellm_proxy,
     model_entry,
     open_client,
     proxy_config,
+    shared_proxy_marks,
 )
 from .test_bypasses import raw_request
 
-pytestmark = [
-    pytest.mark.litellm,
-    pytest.mark.asyncio(loop_scope="module"),
-    pytest.mark.skipif(
-        importlib.util.find_spec("litellm") is None, reason="needs the litellm extra"
-    ),
-]
+pytestmark = shared_proxy_marks()
 
-CHAT = "/v1/chat/completions"
 # Long enough that a stalled stream always meets send_timeout_s first (the buffers fill within
 # a few firehose tokens); short enough to wait for.
 MAX_LEASE_S = 5.0

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import importlib.util
 import json
 import re
 from collections.abc import AsyncIterator, Mapping
@@ -39,15 +38,10 @@ from ..integrations.litellm_harness import (
     model_entry,
     open_client,
     proxy_config,
+    shared_proxy_marks,
 )
 
-pytestmark = [
-    pytest.mark.litellm,
-    pytest.mark.asyncio(loop_scope="module"),
-    pytest.mark.skipif(
-        importlib.util.find_spec("litellm") is None, reason="needs the litellm extra"
-    ),
-]
+pytestmark = shared_proxy_marks()
 
 BATCH_PRIORITY = 10
 CLIENT_PRIORITY = -1000

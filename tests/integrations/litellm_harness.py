@@ -1,6 +1,7 @@
 """A real `litellm --config FILE` proxy in a subprocess, in front of emulators on 127.0.0.1.
 
-Used by `test_litellm.py` and `benchmarks/litellm_overhead.py`. The proxy runs in its own
+Used by the LiteLLM tests (their module marks, model entries, config and proxy come from here)
+and `benchmarks/litellm_overhead.py`. The proxy runs in its own
 process group with its output captured to a file; the group is killed on the way out, whatever
 happened. Starting one costs ~7-11 s (importing LiteLLM), so callers share a proxy where they can.
 """
@@ -9,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import importlib.util
 import json
 import os
 import signal
@@ -22,6 +24,7 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+import pytest
 import yaml
 
 from ..processes import own_process_group
@@ -33,6 +36,17 @@ CALLBACK = "fair_sched_plugin.litellm.scheduler"
 CUSTOM_AUTH = "fair_sched_plugin.litellm.authenticate"
 PROXY_STARTUP_TIMEOUT_S = 60.0
 PROXY_SHUTDOWN_TIMEOUT_S = 5.0
+CHAT = "/v1/chat/completions"
+
+NEEDS_LITELLM = pytest.mark.skipif(
+    importlib.util.find_spec("litellm") is None, reason="needs the litellm extra"
+)
+
+
+def shared_proxy_marks(*marks: pytest.MarkDecorator) -> list[pytest.MarkDecorator]:
+    """`pytestmark` of a module whose tests share proxies started by a module fixture: marked
+    `litellm`, one event loop for the module (the fixture's), skipped without the extra."""
+    return [pytest.mark.litellm, *marks, pytest.mark.asyncio(loop_scope="module"), NEEDS_LITELLM]
 
 
 def litellm_executable() -> str:
@@ -84,9 +98,12 @@ def proxy_config(
     *,
     plugin: bool = True,
     custom_auth: bool = True,
+    num_retries: int = 0,
+    router_settings: Mapping[str, Any] | None = None,
 ) -> dict[str, Any]:
-    """A LiteLLM config: the plugin as callback, our custom_auth, no retries, and `fair_sched:`."""
-    litellm_settings: dict[str, Any] = {"num_retries": 0}
+    """A LiteLLM config: the plugin as callback, our custom_auth, no retries unless told, and
+    `fair_sched:`."""
+    litellm_settings: dict[str, Any] = {"num_retries": num_retries}
     general_settings: dict[str, Any] = {"master_key": MASTER_KEY}
     if plugin:
         litellm_settings["callbacks"] = [CALLBACK]
@@ -97,6 +114,8 @@ def proxy_config(
         "litellm_settings": litellm_settings,
         "general_settings": general_settings,
     }
+    if router_settings is not None:
+        config["router_settings"] = dict(router_settings)
     if fair_sched is not None:
         config["fair_sched"] = dict(fair_sched)
     return config

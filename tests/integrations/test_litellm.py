@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import importlib.util
 import statistics
 import time
 from collections.abc import AsyncIterator, Mapping
@@ -33,6 +32,7 @@ from fair_sched_plugin.emulator.server import RunningEmulator, run_emulator
 
 from .conftest import wait_until
 from .litellm_harness import (
+    CHAT,
     MASTER_KEY,
     ProxyProcess,
     StreamResult,
@@ -42,19 +42,12 @@ from .litellm_harness import (
     open_client,
     proxy_config,
     run_proxy_to_exit,
+    shared_proxy_marks,
     stream_chat,
 )
 
-pytestmark = [
-    pytest.mark.litellm,
-    pytest.mark.litellm_range,
-    pytest.mark.asyncio(loop_scope="module"),
-    pytest.mark.skipif(
-        importlib.util.find_spec("litellm") is None, reason="needs the litellm extra"
-    ),
-]
+pytestmark = shared_proxy_marks(pytest.mark.litellm_range)
 
-CHAT = "/v1/chat/completions"
 WAITING_BELOW = 2  # the interactive tier's threshold on `main`
 MAX_NUM_SEQS = 4
 INTERACTIVE_PRIORITY = 1  # non-zero, so "sent" and "not sent" differ at the engine

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import importlib.util
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -18,15 +17,13 @@ from fair_sched_plugin.emulator.engine import EmulatorConfig
 from fair_sched_plugin.emulator.server import run_emulator
 
 from ..state.conftest import RedisServer, unique_prefix
-from .litellm_harness import litellm_proxy, model_entry, open_client, proxy_config
+from .litellm_harness import NEEDS_LITELLM, litellm_proxy, model_entry, open_client, proxy_config
 
 pytestmark = [
     pytest.mark.litellm,
     pytest.mark.redis,
     pytest.mark.slow,
-    pytest.mark.skipif(
-        importlib.util.find_spec("litellm") is None, reason="needs the litellm extra"
-    ),
+    NEEDS_LITELLM,
 ]
 
 BUDGET_TOKENS = 150

@@ -4,7 +4,6 @@ through real `litellm` proxy processes in front of emulators (scenarios in
 
 from __future__ import annotations
 
-import importlib.util
 import statistics
 from pathlib import Path
 
@@ -19,13 +18,12 @@ from .issue19_scenarios import (
     tier_shares,
     warm,
 )
+from .litellm_harness import NEEDS_LITELLM
 
 pytestmark = [
     pytest.mark.litellm,
     pytest.mark.slow,
-    pytest.mark.skipif(
-        importlib.util.find_spec("litellm") is None, reason="needs the litellm extra"
-    ),
+    NEEDS_LITELLM,
 ]
 
 

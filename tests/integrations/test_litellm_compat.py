@@ -19,11 +19,11 @@ from typing import Any
 
 import pytest
 
+from .litellm_harness import NEEDS_LITELLM
+
 pytestmark = [
     pytest.mark.litellm_range,
-    pytest.mark.skipif(
-        importlib.util.find_spec("litellm") is None, reason="needs the litellm extra"
-    ),
+    NEEDS_LITELLM,
 ]
 
 VERSION = "1.94.0"

@@ -5,7 +5,6 @@ the spend is read back from the budget on the status page."""
 
 from __future__ import annotations
 
-import importlib.util
 from pathlib import Path
 from typing import Any
 
@@ -15,13 +14,18 @@ from fair_sched_plugin.emulator.engine import EmulatorConfig
 from fair_sched_plugin.emulator.server import run_emulator
 from fair_sched_plugin.observability import STATUS_PATH
 
-from .litellm_harness import MASTER_KEY, litellm_proxy, model_entry, open_client, proxy_config
+from .litellm_harness import (
+    MASTER_KEY,
+    NEEDS_LITELLM,
+    litellm_proxy,
+    model_entry,
+    open_client,
+    proxy_config,
+)
 
 pytestmark = [
     pytest.mark.litellm,
-    pytest.mark.skipif(
-        importlib.util.find_spec("litellm") is None, reason="needs the litellm extra"
-    ),
+    NEEDS_LITELLM,
 ]
 
 # Money per token, as LiteLLM's model_info spells it.

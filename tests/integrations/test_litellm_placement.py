@@ -13,7 +13,6 @@ from __future__ import annotations
 import asyncio
 import collections
 import contextlib
-import importlib.util
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import Any
@@ -27,24 +26,18 @@ from fair_sched_plugin.emulator.server import RunningEmulator, run_emulator
 from fair_sched_plugin.observability import STATUS_PATH
 
 from .litellm_harness import (
+    CHAT,
     MASTER_KEY,
     ProxyProcess,
     litellm_proxy,
     model_entry,
     open_client,
     proxy_config,
+    shared_proxy_marks,
 )
 
-pytestmark = [
-    pytest.mark.litellm,
-    pytest.mark.litellm_range,
-    pytest.mark.asyncio(loop_scope="module"),
-    pytest.mark.skipif(
-        importlib.util.find_spec("litellm") is None, reason="needs the litellm extra"
-    ),
-]
+pytestmark = shared_proxy_marks(pytest.mark.litellm_range)
 
-CHAT = "/v1/chat/completions"
 DEPLOYMENT_HEADER = "x-fair-sched-deployment"
 REQUESTS = 16
 STEPS: dict[str, Any] = {
@@ -100,16 +93,17 @@ async def stack(tmp_path_factory: pytest.TempPathFactory) -> AsyncIterator[Stack
                 ],
                 "metrics_poll_ms": 50,
             },
+            # What a production config has: retries, and a fallback to another model group.
+            num_retries=2,
+            # The first failure puts a deployment in LiteLLM's cooldown for the rest of the
+            # module.
+            router_settings={
+                "fallbacks": [{"tiny": ["spare"]}],
+                "allowed_fails": 0,
+                "cooldown_time": 120,
+                "model_group_alias": {"tiny-alias": "tiny"},
+            },
         )
-        # What a production config has: retries, and a fallback to another model group.
-        config["litellm_settings"]["num_retries"] = 2
-        # The first failure puts a deployment in LiteLLM's cooldown for the rest of the module.
-        config["router_settings"] = {
-            "fallbacks": [{"tiny": ["spare"]}],
-            "allowed_fails": 0,
-            "cooldown_time": 120,
-            "model_group_alias": {"tiny-alias": "tiny"},
-        }
         env = {"HOSTED_VLLM_API_BASE": f"{spare.base_url}/v1"}
         proxy = await exits.enter_async_context(
             litellm_proxy(config, workdir, "placement", env=env)

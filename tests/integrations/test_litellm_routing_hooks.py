@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import contextvars
-import importlib.util
+import logging
 import re
 from typing import Any
 
@@ -17,26 +17,15 @@ from fair_sched_plugin._request import ensure_current_request
 from fair_sched_plugin.core import FairScheduler, Lease, Ticket, TierLimits
 from fair_sched_plugin.testing import FakeClock, ManualGate
 
+from .litellm_harness import NEEDS_LITELLM
+
 pytestmark = [
     pytest.mark.litellm_range,
-    pytest.mark.skipif(
-        importlib.util.find_spec("litellm") is None, reason="needs the litellm extra"
-    ),
+    NEEDS_LITELLM,
 ]
 
 A = "http://10.0.0.1:8000/v1"
 B = "http://10.0.0.2:8000/v1"
-
-
-class PlacingGate(ManualGate):
-    """Opens for everything and binds every ticket to one deployment."""
-
-    def __init__(self, deployment: str | None) -> None:
-        super().__init__(is_open=True)
-        self.deployment = deployment
-
-    def place(self, ticket: Ticket, tier: TierLimits) -> str | None:
-        return self.deployment
 
 
 def deployment(api_base: str) -> dict[str, Any]:
@@ -45,7 +34,9 @@ def deployment(api_base: str) -> dict[str, Any]:
 
 def leased(bound_to: str | None) -> Lease:
     scheduler = FairScheduler(
-        [TierLimits("interactive", waiting_below=3)], PlacingGate(bound_to), clock=FakeClock()
+        [TierLimits("interactive", waiting_below=3)],
+        ManualGate(is_open=True, binds_to=bound_to),
+        clock=FakeClock(),
     )
     lease = scheduler.try_acquire(Ticket(model="tiny", user="alice", tier="interactive"))
     assert lease is not None and lease.deployment == bound_to
@@ -133,3 +124,26 @@ async def test_an_unbound_request_keeps_litellms_choice(bound_to: str | None) ->
         == candidates
     )
     assert await in_request(lease, lambda: hooks.async_pre_call_check(deployment(B), None)) is None
+
+
+async def test_a_leases_refusal_is_a_warning_once_and_its_repeats_are_debug(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """LiteLLM retries a refused attempt and tries each fallback: one lease, one warning."""
+    from litellm.exceptions import ServiceUnavailableError
+
+    first, second = leased(A), leased(A)
+    hooks = callback()
+
+    async def refused_attempts() -> None:
+        watch = ensure_current_request()
+        for lease in (first, second):
+            watch.hold(lease)
+            for model in ("tiny", "spare", "tiny"):
+                with pytest.raises(ServiceUnavailableError):
+                    await hooks.async_filter_deployments(model, [deployment(B)], None)
+
+    with caplog.at_level(logging.DEBUG, logger="fair_sched"):
+        await contextvars.copy_context().run(asyncio.ensure_future, refused_attempts())
+    refusals = [r for r in caplog.records if "is not available" in r.getMessage()]
+    assert [r.levelno for r in refusals] == [logging.WARNING, logging.DEBUG, logging.DEBUG] * 2

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import importlib.util
 import statistics
 import time
 from typing import Any
@@ -16,13 +15,11 @@ import pytest
 from fair_sched_plugin.emulator.engine import EmulatorConfig
 from fair_sched_plugin.emulator.server import RunningEmulator, run_emulator
 
-from .litellm_harness import litellm_proxy, model_entry, open_client, proxy_config
+from .litellm_harness import NEEDS_LITELLM, litellm_proxy, model_entry, open_client, proxy_config
 
 pytestmark = [
     pytest.mark.litellm,
-    pytest.mark.skipif(
-        importlib.util.find_spec("litellm") is None, reason="needs the litellm extra"
-    ),
+    NEEDS_LITELLM,
 ]
 
 LONG, SHORT = 64, 2  # output tokens

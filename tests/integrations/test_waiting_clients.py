@@ -15,7 +15,7 @@ import json
 import os
 import sys
 from collections.abc import AsyncIterator, Mapping
-from typing import Any
+from typing import Any, NamedTuple
 
 import httpx
 import openai
@@ -79,6 +79,32 @@ def service_of(app: Starlette) -> SchedulingService:
 
 def queue_settings(**queue: Any) -> dict[str, Any]:
     return {"queue": {"max_wait_s": 120, **queue}}
+
+
+class ParkedEngine(NamedTuple):
+    emu: RunningEmulator
+    url: str
+    service: SchedulingService
+    hogs: list[asyncio.Task[None]]
+
+
+@pytest.fixture
+async def parked() -> AsyncIterator[ParkedEngine]:
+    """The middleware (keep-alive on) in front of a one-slot engine that two long streams fill:
+    the next request parks. Cancel `hogs` (cancel_all) to free the engine; they end at teardown
+    in any case."""
+    async with emulator(max_num_seqs=1) as emu:
+        app = middleware_app(
+            emu, fair_config(emu, waiting_below=1, **queue_settings(**KEEPALIVE_ON))
+        )
+        async with serve(app) as url, open_client(url, key="sk-batch", timeout=60) as hog_client:
+            service = service_of(app)
+            await gate_sees_metrics(service)
+            hogs = await park_behind_full_engine(emu, service, hog_client)
+            try:
+                yield ParkedEngine(emu, url, service, hogs)
+            finally:
+                await cancel_all(hogs)
 
 
 async def openai_stream(base_url: str, key: str) -> str:
@@ -234,47 +260,42 @@ async def test_parked_stream_survives_an_idle_timeout_relay_with_keepalive(kind:
             await assert_idle(off)
 
 
-async def test_keepalive_comments_then_the_engine_stream_on_one_response() -> None:
+async def test_keepalive_comments_then_the_engine_stream_on_one_response(
+    parked: ParkedEngine,
+) -> None:
     """The raw bytes: 200 and SSE headers, `: queued position=… wait_s=…` comments, then the
     engine's events and `[DONE]` on the same response; the lease was not started by comments."""
-    async with emulator(max_num_seqs=1) as emu:
-        app = middleware_app(
-            emu, fair_config(emu, waiting_below=1, **queue_settings(**KEEPALIVE_ON))
-        )
-        async with serve(app) as url, open_client(url, key="sk-batch", timeout=60) as hog_client:
-            service = service_of(app)
-            await gate_sees_metrics(service)
-            hogs = await park_behind_full_engine(emu, service, hog_client)
-            async with (
-                open_client(url, key="sk-a", timeout=60) as client,
-                client.stream(
-                    "POST",
-                    "/v1/chat/completions",
-                    json=chat_body(max_tokens=MAX_TOKENS, stream=True),
-                ) as response,
-            ):
-                assert response.status_code == 200
-                assert response.headers["content-type"].startswith("text/event-stream")
-                assert response.headers["x-fair-sched-tier"] == "interactive"
-                lines = response.aiter_lines()
-                comments = []
-                async for line in lines:
-                    if line.startswith(": queued"):
-                        comments.append(line)
-                    if len(comments) == 2:
-                        break
-                assert all("position=1" in c and "wait_s=" in c for c in comments)
-                await cancel_all(hogs)
-                rest = [line async for line in lines]
-            events = [line[6:] for line in rest if line.startswith("data: ")]
-            assert events[-1] == "[DONE]"
-            text = "".join(
-                choice["delta"].get("content") or ""
-                for event in events[:-1]
-                for choice in json.loads(event)["choices"]
-            )
-            assert text == await expected_text(emu)
-            await assert_idle(service)
+    emu, url, service, hogs = parked
+    async with (
+        open_client(url, key="sk-a", timeout=60) as client,
+        client.stream(
+            "POST",
+            "/v1/chat/completions",
+            json=chat_body(max_tokens=MAX_TOKENS, stream=True),
+        ) as response,
+    ):
+        assert response.status_code == 200
+        assert response.headers["content-type"].startswith("text/event-stream")
+        assert response.headers["x-fair-sched-tier"] == "interactive"
+        lines = response.aiter_lines()
+        comments = []
+        async for line in lines:
+            if line.startswith(": queued"):
+                comments.append(line)
+            if len(comments) == 2:
+                break
+        assert all("position=1" in c and "wait_s=" in c for c in comments)
+        await cancel_all(hogs)
+        rest = [line async for line in lines]
+    events = [line[6:] for line in rest if line.startswith("data: ")]
+    assert events[-1] == "[DONE]"
+    text = "".join(
+        choice["delta"].get("content") or ""
+        for event in events[:-1]
+        for choice in json.loads(event)["choices"]
+    )
+    assert text == await expected_text(emu)
+    await assert_idle(service)
 
 
 async def read_events(
@@ -291,58 +312,53 @@ async def read_events(
     return comments, events
 
 
-async def test_errors_after_keepalive_arrive_as_an_error_event_and_a_clean_end() -> None:
+async def test_errors_after_keepalive_arrive_as_an_error_event_and_a_clean_end(
+    parked: ParkedEngine,
+) -> None:
     """Once the client holds the keep-alive's 200, a refusal (its own wait limit passing) and
     an engine 400 each end the stream with an OpenAI-style error event, which the SDK raises."""
-    async with emulator(max_num_seqs=1) as emu:
-        app = middleware_app(
-            emu, fair_config(emu, waiting_below=1, **queue_settings(**KEEPALIVE_ON))
+    _, url, service, hogs = parked
+    async with open_client(url, key="sk-a", timeout=60) as client:
+        # Timed out in the queue after the keep-alive began.
+        async with client.stream(
+            "POST",
+            "/v1/chat/completions",
+            json=chat_body(stream=True),
+            headers={"x-fair-sched-max-wait-s": "2"},
+        ) as response:
+            assert response.status_code == 200
+            comments, events = await read_events(response)
+        assert comments and events[-1]["error"]["code"] == "timeout"
+        assert "x-fair-sched-max-wait-s" in events[-1]["error"]["message"]
+
+        # The SDK raises the error event as an APIError.
+        sdk = openai.AsyncOpenAI(
+            base_url=f"{url}/v1",
+            api_key="sk-a",
+            max_retries=0,
+            http_client=httpx.AsyncClient(trust_env=False),
         )
-        async with serve(app) as url, open_client(url, key="sk-batch", timeout=60) as hog_client:
-            service = service_of(app)
-            await gate_sees_metrics(service)
-            hogs = await park_behind_full_engine(emu, service, hog_client)
-            async with open_client(url, key="sk-a", timeout=60) as client:
-                # Timed out in the queue after the keep-alive began.
-                async with client.stream(
-                    "POST",
-                    "/v1/chat/completions",
-                    json=chat_body(stream=True),
-                    headers={"x-fair-sched-max-wait-s": "2"},
-                ) as response:
-                    assert response.status_code == 200
-                    comments, events = await read_events(response)
-                assert comments and events[-1]["error"]["code"] == "timeout"
-                assert "x-fair-sched-max-wait-s" in events[-1]["error"]["message"]
+        async with sdk:
+            stream = await sdk.chat.completions.create(
+                model=MODEL,
+                messages=MESSAGES,  # type: ignore[arg-type]
+                stream=True,
+                extra_headers={"x-fair-sched-max-wait-s": "2"},
+            )
+            with pytest.raises(openai.APIError, match="x-fair-sched-max-wait-s"):
+                async for _ in stream:
+                    pass
 
-                # The SDK raises the error event as an APIError.
-                sdk = openai.AsyncOpenAI(
-                    base_url=f"{url}/v1",
-                    api_key="sk-a",
-                    max_retries=0,
-                    http_client=httpx.AsyncClient(trust_env=False),
-                )
-                async with sdk:
-                    stream = await sdk.chat.completions.create(
-                        model=MODEL,
-                        messages=MESSAGES,  # type: ignore[arg-type]
-                        stream=True,
-                        extra_headers={"x-fair-sched-max-wait-s": "2"},
-                    )
-                    with pytest.raises(openai.APIError, match="x-fair-sched-max-wait-s"):
-                        async for _ in stream:
-                            pass
-
-                # The engine refuses the request (max_tokens=0) after it was released.
-                async with client.stream(
-                    "POST", "/v1/chat/completions", json=chat_body(max_tokens=0, stream=True)
-                ) as response:
-                    await wait_until(lambda: service.scheduler.statistics().queued == 1)
-                    await cancel_all(hogs)
-                    comments, events = await read_events(response)
-                assert response.status_code == 200
-                assert len(events) == 1 and events[0]["error"]["message"]
-            await assert_idle(service)
+        # The engine refuses the request (max_tokens=0) after it was released.
+        async with client.stream(
+            "POST", "/v1/chat/completions", json=chat_body(max_tokens=0, stream=True)
+        ) as response:
+            await wait_until(lambda: service.scheduler.statistics().queued == 1)
+            await cancel_all(hogs)
+            comments, events = await read_events(response)
+        assert response.status_code == 200
+        assert len(events) == 1 and events[0]["error"]["message"]
+    await assert_idle(service)
 
 
 async def test_an_app_exception_after_keepalive_ends_with_an_error_event() -> None:
@@ -402,34 +418,29 @@ async def test_an_app_exception_after_keepalive_ends_with_an_error_event() -> No
             await assert_idle(service)
 
 
-async def test_non_streaming_requests_get_no_keepalive_and_headers_say_where_they_stood() -> None:
+async def test_non_streaming_requests_get_no_keepalive_and_headers_say_where_they_stood(
+    parked: ParkedEngine,
+) -> None:
     """A parked non-streaming request waits silently (its answer is one JSON document, which
     cannot be started early); the response says how long it queued and in which tier."""
-    async with emulator(max_num_seqs=1) as emu:
-        app = middleware_app(
-            emu, fair_config(emu, waiting_below=1, **queue_settings(**KEEPALIVE_ON))
+    _, url, service, hogs = parked
+    async with open_client(url, key="sk-a", timeout=60) as client:
+        pending = asyncio.ensure_future(
+            client.post("/v1/chat/completions", json=chat_body(max_tokens=3))
         )
-        async with serve(app) as url, open_client(url, key="sk-batch", timeout=60) as hog_client:
-            service = service_of(app)
-            await gate_sees_metrics(service)
-            hogs = await park_behind_full_engine(emu, service, hog_client)
-            async with open_client(url, key="sk-a", timeout=60) as client:
-                pending = asyncio.ensure_future(
-                    client.post("/v1/chat/completions", json=chat_body(max_tokens=3))
-                )
-                await wait_until(lambda: service.scheduler.statistics().queued == 1)
-                parked_at = asyncio.get_running_loop().time()
-                # Parked past keepalive_after_s: a streaming request would have its 200 now.
-                await wait_until(lambda: asyncio.get_running_loop().time() - parked_at > 3 * 0.5)
-                assert not pending.done()
-                await cancel_all(hogs)
-                response = await pending
-            assert response.status_code == 200
-            assert response.json()["usage"]["completion_tokens"] == 3
-            assert float(response.headers["x-fair-sched-queued-s"]) > 0
-            assert response.headers["x-fair-sched-tier"] == "interactive"
-            assert "x-fair-sched-principal" not in response.headers
-            await assert_idle(service)
+        await wait_until(lambda: service.scheduler.statistics().queued == 1)
+        parked_at = asyncio.get_running_loop().time()
+        # Parked past keepalive_after_s: a streaming request would have its 200 now.
+        await wait_until(lambda: asyncio.get_running_loop().time() - parked_at > 3 * 0.5)
+        assert not pending.done()
+        await cancel_all(hogs)
+        response = await pending
+    assert response.status_code == 200
+    assert response.json()["usage"]["completion_tokens"] == 3
+    assert float(response.headers["x-fair-sched-queued-s"]) > 0
+    assert response.headers["x-fair-sched-tier"] == "interactive"
+    assert "x-fair-sched-principal" not in response.headers
+    await assert_idle(service)
 
 
 @pytest.mark.parametrize("value", ["abc", "0", "-3", "inf", "nan", ""])
@@ -555,32 +566,27 @@ async def test_release_while_a_comment_is_being_sent_waits_for_it() -> None:
     assert watch.response_complete
 
 
-async def test_client_leaving_during_keepalive_takes_the_request_out_of_the_queue() -> None:
+async def test_client_leaving_during_keepalive_takes_the_request_out_of_the_queue(
+    parked: ParkedEngine,
+) -> None:
     """Race: the client's connection fails while a keep-alive comment is sent; the request is
     treated as gone (ClientDisconnected while parked), never released to the engine."""
-    async with emulator(max_num_seqs=1) as emu:
-        app = middleware_app(
-            emu, fair_config(emu, waiting_below=1, **queue_settings(**KEEPALIVE_ON))
-        )
-        async with serve(app) as url, open_client(url, key="sk-batch", timeout=60) as hog_client:
-            service = service_of(app)
-            await gate_sees_metrics(service)
-            hogs = await park_behind_full_engine(emu, service, hog_client)
-            async with (
-                open_client(url, key="sk-a", timeout=60) as client,
-                client.stream(
-                    "POST", "/v1/chat/completions", json=chat_body(stream=True, user="gone")
-                ) as response,
-            ):
-                async for line in response.aiter_lines():
-                    if line.startswith(": queued"):
-                        break
-            # The client closed its connection after the first comment.
-            await wait_until(lambda: service.scheduler.statistics().queued == 0)
-            assert service.scheduler.statistics().cancelled_total == 1
-            await cancel_all(hogs)
-            await assert_idle(service)
-            assert not any(request.user == "gone" for request in emu.engine.received)
+    emu, url, service, hogs = parked
+    async with (
+        open_client(url, key="sk-a", timeout=60) as client,
+        client.stream(
+            "POST", "/v1/chat/completions", json=chat_body(stream=True, user="gone")
+        ) as response,
+    ):
+        async for line in response.aiter_lines():
+            if line.startswith(": queued"):
+                break
+    # The client closed its connection after the first comment.
+    await wait_until(lambda: service.scheduler.statistics().queued == 0)
+    assert service.scheduler.statistics().cancelled_total == 1
+    await cancel_all(hogs)
+    await assert_idle(service)
+    assert not any(request.user == "gone" for request in emu.engine.received)
 
 
 # ----------------------------------------------------------------------------- where do I stand

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import importlib.util
 from pathlib import Path
 from typing import Any
 
@@ -21,7 +20,7 @@ import pytest
 from fair_sched_plugin.emulator.server import RunningEmulator, run_emulator
 
 from .conftest import MODEL, emulator_config, wait_until
-from .litellm_harness import MASTER_KEY, litellm_proxy, model_entry, proxy_config
+from .litellm_harness import MASTER_KEY, NEEDS_LITELLM, litellm_proxy, model_entry, proxy_config
 from .relay import idle_timeout_relay
 from .test_waiting_clients import (
     KEEPALIVE_OFF,
@@ -36,9 +35,7 @@ from .test_waiting_clients import (
 pytestmark = [
     pytest.mark.litellm,
     pytest.mark.slow,
-    pytest.mark.skipif(
-        importlib.util.find_spec("litellm") is None, reason="needs the litellm extra"
-    ),
+    NEEDS_LITELLM,
 ]
 
 

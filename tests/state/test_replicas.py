@@ -15,9 +15,10 @@ from typing import Any
 
 import pytest
 
-from fair_sched_plugin.core import FairScheduler, InflightLimitGate, Lease, Ticket, TierLimits
+from fair_sched_plugin.core import FairScheduler, InflightLimitGate, Lease, TierLimits
 from fair_sched_plugin.errors import QueueFull, QueueTimeout
 from fair_sched_plugin.state import ReplicaScheduler, open_state
+from fair_sched_plugin.testing import make_ticket
 
 from .conftest import RedisServer, unique_prefix
 
@@ -26,10 +27,6 @@ pytestmark = pytest.mark.redis
 TIERS = (TierLimits("interactive", waiting_below=3), TierLimits("batch", waiting_below=1))
 HEARTBEAT_S = 0.05
 TTL_S = 0.3
-
-
-def ticket(user: str, tier: str = "interactive") -> Ticket:
-    return Ticket(model="m", user=user, tier=tier)
 
 
 async def eventually(condition: Callable[[], bool], timeout_s: float = 5.0) -> None:
@@ -96,9 +93,9 @@ async def pair(cluster: Cluster, **core: Any) -> tuple[ReplicaScheduler, Replica
 async def test_memory_is_its_own_leader_with_no_background_task() -> None:
     replica = open_state("memory://", FairScheduler(TIERS, InflightLimitGate(1)))
     replica.start()
-    lease = replica.try_acquire(ticket("A"))
+    lease = replica.try_acquire(make_ticket("A"))
     assert lease is not None
-    parked = asyncio.ensure_future(replica.acquire(ticket("B")))
+    parked = asyncio.ensure_future(replica.acquire(make_ticket("B")))
     await asyncio.sleep(0)
     assert replica.statistics().queued == 1
     lease.release()
@@ -110,11 +107,11 @@ async def test_memory_is_its_own_leader_with_no_background_task() -> None:
 
 async def test_one_leader_decides_round_robin_across_replicas(cluster: Cluster) -> None:
     leader, follower = await pair(cluster)
-    holder = await leader.acquire(ticket("X"))
+    holder = await leader.acquire(make_ticket("X"))
     order: list[str] = []
 
     async def request(replica: ReplicaScheduler, user: str) -> Lease:
-        lease = await replica.acquire(ticket(user))
+        lease = await replica.acquire(make_ticket(user))
         order.append(user)
         return lease
 
@@ -139,8 +136,8 @@ async def test_without_blmpop_as_on_redis_6(cluster: Cluster) -> None:
     for replica in (leader, follower):
         assert replica._link is not None
         replica._link._blmpop = False
-    holder = await follower.acquire(ticket("A"))
-    parked = [asyncio.ensure_future(follower.acquire(ticket(user))) for user in "BCD"]
+    holder = await follower.acquire(make_ticket("A"))
+    parked = [asyncio.ensure_future(follower.acquire(make_ticket(user))) for user in "BCD"]
     await follower.barrier()
     assert leader.statistics().queued == 3
     holder.release()
@@ -152,8 +149,8 @@ async def test_without_blmpop_as_on_redis_6(cluster: Cluster) -> None:
 
 async def test_followers_status_is_the_leaders_document(cluster: Cluster) -> None:
     leader, follower = await pair(cluster)
-    held = await follower.acquire(ticket("A"))
-    parked = asyncio.ensure_future(follower.acquire(ticket("B")))
+    held = await follower.acquire(make_ticket("A"))
+    parked = asyncio.ensure_future(follower.acquire(make_ticket("B")))
     await follower.barrier()
     await eventually(
         lambda: follower.statistics().in_flight == 1 and follower.statistics().queued == 1
@@ -167,27 +164,27 @@ async def test_followers_status_is_the_leaders_document(cluster: Cluster) -> Non
 
 async def test_queue_full_comes_back_from_the_leader(cluster: Cluster) -> None:
     _, follower = await pair(cluster, max_per_user=1)
-    holder = await follower.acquire(ticket("A"))
-    parked = asyncio.ensure_future(follower.acquire(ticket("A")))
+    holder = await follower.acquire(make_ticket("A"))
+    parked = asyncio.ensure_future(follower.acquire(make_ticket("A")))
     await follower.barrier()
     with pytest.raises(QueueFull):
-        await asyncio.wait_for(follower.acquire(ticket("A")), 5)
+        await asyncio.wait_for(follower.acquire(make_ticket("A")), 5)
     holder.release()
     (await asyncio.wait_for(parked, 5)).release()
 
 
 async def test_queue_timeout_comes_back_from_the_leader(cluster: Cluster) -> None:
     _, follower = await pair(cluster, max_wait_s=0.05)
-    holder = await follower.acquire(ticket("A"))
+    holder = await follower.acquire(make_ticket("A"))
     with pytest.raises(QueueTimeout):
-        await asyncio.wait_for(follower.acquire(ticket("B")), 5)
+        await asyncio.wait_for(follower.acquire(make_ticket("B")), 5)
     holder.release()
 
 
 async def test_cancel_while_parked_leaves_the_leaders_queue(cluster: Cluster) -> None:
     leader, follower = await pair(cluster)
-    holder = await follower.acquire(ticket("A"))
-    parked = asyncio.ensure_future(follower.acquire(ticket("B")))
+    holder = await follower.acquire(make_ticket("A"))
+    parked = asyncio.ensure_future(follower.acquire(make_ticket("B")))
     await follower.barrier()
     assert leader.statistics().queued == 1
     parked.cancel()
@@ -205,9 +202,9 @@ async def test_granted_on_the_leader_while_the_follower_cancels(cluster: Cluster
     on its way through Redis, the cancel on its way back). The follower hands the grant back
     unused; C gets the slot; nothing leaks."""
     leader, follower = await pair(cluster)
-    holder = await follower.acquire(ticket("A"))
-    parked = asyncio.ensure_future(follower.acquire(ticket("B")))
-    waiting = asyncio.ensure_future(follower.acquire(ticket("C")))
+    holder = await follower.acquire(make_ticket("A"))
+    parked = asyncio.ensure_future(follower.acquire(make_ticket("B")))
+    waiting = asyncio.ensure_future(follower.acquire(make_ticket("C")))
     await follower.barrier()
     holder.release()  # the leader grants B ...
     parked.cancel()  # ... while B goes away
@@ -225,9 +222,9 @@ async def test_granted_then_cancelled_before_the_task_ran(cluster: Cluster) -> N
     """Race: the grant resolves B's future, then B's task is cancelled before it runs. The
     lease is abandoned (the next request gets the slot), never leaked."""
     leader, follower = await pair(cluster)
-    holder = await follower.acquire(ticket("A"))
-    parked = asyncio.ensure_future(follower.acquire(ticket("B")))
-    waiting = asyncio.ensure_future(follower.acquire(ticket("C")))
+    holder = await follower.acquire(make_ticket("A"))
+    parked = asyncio.ensure_future(follower.acquire(make_ticket("B")))
+    waiting = asyncio.ensure_future(follower.acquire(make_ticket("C")))
     await follower.barrier()
     on_reply = follower._on_reply
 
@@ -267,8 +264,8 @@ async def test_a_stale_grant_of_an_earlier_epoch_is_ignored(cluster: Cluster) ->
     """Race: a grant written by the previous leader reaches the follower after it re-sent its
     ticket to the new leader. Only the current epoch's grant is used: one lease, never two."""
     leader, follower = await pair(cluster)
-    holder = await follower.acquire(ticket("A"))
-    parked = asyncio.ensure_future(follower.acquire(ticket("B")))
+    holder = await follower.acquire(make_ticket("A"))
+    parked = asyncio.ensure_future(follower.acquire(make_ticket("B")))
     await follower.barrier()
     tid = max(follower._parked)
     follower._on_reply(("g", follower._epoch - 1, follower._session, tid, 1.0, None))
@@ -288,8 +285,8 @@ async def test_leader_killed_new_leader_adopts_leases_and_parked_tickets(
     old, follower = await pair(cluster)
     third = cluster.add()
     await cluster.leader()
-    held = await follower.acquire(ticket("A"))
-    parked = asyncio.ensure_future(follower.acquire(ticket("B")))
+    held = await follower.acquire(make_ticket("A"))
+    parked = asyncio.ensure_future(follower.acquire(make_ticket("B")))
     await follower.barrier()
     await kill(old)
     loop = asyncio.get_running_loop()
@@ -326,7 +323,7 @@ async def kill(replica: ReplicaScheduler) -> None:
 
 async def test_leader_closing_hands_over_at_once(cluster: Cluster) -> None:
     old, follower = await pair(cluster)
-    lease = await asyncio.wait_for(follower.acquire(ticket("A")), 5)
+    lease = await asyncio.wait_for(follower.acquire(make_ticket("A")), 5)
     await old.aclose()
     cluster.replicas.remove(old)
     await eventually(lambda: follower.leading, timeout_s=5)
@@ -337,8 +334,8 @@ async def test_leader_closing_hands_over_at_once(cluster: Cluster) -> None:
 
 async def test_a_silent_followers_leases_are_freed_within_the_ttl(cluster: Cluster) -> None:
     leader, victim = await pair(cluster)
-    await victim.acquire(ticket("A"))  # holds the only slot, never released
-    parked = asyncio.ensure_future(leader.acquire(ticket("B")))
+    await victim.acquire(make_ticket("A"))  # holds the only slot, never released
+    parked = asyncio.ensure_future(leader.acquire(make_ticket("B")))
     await asyncio.sleep(0)
     await kill(victim)
     lease = await asyncio.wait_for(parked, 10 * TTL_S + 5)
@@ -352,8 +349,8 @@ async def test_redis_outage_falls_back_locally_then_rejoins(
     cluster = Cluster(own_redis_server.url)
     try:
         leader, follower = await pair(cluster)
-        holder = await follower.acquire(ticket("A"))
-        parked = asyncio.ensure_future(follower.acquire(ticket("B")))
+        holder = await follower.acquire(make_ticket("A"))
+        parked = asyncio.ensure_future(follower.acquire(make_ticket("B")))
         await follower.barrier()
         with caplog.at_level(logging.WARNING, logger="fair_sched"):
             own_redis_server.stop()
@@ -407,7 +404,7 @@ async def test_a_leader_after_redis_lost_its_data_holds_like_any_later_leader(
             replica.start()
         await eventually(lambda: any(r.leading for r in replicas), 10)
         first = next(r for r in replicas if r.leading)
-        lease = first.try_acquire(ticket("A"))  # a fresh cluster's first leader: no hold
+        lease = first.try_acquire(make_ticket("A"))  # a fresh cluster's first leader: no hold
         assert lease is not None
         lease.release()
         own_redis_server.stop()
@@ -415,8 +412,8 @@ async def test_a_leader_after_redis_lost_its_data_holds_like_any_later_leader(
         own_redis_server.start()  # empty: the next election takes epoch 1
         await eventually(lambda: any(r.leading for r in replicas), 10)
         leader = next(r for r in replicas if r.leading)
-        assert leader.try_acquire(ticket("A")) is None  # holding
-        lease = await asyncio.wait_for(leader.acquire(ticket("A")), 5)
+        assert leader.try_acquire(make_ticket("A")) is None  # holding
+        lease = await asyncio.wait_for(leader.acquire(make_ticket("A")), 5)
         lease.release()
     finally:
         await asyncio.gather(*(asyncio.wait_for(r.aclose(), 10) for r in replicas))
@@ -444,7 +441,7 @@ async def test_an_older_leaders_grant_without_a_deployment_is_used(cluster: Clus
         reply(replica, message[:5] if message[0] == "g" else message)
 
     leader._term._reply = older_reply
-    lease = await asyncio.wait_for(follower.acquire(ticket("A")), 5)
+    lease = await asyncio.wait_for(follower.acquire(make_ticket("A")), 5)
     assert lease.deployment is None
     lease.release()
     await follower.barrier()
@@ -461,7 +458,7 @@ async def test_an_older_followers_tickets_and_adopted_leases_are_accepted(
     leader, follower = await pair(cluster)
     send = follower._send
     follower._send = lambda message: send(_as_before_placement(message))  # type: ignore[method-assign]
-    lease = await asyncio.wait_for(follower.acquire(ticket("A")), 5)
+    lease = await asyncio.wait_for(follower.acquire(make_ticket("A")), 5)
     await follower.barrier()
     assert leader.statistics().in_flight == 1
     lease.release()
@@ -472,7 +469,7 @@ async def test_an_older_followers_tickets_and_adopted_leases_are_accepted(
     follower._send([*adopted, "m", "B", "interactive", 1.0, 1, [], True, None])
     await follower.barrier()
     assert leader.statistics().in_flight == 1
-    assert follower.try_acquire(ticket("C")) is None  # the cap of one holds
+    assert follower.try_acquire(make_ticket("C")) is None  # the cap of one holds
     follower._send(["e", follower._epoch, follower._session, follower.replica, 10_000, -1, True])
     await follower.barrier()
     assert leader.statistics().in_flight == 0

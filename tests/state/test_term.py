@@ -8,20 +8,12 @@ import subprocess
 import sys
 from typing import Any
 
-from fair_sched_plugin.core import FairScheduler, InflightLimitGate, Ticket, TierLimits
+from fair_sched_plugin.core import FairScheduler, InflightLimitGate, TierLimits
 from fair_sched_plugin.state import open_state
 from fair_sched_plugin.state.replica import _Term
+from fair_sched_plugin.testing import make_ticket, settle
 
 TIERS = (TierLimits("interactive"),)
-
-
-def ticket(user: str) -> Ticket:
-    return Ticket("m", user, "interactive")
-
-
-async def settle() -> None:
-    for _ in range(5):
-        await asyncio.sleep(0)
 
 
 def term(cap: int = 1) -> tuple[_Term, list[tuple[str, Any]]]:
@@ -34,10 +26,10 @@ async def test_cancel_reaches_the_leader_between_the_grant_and_its_callback() ->
     """Race: the core granted B (its reservation's callback not run yet) when B's cancel
     arrives. The lease is abandoned in the callback, never replied, and C gets the slot."""
     current, replies = term()
-    current.submit(("f", 0, 1), ticket("A"))
+    current.submit(("f", 0, 1), make_ticket("A"))
     await settle()
-    current.submit(("f", 0, 2), ticket("B"))
-    current.submit(("f", 0, 3), ticket("C"))
+    current.submit(("f", 0, 2), make_ticket("B"))
+    current.submit(("f", 0, 3), make_ticket("C"))
     current.end(("f", 0, 1), None, abandoned=False)  # the core grants B now ...
     current.cancel(("f", 0, 2))  # ... and B's cancel arrives before the callback ran
     await settle()
@@ -52,8 +44,8 @@ async def test_a_term_drained_while_a_grant_callback_is_pending() -> None:
     the grant's callback ran: the lease ends unused and nothing is replied (the replica
     re-sends the ticket to the next leader)."""
     current, replies = term()
-    current.submit(("f", 0, 1), ticket("A"))  # granted at once
-    current.submit(("f", 0, 2), ticket("B"))
+    current.submit(("f", 0, 1), make_ticket("A"))  # granted at once
+    current.submit(("f", 0, 2), make_ticket("B"))
     current.end(("f", 0, 1), None, abandoned=False)  # the core grants B, callback pending
     current.drain()
     await settle()
@@ -67,8 +59,8 @@ async def test_a_ticket_cancelled_during_a_hold_is_never_granted() -> None:
     ends. It never reaches the core."""
     current, replies = term()
     current.holding = True
-    current.submit(("f", 0, 1), ticket("A"))
-    current.submit(("f", 0, 2), ticket("B"))
+    current.submit(("f", 0, 1), make_ticket("A"))
+    current.submit(("f", 0, 2), make_ticket("B"))
     current.cancel(("f", 0, 1))
     assert current.statistics().queued == 1
     current.end_hold()
@@ -80,11 +72,11 @@ async def test_a_ticket_re_sent_to_a_leader_that_has_it_is_not_queued_twice() ->
     """Race: a replica re-sends its parked ticket to a leader that already queued (or granted)
     it; the duplicate is ignored, so it is granted once."""
     current, replies = term()
-    current.submit(("f", 0, 1), ticket("A"))
+    current.submit(("f", 0, 1), make_ticket("A"))
     await settle()
-    current.submit(("f", 0, 1), ticket("A"))
-    current.submit(("f", 0, 2), ticket("B"))
-    current.submit(("f", 0, 2), ticket("B"))
+    current.submit(("f", 0, 1), make_ticket("A"))
+    current.submit(("f", 0, 2), make_ticket("B"))
+    current.submit(("f", 0, 2), make_ticket("B"))
     assert current.core.statistics().queued == 1
     current.end(("f", 0, 1), None, abandoned=False)
     await settle()
@@ -97,10 +89,10 @@ async def test_a_replica_rejoining_with_a_new_session_replaces_its_old_one() -> 
     adopted one counts."""
     current, _ = term(cap=2)
     assert current.accepts("f", 0)
-    current.submit(("f", 0, 1), ticket("A"))
+    current.submit(("f", 0, 1), make_ticket("A"))
     await settle()
     assert current.accepts("f", 1)
-    current.adopt(("f", 1, 1), ticket("A"), started=True)
+    current.adopt(("f", 1, 1), make_ticket("A"), started=True)
     assert current.core.statistics().in_flight == 1
     assert not current.accepts("f", 0)  # late messages of the old session are ignored
 
@@ -109,8 +101,8 @@ async def test_a_reply_of_an_earlier_session_is_ignored() -> None:
     """Race: after rejoining, a grant written for the replica's previous session arrives; the
     ticket waits for the current session's grant and is granted once."""
     replica = open_state("memory://", FairScheduler(TIERS, InflightLimitGate(1)))
-    holder = await replica.acquire(ticket("A"))
-    parked = asyncio.ensure_future(replica.acquire(ticket("B")))
+    holder = await replica.acquire(make_ticket("A"))
+    parked = asyncio.ensure_future(replica.acquire(make_ticket("B")))
     await settle()
     tid = max(replica._parked)
     replica._on_reply(("g", replica._epoch, replica._session - 1, tid, 1.0, None))
@@ -139,7 +131,7 @@ async def test_a_second_grant_for_a_lease_already_held_is_ignored() -> None:
     adopted by the leader) arrives late; it is neither used again nor handed back (the lease
     running under that id must stay counted)."""
     replica = open_state("memory://", FairScheduler(TIERS, InflightLimitGate(2)))
-    lease = await replica.acquire(ticket("A"))
+    lease = await replica.acquire(make_ticket("A"))
     replica._on_reply(("g", replica._epoch, replica._session, lease.lease_id, 1.0, None))
     await settle()
     assert replica.statistics().in_flight == 1
