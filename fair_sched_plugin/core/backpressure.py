@@ -31,9 +31,18 @@ pending requests into the engine's queue.
 Work-conserving against late signals (issue #17): a pending request that already runs would
 otherwise count twice (pending, and running in the scrape) until its first byte, which a
 CPU-starved proxy sees late; that eats the queue credit that keeps the engine full. So each
-scrape also settles as many pending requests as the engine's requests grew since the previous
-one (plus our ends in between, which hide as many arrivals, less ours settled in between by
-their first byte or end, which are among them). With `metrics_lag_s` a scrape is
+scrape also settles as many pending requests as reached the engine since the previous one, less
+ours settled in between by their first byte or end (they are among those arrivals). Where the
+engine counts its finished requests (`BackendSnapshot.requests_finished`: vLLM's
+`request_success_total`), the arrivals are its growth (waiting + running) plus its finished
+count between the two scrapes: the engine's own numbers, in step with each other. Elsewhere our
+ends since the last scrape stand for the requests that left; behind a loaded LiteLLM the proxy
+sees an end a second or two late, often after the scrape that showed the engine shrink, so it
+counts as an arrival in the next interval: one lease still in LiteLLM settled, one request too
+many released (issue #16's queue peaks of one to three over the threshold). A finished count
+that went down (a restarted engine) settles nothing. An engine that does not count aborted
+requests (vLLM does not) hides an arrival per abort: a lease stays pending a little longer,
+never one released too many. With `metrics_lag_s` a scrape is
 taken to show the engine as of `started_at - metrics_lag_s`: first bytes and pending requests
 are forgotten against that time, and ends seen after it give their slots back.
 
