@@ -48,8 +48,9 @@ class MetricProfile:
     prefix_cache_hits: tuple[str, ...] = ()
     # A counter of the requests the engine finished, summed over its label sets (vLLM labels it
     # by `finished_reason`): the gate counts arrivals between scrapes by it. Only a counter
-    # updated in step with `waiting` and `running`, and counting every request that leaves
-    # them, belongs here.
+    # updated in step with `waiting` and `running` belongs here, one that never counts a request
+    # they did not hold (that would release one too many; one left uncounted, as vLLM leaves
+    # aborted requests, only keeps a lease pending longer).
     requests_finished: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
@@ -116,8 +117,12 @@ def profile_for(backend: BackendSettings) -> MetricProfile:
     def chosen(signal: str, default: tuple[str, ...]) -> tuple[str, ...]:
         return (names[signal],) if signal in names else default
 
+    # The finished counter is only right in step with the engine's own queue gauges: with
+    # either renamed they may be another exporter's, and our ends count the arrivals instead.
+    gauges_renamed = "waiting" in names or "running" in names
     return replace(
         base,
+        requests_finished=() if gauges_renamed else base.requests_finished,
         waiting=chosen("waiting", base.waiting),
         running=chosen("running", base.running),
         kv_usage=chosen("kv_usage", base.kv_usage),

@@ -228,6 +228,15 @@ def test_metric_names_override_replaces_every_candidate() -> None:
     assert (parsed.waiting, parsed.kv_usage) == (2, 0.8)
 
 
+def test_renamed_queue_gauges_drop_the_finished_counter() -> None:
+    # Gauges from another exporter need not move in step with vLLM's counter.
+    assert (
+        profile_for(BackendSettings(metric_names={"running": "my:batch"})).requests_finished == ()
+    )
+    kept = profile_for(BackendSettings(metric_names={"kv_usage": "my:kv"}))
+    assert kept.requests_finished == VLLM_PROFILE.requests_finished
+
+
 def test_overridden_name_absent_means_stale_even_if_the_default_exists() -> None:
     profile = profile_for(BackendSettings(metric_names={"waiting": "my:queue_len"}))
     with pytest.raises(MetricsParseError, match="my:queue_len"):
