@@ -308,9 +308,7 @@ class TwoDeploymentGate:
 
     def prefers_elsewhere(self, ticket: Ticket, tier: TierLimits) -> bool:
         candidates = self._candidates()
-        preferred = self.placer.preferred(ticket.prefix, candidates)
-        by_name = {candidate.deployment: candidate for candidate in candidates}
-        held = preferred is not None and not by_name[preferred].has_room
+        held = self.placer.spills(ticket.prefix, candidates)
         self.held_back += held
         return held
 
@@ -491,6 +489,59 @@ async def test_with_the_metrics_gate_a_full_home_lets_another_user_go_first() ->
     for future in futures:
         if future.done() and future.exception() is None:
             future.result().release()
+
+
+async def test_a_home_over_its_load_bound_lets_a_user_at_home_elsewhere_go_first() -> None:
+    """#16's shared-prefix bench through LiteLLM: one engine full (8 running, 3 waiting), the
+    other nearly idle because its users' requests reached the plugin a moment later. The full
+    home is then over the load bound too; a held head used to spill at once (the bound said
+    "spill"), moving its home and evicting a prompt there, while a user whose home was the idle
+    engine queued right behind it. Now the bound, like a full home, first lets the look-ahead
+    find that user; the head spills only when no one else can use the room."""
+    clock = FakeClock()
+    tier = TierLimits("interactive", waiting_below=3)
+    group = BackendGroup(
+        "m",
+        (Deployment(A_KEY, A_METRICS), Deployment(B_KEY, B_METRICS)),
+        arrival_grace_s=0.3,
+        max_num_seqs=8,
+    )
+    gate = MetricsGate([group], stale_after_s=5.0, clock=clock)
+    scheduler = FairScheduler([tier], gate, clock=clock)
+    gate.update("m", scrape(clock, A_METRICS, waiting=0, running=0))
+    gate.update("m", scrape(clock, B_METRICS, waiting=0, running=0))
+    prefixes = {"alice": (1,), "bob": (2,)}
+
+    def make(user: str) -> Ticket:
+        return Ticket("m", user, "interactive", prefix=prefixes[user])
+
+    first = [scheduler.try_acquire(make(user)) for user in ("alice", "bob")]
+    assert [(lease.ticket.user, lease.deployment) for lease in first if lease] == [
+        ("alice", A_KEY),
+        ("bob", B_KEY),
+    ]
+    for lease in first:
+        assert lease is not None
+        lease.release()
+
+    clock.advance(0.5)
+    gate.update("m", scrape(clock, A_METRICS, waiting=3, running=8))  # both full
+    gate.update("m", scrape(clock, B_METRICS, waiting=3, running=8))
+    futures = [scheduler.enqueue(make(user)).future for user in ("alice", "bob")]
+    assert not any(future.done() for future in futures)
+    clock.advance(0.5)
+    # b drained to 2 running: a (11 of 8 slots) is over 1.25 x its share of 11 + 2 + 1.
+    gate.update("m", scrape(clock, B_METRICS, waiting=0, running=2))
+    granted = [future.result() for future in futures if future.done()]
+    granted.sort(key=lambda lease: lease.lease_id)
+    # bob first, at home; then alice, the fair head, with nobody else to serve: it spills.
+    assert [(lease.ticket.user, lease.deployment) for lease in granted] == [
+        ("bob", B_KEY),
+        ("alice", B_KEY),
+    ]
+    scheduler.close()
+    for lease in granted:
+        lease.release()
 
 
 async def _shared_prefixes_through_engines(seconds: float = 120.0) -> tuple[int, int, float]:
