@@ -416,6 +416,14 @@ class MetricsGate:
             return False
         return state.placer.spills(ticket.prefix, self._candidates(state, tier))
 
+    def waits_for_home(self, ticket: Ticket, tier: TierLimits) -> bool:
+        """Released now, the ticket would spill into a deployment where it would only queue (no
+        free running slot there): it waits for the one that holds its prefix instead."""
+        state = self._groups.get(ticket.model)
+        if state is None or len(state.deployments) < 2 or not ticket.prefix:
+            return False
+        return state.placer.waits(ticket.prefix, self._candidates(state, tier))
+
     def _candidates(self, state: _GroupState, tier: TierLimits) -> list[Candidate]:
         candidates = []
         for deployment in state.deployments.values():

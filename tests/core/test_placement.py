@@ -219,3 +219,30 @@ def test_invalid_settings_are_refused() -> None:
         Placer(load_bound=0.5)
     with pytest.raises(ValueError, match="remembered_blocks"):
         Placer(remembered_blocks=0)
+
+
+def test_a_spill_that_would_only_queue_waits_for_home() -> None:
+    placer = Placer()
+    placer.record((1,), "a")
+    # a is full; b has queue room but every running slot busy: spilled there, the request would
+    # queue behind b's own and recompute its prefix, so it waits for a.
+    queue_room = [cand("a", load=11, has_room=False), cand("b", load=9)]
+    assert placer.spills((1,), queue_room)
+    assert placer.waits((1,), queue_room)
+    # A free running slot on b: it would start at once there, so it spills.
+    free_slot = [cand("a", load=11, has_room=False), cand("b", load=7)]
+    assert placer.spills((1,), free_slot)
+    assert not placer.waits((1,), free_slot)
+    # A new prefix never waits: any deployment is as good as another.
+    assert not placer.waits((9,), queue_room)
+
+
+def test_over_the_bound_stays_home_when_the_spill_would_only_queue() -> None:
+    placer = Placer(load_bound=1.0)
+    placer.record((1,), "a")
+    # a (10 of 8 slots, room for the tier) is over 1.0 x its share of 9 + 9 + 1, but b has no
+    # free running slot: the request queues either way, so it queues where its prefix is.
+    candidates = [cand("a", load=9), cand("b", load=9)]
+    assert placer.choose((1,), candidates) == Placement("a", affinity=True)
+    assert not placer.spills((1,), candidates)
+    assert not placer.waits((1,), candidates)
