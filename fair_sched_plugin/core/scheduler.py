@@ -38,6 +38,12 @@ MAX_IDLE_USERS_REMEMBERED = 10_000
 # cached (`AdmissionGate.prefers_elsewhere`), at most this many users after it are considered
 # before it goes anyway: each costs a heap pop and push, so a decision stays O(log n).
 LOOKAHEAD = 5
+# A held head is passed over by the look-ahead at most this many times; then it goes as if
+# nobody were behind it (it spills into a free running slot, or waits for its own deployment).
+# Without a cap, users whose deployment stays crowded (more prefixes homed there than on the
+# others) fall behind the others without bound; with it, at most this many requests, after which
+# the head moves to the deployment that frees a slot first and the homes rebalance.
+MAX_PASSED_OVER = 8
 
 
 # A tier heap's entry: (virtual time, arrival counter, generation, user).
@@ -69,13 +75,14 @@ class SchedulerStatistics(NamedTuple):
 class _Waiter(asyncio.Future[Lease]):
     """A parked ticket: its own future (one object per parked ticket, not two)."""
 
-    __slots__ = ("enqueued_at", "state", "ticket", "tier_since", "user_queue")
+    __slots__ = ("enqueued_at", "passed_over", "state", "ticket", "tier_since", "user_queue")
 
     ticket: Ticket
     enqueued_at: float
     state: int
     user_queue: _UserQueue
     tier_since: float  # when it entered its current tier (promotion counts from here)
+    passed_over: int  # times the look-ahead released someone after it instead (MAX_PASSED_OVER)
 
 
 class Reservation:
@@ -485,6 +492,7 @@ class FairScheduler:
         waiter = _Waiter(loop=asyncio.get_running_loop())
         waiter.ticket = ticket
         waiter.enqueued_at = waiter.tier_since = self._clock.now()
+        waiter.passed_over = 0
         waiter.state = _QUEUED
         waiter.user_queue = user_queue
         if not user_queue.depth:
@@ -643,8 +651,9 @@ class FairScheduler:
             # again at the next decision. None found: the head goes and its prefix spills, unless
             # the spill would only queue where it is sent (`waits_for_home`): then it waits for
             # its own deployment, which frees a slot about as soon and has its prefix cached.
-            found = self._look_ahead(tier)
+            found = self._look_ahead(tier) if head.passed_over < MAX_PASSED_OVER else None
             if found is not None:
+                head.passed_over += 1
                 self._release_head(
                     queues,
                     tier,
