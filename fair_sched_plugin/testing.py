@@ -107,6 +107,9 @@ class ManualGate:
     def prefers_elsewhere(self, ticket: Ticket, tier: TierLimits) -> bool:
         return False
 
+    def waits_for_home(self, ticket: Ticket, tier: TierLimits) -> bool:
+        return False
+
     def on_released(self, lease: Lease) -> None:
         if not self._open:
             self._budget -= 1

@@ -471,18 +471,21 @@ class MetricsGate:
         return placement.deployment
 
     def prefers_elsewhere(self, ticket: Ticket, tier: TierLimits) -> bool:
-        """The deployment that holds the ticket's prefix has no room for this tier, another one
-        has: released now, its prefix would be recomputed there (the scheduler's look-ahead may
-        release someone else first)."""
+        """Released now, the ticket would be bound away from the deployment that holds its
+        prefix (no room there, or over the load bound) to one that has room: its prefix would
+        be recomputed there (the scheduler's look-ahead may release someone else first)."""
         state = self._groups.get(ticket.model)
         if state is None or len(state.deployments) < 2 or not ticket.prefix:
             return False
-        candidates = self._candidates(state, tier)
-        preferred = state.placer.preferred(ticket.prefix, candidates)
-        if preferred is None:
+        return state.placer.spills(ticket.prefix, self._candidates(state, tier))
+
+    def waits_for_home(self, ticket: Ticket, tier: TierLimits) -> bool:
+        """Released now, the ticket would spill into a deployment where it would only queue (no
+        free running slot there): it waits for the one that holds its prefix instead."""
+        state = self._groups.get(ticket.model)
+        if state is None or len(state.deployments) < 2 or not ticket.prefix:
             return False
-        rooms = {candidate.deployment: candidate.has_room for candidate in candidates}
-        return not rooms[preferred] and any(rooms.values())
+        return state.placer.waits(ticket.prefix, self._candidates(state, tier))
 
     def _candidates(self, state: _GroupState, tier: TierLimits) -> list[Candidate]:
         """The deployments placement chooses among: those with fresh metrics while one of them

@@ -34,6 +34,12 @@ class AdmissionGate(Protocol):
         tier but another has: released now, its prefix would be computed again elsewhere (the
         scheduler's look-ahead may release another ticket first)."""
 
+    def waits_for_home(self, ticket: Ticket, tier: TierLimits) -> bool:
+        """True when, released now, the ticket would spill into a deployment where it would
+        only queue (no free running slot there): the scheduler then keeps it (and the tier)
+        waiting until its own deployment has room, the spill would start at once, or another
+        ticket can go. Implies `prefers_elsewhere`."""
+
     def on_released(self, lease: Lease) -> None:
         """A lease was granted (the request is on its way to the engine)."""
 
@@ -77,6 +83,9 @@ class InflightLimitGate(_ListenerMixin):
         return None
 
     def prefers_elsewhere(self, ticket: Ticket, tier: TierLimits) -> bool:
+        return False
+
+    def waits_for_home(self, ticket: Ticket, tier: TierLimits) -> bool:
         return False
 
     def on_released(self, lease: Lease) -> None:

@@ -38,6 +38,12 @@ MAX_IDLE_USERS_REMEMBERED = 10_000
 # cached (`AdmissionGate.prefers_elsewhere`), at most this many users after it are considered
 # before it goes anyway: each costs a heap pop and push, so a decision stays O(log n).
 LOOKAHEAD = 5
+# A held head is passed over by the look-ahead at most this many times; then it goes as if
+# nobody were behind it (it spills into a free running slot, or waits for its own deployment).
+# Without a cap, users whose deployment stays crowded (more prefixes homed there than on the
+# others) fall behind the others without bound; with it, at most this many requests, after which
+# the head moves to the deployment that frees a slot first and the homes rebalance.
+MAX_PASSED_OVER = 8
 
 
 # A tier heap's entry: (virtual time, arrival counter, generation, user).
@@ -69,13 +75,14 @@ class SchedulerStatistics(NamedTuple):
 class _Waiter(asyncio.Future[Lease]):
     """A parked ticket: its own future (one object per parked ticket, not two)."""
 
-    __slots__ = ("enqueued_at", "state", "ticket", "tier_since", "user_queue")
+    __slots__ = ("enqueued_at", "passed_over", "state", "ticket", "tier_since", "user_queue")
 
     ticket: Ticket
     enqueued_at: float
     state: int
     user_queue: _UserQueue
     tier_since: float  # when it entered its current tier (promotion counts from here)
+    passed_over: int  # times the look-ahead released someone after it instead (MAX_PASSED_OVER)
 
 
 class Reservation:
@@ -319,6 +326,8 @@ class FairScheduler:
             return None
         if not self._gate.may_release(ticket.model, self._tiers[tier_index]):
             return None
+        if self._gate.waits_for_home(ticket, self._tiers[tier_index]):
+            return None  # parked, it goes when its deployment has room (`_release_next`)
         queues = self._model_queues(ticket.model)
         tier = queues.tiers[tier_index]
         user_queue = self._user_queue(tier, ticket.user)
@@ -483,6 +492,7 @@ class FairScheduler:
         waiter = _Waiter(loop=asyncio.get_running_loop())
         waiter.ticket = ticket
         waiter.enqueued_at = waiter.tier_since = self._clock.now()
+        waiter.passed_over = 0
         waiter.state = _QUEUED
         waiter.user_queue = user_queue
         if not user_queue.depth:
@@ -581,25 +591,31 @@ class FairScheduler:
                 while queues.queued:
                     if self._shared_tiers:
                         chosen = self._next_shared_tier(queues)
-                        if chosen is None:
+                        if chosen is None or not self._release_next(queues, chosen[0]):
                             break
-                        self._release_next(queues, chosen)
+                        self._charge_share(queues, *chosen)
                         continue
                     for tier in queues.tiers:
                         if tier.queued and may_release(model, tier.limits):
-                            self._release_next(queues, tier)
+                            released = self._release_next(queues, tier)
                             break
                     else:
+                        break
+                    if not released:
+                        # The tier's head waits for its deployment (`waits_for_home`): no
+                        # lower tier goes before it; the next end or scrape decides again.
                         break
                 if not queues.redispatch:
                     break
         finally:
             queues.dispatching = False
 
-    def _next_shared_tier(self, queues: _ModelQueues) -> _TierQueue | None:
+    def _next_shared_tier(self, queues: _ModelQueues) -> tuple[_TierQueue, int, float] | None:
         """The tier to release from when some tiers share: groups in priority order; inside a
         group of share tiers, the releasable one with the smallest virtual finish time (start-time
-        fair queuing between tiers, by request)."""
+        fair queuing between tiers, by request), with its group and start tag; `_charge_share`
+        advances the tiers' clocks once it has released (a head that waits for its deployment
+        costs its tier nothing)."""
         may_release = self._gate.may_release
         tiers = queues.tiers
         for group_id, group in enumerate(self._tier_groups):
@@ -614,13 +630,17 @@ class FairScheduler:
                 if best is None or start < best_start:
                     best, best_start = tier, start
             if best is not None:
-                if best.limits.share is not None:
-                    queues.share_clock[group_id] = best_start
-                    best.share_vtime = best_start + 1.0 / best.limits.share
-                return best
+                return best, group_id, best_start
         return None
 
-    def _release_next(self, queues: _ModelQueues, tier: _TierQueue) -> None:
+    @staticmethod
+    def _charge_share(queues: _ModelQueues, tier: _TierQueue, group_id: int, start: float) -> None:
+        if tier.limits.share is not None:
+            queues.share_clock[group_id] = start
+            tier.share_vtime = start + 1.0 / tier.limits.share
+
+    def _release_next(self, queues: _ModelQueues, tier: _TierQueue) -> bool:
+        """Release the tier's next request; False when it waits for its deployment instead."""
         user_queue = self._peek_user(tier)
         head = self._head_waiter(user_queue)
         if not head.done() and self._gate.prefers_elsewhere(head.ticket, tier.limits):
@@ -628,9 +648,12 @@ class FairScheduler:
             # prefix cached (a miss, which also evicts others' prefixes there), and holding
             # everybody back would idle the deployment that has room: a later user whose own
             # deployment has room goes first. The head keeps its virtual time, so it is first
-            # again at the next decision. None found: the head goes and its prefix spills.
-            found = self._look_ahead(tier)
+            # again at the next decision. None found: the head goes and its prefix spills, unless
+            # the spill would only queue where it is sent (`waits_for_home`): then it waits for
+            # its own deployment, which frees a slot about as soon and has its prefix cached.
+            found = self._look_ahead(tier) if head.passed_over < MAX_PASSED_OVER else None
             if found is not None:
+                head.passed_over += 1
                 self._release_head(
                     queues,
                     tier,
@@ -638,8 +661,11 @@ class FairScheduler:
                     off_heap_entry=found[1],
                     start_tag=user_queue.virtual_time,
                 )
-                return
+                return True
+            if self._gate.waits_for_home(head.ticket, tier.limits):
+                return False
         self._release_head(queues, tier, user_queue)
+        return True
 
     def _look_ahead(self, tier: _TierQueue) -> tuple[_UserQueue, _HeapEntry] | None:
         """The first of the next `LOOKAHEAD` backlogged users after the head (fairness order)

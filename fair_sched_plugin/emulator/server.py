@@ -18,6 +18,11 @@ LOOPBACK = "127.0.0.1"
 READY_LINE_PREFIX = "fair-sched emulator listening on "
 STARTUP_TIMEOUT_S = 10.0
 SHUTDOWN_TIMEOUT_S = 5.0
+# An idle keep-alive connection is kept this long (uvicorn's default is 5 s). Clients pool
+# connections longer (LiteLLM's aiohttp 15 s): with 5 s, one that reuses a connection idle for
+# 5-15 s can write its request while the server closes it, and LiteLLM answers 500 ("Cannot write
+# to closing transport"), measured in bench runs where the plugin held requests for seconds.
+KEEP_ALIVE_S = 75
 
 
 @dataclass(frozen=True)
@@ -37,6 +42,7 @@ def _uvicorn_server(emulator: Emulator, port: int) -> uvicorn.Server:
         port=port,
         log_level="warning",
         lifespan="on",
+        timeout_keep_alive=KEEP_ALIVE_S,
         # Streams still open at shutdown are cut after this, never waited on forever.
         timeout_graceful_shutdown=2,
     )

@@ -26,7 +26,7 @@ def test_recorded_prefix_is_placed_back_where_it_went() -> None:
     placer.record((1, 2, 3), "b")
     candidates = [cand("a", load=0), cand("b", load=3)]
     assert placer.choose((1, 2, 3, 4), candidates) == Placement("b", affinity=True)
-    assert placer.preferred((1, 2, 3, 4), candidates) == "b"
+    assert not placer.spills((1, 2, 3, 4), candidates)
 
 
 def test_longest_leading_match_wins_over_a_more_recent_shorter_one() -> None:
@@ -44,7 +44,7 @@ def test_a_prefix_matching_nowhere_is_not_affine() -> None:
     placer = Placer()
     placer.record((1, 2), "a")
     # The first block differs, so the second cannot be the same block (chained hashes).
-    assert placer.preferred((9, 2), [cand("a"), cand("b")]) is None
+    assert not placer.spills((9, 2), [cand("a", load=9, has_room=False), cand("b")])
     assert placer.choose((), [cand("a", load=1), cand("b")]) == Placement("b", affinity=False)
 
 
@@ -64,8 +64,10 @@ def test_hot_prefix_spills_once_over_the_load_bound() -> None:
     # 14 + 1 against ceil(1.25 * (14 + 6 + 1) / 2) = 14: over the bound, spills.
     over = [cand("a", load=14), cand("b", load=6)]
     assert placer.choose((1, 2), over) == Placement("b", affinity=False)
-    # Spilled, the ticket would not wait for a anyway: no preferred deployment.
-    assert placer.preferred((1, 2), over) is None
+    # Over the bound with room at home, as without room there: it would spill, so the
+    # scheduler first looks for a user whose own home is b.
+    assert placer.spills((1, 2), over)
+    assert not placer.spills((1, 2), within)
 
 
 def test_free_running_slot_keeps_affinity_whatever_the_mean() -> None:
@@ -82,12 +84,23 @@ def test_larger_load_bound_keeps_affinity_longer() -> None:
     assert loose.choose((1,), [cand("a", load=14), cand("b", load=6)]) == Placement("a", True)
 
 
-def test_affinity_target_without_room_spills_but_stays_preferred() -> None:
+def test_affinity_target_without_room_spills() -> None:
     placer = Placer()
     placer.record((1, 2), "a")
     candidates = [cand("a", load=9, has_room=False), cand("b", load=8)]
     assert placer.choose((1, 2), candidates) == Placement("b", affinity=False)
-    assert placer.preferred((1, 2), candidates) == "a"
+    assert placer.spills((1, 2), candidates)
+    # Nowhere else to go: not a spill (the gate holds it, or it goes home once there is room).
+    assert not placer.spills((1, 2), [cand("a", load=9, has_room=False), cand("b", has_room=False)])
+
+
+def test_over_the_bound_but_still_the_least_loaded_is_not_a_spill() -> None:
+    placer = Placer(load_bound=1.0)
+    placer.record((1,), "a")
+    # a (9 of 8 slots) is over 1.0 x its share, but b (no room) cannot take it: it stays on a.
+    candidates = [cand("a", load=8), cand("b", load=6, has_room=False)]
+    assert placer.choose((1,), candidates) == Placement("a", affinity=False)
+    assert not placer.spills((1,), candidates)
 
 
 def test_no_candidate_with_room_gives_none() -> None:
@@ -106,7 +119,7 @@ def test_affinity_off_is_pure_least_loaded() -> None:
     candidates = [cand("a", load=0), cand("b", load=0)]
     assert placer.choose((1, 2), candidates) == Placement("a", affinity=False)
     assert placer.choose((1, 2), [cand("a", load=1), cand("b")]) == Placement("b", False)
-    assert placer.preferred((1, 2), candidates) is None
+    assert not placer.spills((1, 2), [cand("a", has_room=False), cand("b")])
 
 
 def test_ties_break_by_deployment_key_whatever_the_candidates_order() -> None:
@@ -169,8 +182,8 @@ def test_memory_stays_bounded_under_many_distinct_prefixes() -> None:
     # The most recent prompts are still remembered; the oldest are forgotten.
     last = 99_999
     candidates = [cand("a"), cand("b")]
-    assert placer.preferred((last * 4, last * 4 + 1), candidates) == "a"
-    assert placer.preferred((0, 1), candidates) is None
+    assert placer.choose((last * 4, last * 4 + 1), candidates) == Placement("a", affinity=True)
+    assert placer.choose((0, 1), candidates) == Placement("a", affinity=False)
 
 
 def test_eviction_forgets_a_prompts_tail_before_its_head() -> None:
@@ -186,7 +199,7 @@ def test_a_spilled_prefix_follows_its_most_recent_placement() -> None:
     placer.record((1, 2), "a")
     placer.record((1, 2), "b")  # spilled there: its one home is b now
     assert len(placer) == 2
-    assert placer.preferred((1, 2), [cand("a"), cand("b")]) == "b"
+    assert placer.choose((1, 2), [cand("a"), cand("b")]) == Placement("b", affinity=True)
     assert placer.choose((1, 2), [cand("a"), cand("b", load=2)]) == Placement("b", True)
 
 
@@ -197,8 +210,8 @@ def test_a_gone_deployment_leaves_the_shorter_runs_placed_elsewhere() -> None:
     placer.record((1, 5), "b")  # block 1 points at b
     candidates = [cand("a"), cand("b")]
     # The longest run's deployment is no candidate: the deepest block that names one wins.
-    assert placer.preferred((1, 2, 3, 4), candidates) == "b"
-    assert placer.preferred((9,), candidates) is None
+    assert placer.choose((1, 2, 3, 4), candidates) == Placement("b", affinity=True)
+    assert placer.choose((9,), candidates) == Placement("a", affinity=False)
 
 
 def test_invalid_settings_are_refused() -> None:
@@ -206,3 +219,30 @@ def test_invalid_settings_are_refused() -> None:
         Placer(load_bound=0.5)
     with pytest.raises(ValueError, match="remembered_blocks"):
         Placer(remembered_blocks=0)
+
+
+def test_a_spill_that_would_only_queue_waits_for_home() -> None:
+    placer = Placer()
+    placer.record((1,), "a")
+    # a is full; b has queue room but every running slot busy: spilled there, the request would
+    # queue behind b's own and recompute its prefix, so it waits for a.
+    queue_room = [cand("a", load=11, has_room=False), cand("b", load=9)]
+    assert placer.spills((1,), queue_room)
+    assert placer.waits((1,), queue_room)
+    # A free running slot on b: it would start at once there, so it spills.
+    free_slot = [cand("a", load=11, has_room=False), cand("b", load=7)]
+    assert placer.spills((1,), free_slot)
+    assert not placer.waits((1,), free_slot)
+    # A new prefix never waits: any deployment is as good as another.
+    assert not placer.waits((9,), queue_room)
+
+
+def test_over_the_bound_stays_home_when_the_spill_would_only_queue() -> None:
+    placer = Placer(load_bound=1.0)
+    placer.record((1,), "a")
+    # a (10 of 8 slots, room for the tier) is over 1.0 x its share of 9 + 9 + 1, but b has no
+    # free running slot: the request queues either way, so it queues where its prefix is.
+    candidates = [cand("a", load=9), cand("b", load=9)]
+    assert placer.choose((1,), candidates) == Placement("a", affinity=True)
+    assert not placer.spills((1,), candidates)
+    assert not placer.waits((1,), candidates)

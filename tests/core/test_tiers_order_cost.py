@@ -173,3 +173,39 @@ async def test_cost_fairness_delivers_money_in_the_ratio_of_the_weights(
         lease.release(cost_used=actual)
     assert 3 * 0.9 <= delivered["heavy"] / delivered["light"] <= 3 * 1.1
     scheduler.close()
+
+
+class _HomeWaitGate(ManualGate):
+    """Scripted `waits_for_home`: the interactive tier's head waits while `waiting` is set."""
+
+    waiting = True
+
+    def prefers_elsewhere(self, ticket: Ticket, tier: TierLimits) -> bool:
+        return tier.name == "interactive" and self.waiting
+
+    def waits_for_home(self, ticket: Ticket, tier: TierLimits) -> bool:
+        return self.prefers_elsewhere(ticket, tier)
+
+
+async def test_a_share_tier_whose_head_waits_for_its_deployment_is_not_charged(
+    clock: FakeClock,
+) -> None:
+    """A head that waits for its deployment releases nothing, so its tier's share clock must not
+    advance: charged for each decision it waited through, interactive would fall behind batch
+    by one request per scrape while held."""
+    gate = _HomeWaitGate()
+    scheduler = make_scheduler(gate, clock, SHARED, max_per_user=1000)
+    for _ in range(20):
+        park(scheduler, "i", tier="interactive")
+    park(scheduler, "b", tier="batch")
+    gate.allow(1)  # room, but interactive's head waits for its deployment, and batch after it
+    for _ in range(10):
+        gate.allow(0)  # ten more decisions (scrapes) while it waits: nothing goes
+    assert released(gate, "tier") == []
+    gate.waiting = False
+    for _ in range(20):
+        park(scheduler, "b", tier="batch")
+    gate.allow(9)
+    # Its 80 % of the next ten, as if it had not waited.
+    assert Counter(released(gate, "tier"))["interactive"] >= 7
+    scheduler.close()
