@@ -11,7 +11,8 @@ time, not only the client's view.
 - **unequal-replicas**: one engine three times slower (`--speed 0.33`); one power user sends a
   flood, light users send a few requests from 1 s on. All users in one tier, `waiting_below: 3`.
 - **shared-prefixes**: 20 users, each with its own long system prompt and short questions, all
-  requests at once; each engine's prefix cache holds a little more than half of all prompts.
+  requests at once; each engine's prefix cache holds a little more than half of all prompts;
+  `waiting_below: 8` (the engines' slots), prefill 0.4 ms per uncached token.
 """
 
 from __future__ import annotations
@@ -110,13 +111,18 @@ class SharedPrefixSize:
     requests_per_user: int = 6
     system_prompt_tokens: int = 1500
     max_tokens: int = 16
-    waiting_below: int = 3
+    # A queue as deep as the engine's slots: with misses costing 600 ms of prefill, a queue of
+    # 3 drained before requests released through a LiteLLM proxy (a second or more on its way
+    # on this machine) arrived, and the engines ran 3-4 of 8 slots (docs/results.md).
+    waiting_below: int = 8
     # Each engine's cache holds this share of all users' system prompts: a little more than
     # half, so that two engines hold every prompt only if each user keeps to one of them.
     cache_share: float = 0.6
-    # Prefill is what a cache hit saves: 0.1 ms per uncached token makes a 1,500-token miss
-    # cost ~150 ms of engine time, ten decode steps.
-    prefill_ms_per_token: float = 0.1
+    # Prefill is what a cache hit saves: 0.4 ms per uncached token makes a 1,500-token miss
+    # cost ~600 ms of engine time, fifty decode steps, so that the engines, not the LiteLLM
+    # proxy's CPU, decide the throughput. At 0.1 ms the proxy was the bottleneck on two cores
+    # (both variants' engines ran 1-3 of 8 slots) and the run measured LiteLLM, not placement.
+    prefill_ms_per_token: float = 0.4
     step_ms: float = 12.0
     max_num_seqs: int = 8
 
