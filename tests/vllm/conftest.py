@@ -167,6 +167,12 @@ def engine_environment(vllm_python: Path, scratch: Path) -> dict[str, str]:
         TMPDIR=str(scratch / "tmp"),
         NO_PROXY="127.0.0.1,localhost",
         PYTHONUNBUFFERED="1",
+        # vLLM closes a keep-alive connection idle for 5 s (uvicorn's timer). LiteLLM's aiohttp
+        # pool then sometimes sends a request on a connection vLLM is closing at that instant
+        # and answers 500 ("Server disconnected", no retry with num_retries 0): seen on a loaded
+        # machine, where parked requests leave pooled connections idle for seconds. The
+        # measurement is of scheduling, not of that race, so idle connections live longer.
+        VLLM_HTTP_TIMEOUT_KEEP_ALIVE="120",
     )
     for name in ("HTTP_PROXY", "HTTPS_PROXY", "http_proxy", "https_proxy", "ALL_PROXY"):
         env.pop(name, None)
