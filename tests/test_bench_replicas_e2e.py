@@ -72,19 +72,14 @@ def test_unequal_every_run_completes_without_errors(unequal: dict[str, dict[str,
         assert summary["generated_tokens"] == requests * UNEQUAL.max_tokens
 
 
-@pytest.mark.xfail(
-    strict=False,
-    reason="issue #16 open: behind a loaded LiteLLM the per-deployment gate overshoots a fixed "
-    "threshold of 3 by 1-3 in bursts (fast engine peaked at 4-6 in every run); kept as the "
-    "issue's requirement",
-)
 def test_unequal_each_engines_queue_stays_at_its_threshold(
     unequal: dict[str, dict[str, Any]],
 ) -> None:
     """The engine's own maximum (after each step's scheduling, exact, not sampled): with a gate
     per deployment neither engine queues past `waiting_below`; LiteLLM's router, blind to load,
     sends the slow engine half the flood, so its queue grows far past it (the control: the same
-    measurement can fail)."""
+    measurement can fail). Behind a loaded LiteLLM this held only once the gate counted arrivals
+    by the engine's finished counter: our ends, seen late, read as arrivals (peaks of 4-7)."""
     threshold = UNEQUAL.waiting_below
     for engine in unequal["plugin"]["engines"]:
         assert engine["max_waiting_seen"] <= threshold, engine
@@ -151,13 +146,10 @@ def test_shared_plugin_keeps_users_service_even(shared: dict[str, dict[str, Any]
     assert shared["plugin"]["jain_backlogged"] >= 0.95
 
 
-@pytest.mark.xfail(
-    strict=False,
-    reason="issue #16 open: behind a loaded LiteLLM the per-deployment gate overshoots a fixed "
-    "threshold of 3 in bursts (peaks of 6 in 3 of 6 bench runs; failed in the fresh-clone CI)",
-)
 def test_shared_each_engines_queue_stays_at_its_threshold(
     shared: dict[str, dict[str, Any]],
 ) -> None:
+    """As in the unequal scenario: arrivals counted by the engine's finished counter, not by our
+    late ends (peaks of 6 against 3 in 3 of 6 bench runs before)."""
     for engine in shared["plugin"]["engines"]:
         assert engine["max_waiting_seen"] <= SHARED.waiting_below, engine

@@ -31,9 +31,18 @@ pending requests into the engine's queue.
 Work-conserving against late signals (issue #17): a pending request that already runs would
 otherwise count twice (pending, and running in the scrape) until its first byte, which a
 CPU-starved proxy sees late; that eats the queue credit that keeps the engine full. So each
-scrape also settles as many pending requests as the engine's requests grew since the previous
-one (plus our ends in between, which hide as many arrivals, less ours settled in between by
-their first byte or end, which are among them). With `metrics_lag_s` a scrape is
+scrape also settles as many pending requests as reached the engine since the previous one, less
+ours settled in between by their first byte or end (they are among those arrivals). Where the
+engine counts its finished requests (`BackendSnapshot.requests_finished`: vLLM's
+`request_success_total`), the arrivals are its growth (waiting + running) plus its finished
+count between the two scrapes: the engine's own numbers, in step with each other. Elsewhere our
+ends since the last scrape stand for the requests that left; behind a loaded LiteLLM the proxy
+sees an end a second or two late, often after the scrape that showed the engine shrink, so it
+counts as an arrival in the next interval: one lease still in LiteLLM settled, one request too
+many released (issue #16's queue peaks of one to three over the threshold). A finished count
+that went down (a restarted engine) settles nothing. An engine that does not count aborted
+requests (vLLM does not) hides an arrival per abort: a lease stays pending a little longer,
+never one released too many. With `metrics_lag_s` a scrape is
 taken to show the engine as of `started_at - metrics_lag_s`: first bytes and pending requests
 are forgotten against that time, and ends seen after it give their slots back.
 
@@ -237,10 +246,12 @@ class MetricsGate:
     # ------------------------------------------------------------------ inputs
 
     def ends_arrive_out_of_step(self) -> None:
-        """Stop settling pending releases by the engine's growth between scrapes: that rule adds
-        the ends seen since the last scrape, which is only right when ends are seen as they
-        happen. A leader hears other replicas' ends through Redis, after scrapes that already
-        showed them, and would settle (and release) as many requests too many."""
+        """Stop settling pending releases by the engine's growth between scrapes where the engine
+        exports no finished counter: there the rule adds the ends seen since the last scrape,
+        which is only right when ends are seen as they happen. A leader hears other replicas'
+        ends through Redis, after scrapes that already showed them, and would settle (and
+        release) as many requests too many. Engines that count their finished requests (vLLM)
+        keep the rule: it then reads no end of ours."""
         self._growth_settles = False
 
     def share_with(self, replicas: int) -> None:
@@ -273,7 +284,10 @@ class MetricsGate:
             deployment.last_error = None
             # Replicas sharing the engine (share_with) each see the others' arrivals as growth:
             # taken for their own, they would let as many more in, n times over.
-            if self._sharers > 1 or not self._growth_settles:
+            # Arrivals counted by the engine's own finished counter need none of our ends, so
+            # a leader that hears ends late through Redis may settle by them too.
+            counted_by_engine = _finished_delta(previous, snapshot) is not None
+            if self._sharers > 1 or not (self._growth_settles or counted_by_engine):
                 deployment.ends_since_scrape = deployment.settled_since_scrape = 0
             elif previous is not None and previous.started_at < snapshot.started_at:
                 self._settle_arrivals(state.spec, deployment, previous, snapshot)
@@ -667,20 +681,33 @@ class MetricsGate:
         previous: BackendSnapshot,
         snapshot: BackendSnapshot,
     ) -> None:
-        """Settle as many pending leases (oldest first) as the engine's requests grew between
-        two scrapes: at least that many arrived. Waiting out the grace instead counts a request
-        that already runs as pending too, which eats the queue credit the engine needs to stay
-        full when first bytes come back late (a CPU-starved proxy, issue #17). Another client's
-        arrivals taken for ours let at most that many more in, and the next scrape shows them."""
+        """Settle as many pending leases (oldest first) as requests reached the engine between
+        two scrapes. Waiting out the grace instead counts a request that already runs as pending
+        too, which eats the queue credit the engine needs to stay full when first bytes come
+        back late (a CPU-starved proxy, issue #17). Another client's arrivals taken for ours let
+        at most that many more in, and the next scrape shows them."""
         grown = snapshot.waiting + snapshot.running - previous.waiting - previous.running
-        # Requests that left the engine in between hide as many arrivals: our own ends since the
-        # last scrape stand for them (seen late, like everything else the proxy sees).
+        finished = _finished_delta(previous, snapshot)
+        if finished is None:
+            # Requests that left the engine in between hide as many arrivals: our own ends since
+            # the last scrape stand for them. Behind a lagging proxy (a loaded LiteLLM) an end is
+            # often seen after the scrape that showed the engine shrink, and then counts as an
+            # arrival in the next interval that did not happen: one lease too many settled, one
+            # request too many released (issue #16's queue peaks of one to three over).
+            arrivals = grown + deployment.ends_since_scrape
+        elif finished < 0:
+            # The counter went down: the engine restarted, what it had is gone, and how many
+            # arrived is unknown. Nothing is settled; the grace and first bytes still are.
+            arrivals = 0.0
+        else:
+            # The engine's own count, in step with the gauges: exact, whatever the proxy saw.
+            arrivals = grown + finished
         # Ours settled since by their first byte or end may be among those arrivals: settling as
         # many others for them let as many more in (a wave of ends refilled by releases whose
         # first bytes came back before the scrape put the engine's queue 3 over a fixed
         # threshold). One that arrived before the last scrape keeps a lease pending a little
         # longer instead (until its own first byte, or the grace).
-        arrived = int(grown) + deployment.ends_since_scrape - deployment.settled_since_scrape
+        arrived = round(arrivals) - deployment.settled_since_scrape
         deployment.ends_since_scrape = deployment.settled_since_scrape = 0
         as_of = snapshot.started_at - spec.metrics_lag_s
         pending = deployment.pending
@@ -756,6 +783,16 @@ def _new_group_state(spec: BackendGroup) -> _GroupState:
             deployment
         )
     return state
+
+
+def _finished_delta(previous: BackendSnapshot | None, snapshot: BackendSnapshot) -> float | None:
+    """How many requests the engine finished between two scrapes by its own counter (negative
+    after a restart); None where either scrape lacks the counter."""
+    if previous is None or previous.requests_finished is None:
+        return None
+    if snapshot.requests_finished is None:
+        return None
+    return snapshot.requests_finished - previous.requests_finished
 
 
 def engine_queue_estimate(waiting: float, pending: float, free_slots: float) -> float:

@@ -25,6 +25,11 @@ class BackendSnapshot(NamedTuple):
     # interval), where it exports them: inputs of `waiting_below: auto`, never of the gate.
     ttft_s: float | None = None
     queue_time_s: float | None = None
+    # How many requests the engine has finished in its lifetime, for every reason (vLLM's
+    # `request_success_total` summed over `finished_reason`), where it exports such a counter:
+    # with the waiting and running counts it tells how many requests arrived between two
+    # scrapes, in step with them (see core/backpressure.py). None: not exported.
+    requests_finished: float | None = None
     error: str | None = None
 
     @classmethod

@@ -30,6 +30,8 @@ REQUEST_LATENCY_BUCKETS = (
 # fmt: on
 
 VLLM_ENGINE_INDEX = "0"
+# vLLM 0.32 creates `request_success_total` for every finish reason up front (see the fixtures).
+VLLM_FINISHED_REASONS = ("stop", "length", "abort", "error", "repetition")
 
 
 _Metric = TypeVar("_Metric", Counter, Gauge, Histogram)
@@ -59,6 +61,12 @@ class _ModelSeries:
         self.request_tpot = _child(metrics.request_tpot, values)
         self.queue_time = _child(metrics.queue_time, values)
         self.e2e = _child(metrics.e2e, values)
+        # The emulator finishes a request only at its max_tokens: vLLM's "length".
+        self.finished_by_length = (
+            None
+            if metrics.request_success is None
+            else metrics.request_success.labels(*values, "length")
+        )
 
 
 class EngineMetrics(EngineObserver):
@@ -96,8 +104,13 @@ class EngineMetrics(EngineObserver):
         self.request_tpot: Histogram | None = None
         self.queue_time: Histogram | None = None
         self.e2e: Histogram | None = None
+        self.request_success: Counter | None = None
         declare = {"vllm": self._declare_vllm, "sglang": self._declare_sglang}
         declare.get(profile, self._declare_tgi)()
+        if self.request_success is not None:
+            for model in models:
+                for reason in VLLM_FINISHED_REASONS:
+                    self.request_success.labels(*self.label_values(model), reason)
         self._series = {model: _ModelSeries(self, model) for model in models}
 
     def label_values(self, model: str) -> tuple[str, ...]:
@@ -137,6 +150,14 @@ class EngineMetrics(EngineObserver):
         )
         self.generation_tokens = self._counter(
             "vllm:generation_tokens", "Number of generation tokens processed."
+        )
+        # Like vLLM's, aborted requests are not counted (vllm-project/vllm#31503): the "abort"
+        # series exists and stays at 0.
+        self.request_success = Counter(
+            "vllm:request_success",
+            "Count of successfully processed requests.",
+            (*self._labels, "finished_reason"),
+            registry=self.registry,
         )
         self.prefix_queries = self._counter(
             "vllm:prefix_cache_queries",
@@ -238,6 +259,8 @@ class EngineMetrics(EngineObserver):
 
     def on_finish(self, seq: Sequence, now: float) -> None:
         series = self._series[seq.model]
+        if series.finished_by_length is not None:
+            series.finished_by_length.inc()
         if series.e2e is not None:
             series.e2e.observe(now - seq.arrived_at)
         if series.request_tpot is not None and seq.first_token_at is not None:

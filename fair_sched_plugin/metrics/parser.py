@@ -34,7 +34,8 @@ class MetricsParseError(FairSchedError):
 
 class ParsedMetrics(NamedTuple):
     """One scrape's signals. `tpot_sum`/`tpot_count` (and the TTFT and queue-time pairs) are
-    the histograms' lifetime totals, the prefix-cache counters lifetime token counts."""
+    the histograms' lifetime totals, the prefix-cache counters lifetime token counts,
+    `requests_finished` the lifetime count of finished requests summed over every reason."""
 
     waiting: float
     running: float
@@ -47,6 +48,7 @@ class ParsedMetrics(NamedTuple):
     ttft_count: float | None = None
     queue_time_sum: float | None = None
     queue_time_count: float | None = None
+    requests_finished: float | None = None
 
 
 def parse_metrics(text: str, profile: MetricProfile, model_name: str | None) -> ParsedMetrics:
@@ -70,6 +72,7 @@ def parse_metrics(text: str, profile: MetricProfile, model_name: str | None) -> 
     queue_time_sum, queue_time_count = _histogram_totals(totals, profile.queue_time)
     queries = _first_present(totals, profile.prefix_cache_queries)
     hits = _first_present(totals, profile.prefix_cache_hits)
+    finished = _first_present(totals, profile.requests_finished)
     return ParsedMetrics(
         waiting=waiting.total,
         running=running.total,
@@ -82,6 +85,7 @@ def parse_metrics(text: str, profile: MetricProfile, model_name: str | None) -> 
         ttft_count=ttft_count,
         queue_time_sum=queue_time_sum,
         queue_time_count=queue_time_count,
+        requests_finished=None if finished is None else finished.total,
     )
 
 
@@ -163,6 +167,7 @@ def _names_of_interest(profile: MetricProfile) -> frozenset[str]:
             *histogram_parts,
             *profile.prefix_cache_queries,
             *profile.prefix_cache_hits,
+            *profile.requests_finished,
         )
     )
 

@@ -46,6 +46,12 @@ class MetricProfile:
     queue_time: tuple[str, ...] = ()
     prefix_cache_queries: tuple[str, ...] = ()
     prefix_cache_hits: tuple[str, ...] = ()
+    # A counter of the requests the engine finished, summed over its label sets (vLLM labels it
+    # by `finished_reason`): the gate counts arrivals between scrapes by it. Only a counter
+    # updated in step with `waiting` and `running` belongs here, one that never counts a request
+    # they did not hold (that would release one too many; one left uncounted, as vLLM leaves
+    # aborted requests, only keeps a lease pending longer).
+    requests_finished: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         if not self.waiting or not self.running:
@@ -62,6 +68,7 @@ VLLM_PROFILE = MetricProfile(
     queue_time=("vllm:request_queue_time_seconds",),
     prefix_cache_queries=("vllm:prefix_cache_queries_total", "vllm:gpu_prefix_cache_queries_total"),
     prefix_cache_hits=("vllm:prefix_cache_hits_total", "vllm:gpu_prefix_cache_hits_total"),
+    requests_finished=("vllm:request_success_total",),
 )
 
 SGLANG_PROFILE = MetricProfile(
@@ -71,6 +78,9 @@ SGLANG_PROFILE = MetricProfile(
     kv_usage=("sglang:token_usage",),
     tpot=("sglang:inter_token_latency_seconds", "sglang:time_per_output_token_seconds"),
     ttft=("sglang:time_to_first_token_seconds",),
+    # No `requests_finished`: `sglang:num_requests_total` is counted by the tokenizer manager,
+    # not the scheduler whose queue gauges we read, and aborts go to a counter of their own;
+    # not verified against a capture, so arrivals are counted from our own ends.
 )
 
 TGI_PROFILE = MetricProfile(
@@ -79,6 +89,8 @@ TGI_PROFILE = MetricProfile(
     running=("tgi_batch_current_size",),
     kv_usage=(),  # TGI exports no KV-cache usage.
     tpot=("tgi_request_mean_time_per_token_duration",),
+    # No `requests_finished`: `tgi_request_success` leaves out failed requests that did leave
+    # the queue or batch, and `tgi_request_count` counts requests that never enter them.
 )
 
 _PROFILES = MappingProxyType({p.engine: p for p in (VLLM_PROFILE, SGLANG_PROFILE, TGI_PROFILE)})
@@ -105,8 +117,12 @@ def profile_for(backend: BackendSettings) -> MetricProfile:
     def chosen(signal: str, default: tuple[str, ...]) -> tuple[str, ...]:
         return (names[signal],) if signal in names else default
 
+    # The finished counter is only right in step with the engine's own queue gauges: with
+    # either renamed they may be another exporter's, and our ends count the arrivals instead.
+    gauges_renamed = "waiting" in names or "running" in names
     return replace(
         base,
+        requests_finished=() if gauges_renamed else base.requests_finished,
         waiting=chosen("waiting", base.waiting),
         running=chosen("running", base.running),
         kv_usage=chosen("kv_usage", base.kv_usage),

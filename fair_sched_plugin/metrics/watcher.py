@@ -234,6 +234,7 @@ class MetricsWatcher:
             tpot_s=tpot_s,
             ttft_s=ttft_s,
             queue_time_s=queue_time_s,
+            requests_finished=parsed.requests_finished,
         )
 
     async def _fetch(self) -> str:

@@ -62,13 +62,18 @@ class EngineSim:
     # Scripted changes: the engine's speed as a function of time (1.0 = normal, 3.0 = 3x slower).
     slowdown: Callable[[float], float] = lambda at: 1.0
     url: str = URL
+    # Export the engine's count of finished requests in each scrape (vLLM's
+    # request_success_total), as of the scrape's lagged view like the gauges.
+    finished_counter: bool = False
+    # Added to that count (an engine restarted with its counters at this offset, say).
+    finished_offset: int = 0
     # Time to first byte as the proxy measures it, per tier: (release time, seconds).
     ttfb: dict[str, list[tuple[float, float]]] = field(default_factory=dict)
     samples: list[Sample] = field(default_factory=list)
     _in_transit: deque[_Request] = field(default_factory=deque)
     _waiting: deque[_Request] = field(default_factory=deque)
     _running: list[_Request] = field(default_factory=list)
-    _history: deque[tuple[float, int, int]] = field(default_factory=deque)
+    _history: deque[tuple[float, int, int, int]] = field(default_factory=deque)
     _events: list[tuple[float, int, str, _Request]] = field(default_factory=list)
     _order: itertools.count[int] = field(default_factory=itertools.count)
     _next_scrape: float = 0.0
@@ -146,7 +151,7 @@ class EngineSim:
             self._running.append(request)
             first_byte = now + self.prefill_s * self.slowdown(now)
             self._schedule(first_byte + self.proxy_delay_s, "first", request)
-        self._history.append((now, len(self._waiting), len(self._running)))
+        self._history.append((now, len(self._waiting), len(self._running), self._completed))
         while len(self._history) > 1 and self._history[1][0] <= now - self.lag_s:
             self._history.popleft()
 
@@ -166,9 +171,14 @@ class EngineSim:
                 lease.release()
 
     def _scrape(self, now: float) -> BackendSnapshot:
-        _, waiting, running = self._history[0]
+        _, waiting, running, completed = self._history[0]
         return BackendSnapshot(
-            url=self.url, started_at=now, ok=True, waiting=waiting, running=running
+            url=self.url,
+            started_at=now,
+            ok=True,
+            waiting=waiting,
+            running=running,
+            requests_finished=completed + self.finished_offset if self.finished_counter else None,
         )
 
 

@@ -777,3 +777,127 @@ class _GateOwner:
 
     def lease_ended(self, lease: Lease, tokens_used: int | None, *, abandoned: bool) -> None:
         self._gate.on_ended(lease)
+
+
+# ------------------------------------- arrivals by the engine's finished counter (issue #16)
+# Behind a loaded LiteLLM the proxy sees ends a second or two after the engine: an end counted
+# in the interval after the scrape that showed the engine shrink reads as an arrival there.
+
+
+async def _releases_with_a_late_end(counter: bool) -> int:
+    """A one-slot engine (capacity learned from the first request, X) at `waiting_below: 3`;
+    X ends in the engine before a scrape, the proxy sees that end only after it; ours are still
+    on their way through LiteLLM all along (a long grace). Returns how many were released
+    besides X: the engine holds one of them running, the rest wait in its queue."""
+    clock = FakeClock()
+    gate, _, _ = make_gate(clock, grace=3.0)
+    scheduler = FairScheduler([INTERACTIVE], gate, clock=clock)
+
+    def engine(running: int, finished: int) -> BackendSnapshot:
+        extra = {"requests_finished": finished} if counter else {}
+        return scrape(clock, waiting=0, running=running, **extra)
+
+    gate.update("m", engine(running=0, finished=0))
+    x = take(scheduler)
+    assert x is not None
+    x.mark_started()
+    clock.advance(0.1)
+    gate.update("m", engine(running=1, finished=0))  # X runs: one slot learned
+    released = []
+    while (lease := take(scheduler)) is not None:
+        released.append(lease)
+    assert len(released) == 3  # the threshold: none of them can have a slot
+    clock.advance(0.1)
+    gate.update("m", engine(running=0, finished=1))  # X ended in the engine: its slot is free
+    while (lease := take(scheduler)) is not None:
+        released.append(lease)
+    assert len(released) == 4  # that slot's request
+    clock.advance(0.05)
+    x.release()  # the proxy sees X's end now, after the scrape that showed it
+    clock.advance(0.05)
+    gate.update("m", engine(running=0, finished=1))  # nothing arrived, nothing ended
+    while (lease := take(scheduler)) is not None:
+        released.append(lease)
+    await drain(scheduler)
+    return len(released)
+
+
+async def test_a_late_end_settles_a_phantom_arrival_without_the_engines_counter() -> None:
+    """The overshoot of issue #16 as the gate did it: X's end, seen after the scrape that
+    showed the engine shrink, counted as an arrival in the next interval, settled a lease still
+    in LiteLLM, and let a fifth request go: four in a queue of three, once they arrive."""
+    assert await _releases_with_a_late_end(counter=False) - 1 == 4
+
+
+async def test_the_engines_finished_counter_settles_only_real_arrivals() -> None:
+    """With vLLM's `request_success_total` the arrivals between two scrapes are the engine's
+    growth plus its own finished count, in step with the scrape: the late end changes nothing,
+    and the queue stays at the threshold once they arrive."""
+    assert await _releases_with_a_late_end(counter=True) - 1 == 3
+
+
+async def test_a_finished_counter_that_goes_down_settles_nothing() -> None:
+    """An engine restarted (or another instance answering at the same URL) shows a lower
+    count: how many of ours arrived is unknown. Taking the new count as the interval's (as
+    Prometheus' rate() does) would settle all three pending for ten phantom arrivals; nothing
+    is settled, they count until their first bytes or the grace, and the next scrape in step
+    with the counter settles by it again."""
+    clock = FakeClock()
+    gate, _, _ = make_gate(clock, grace=3.0)
+    scheduler = FairScheduler([INTERACTIVE], gate, clock=clock)
+    gate.update("m", scrape(clock, requests_finished=50))
+    released = [take(scheduler) for _ in range(3)]
+    assert all(lease is not None for lease in released) and take(scheduler) is None
+    clock.advance(0.1)
+    gate.update("m", scrape(clock, requests_finished=10))
+    assert gate.status()[0].pending == 3
+    clock.advance(0.1)
+    gate.update("m", scrape(clock, waiting=1, requests_finished=10))  # one of ours arrived
+    assert gate.status()[0].pending == 2
+    await drain(scheduler)
+
+
+async def test_a_leader_hearing_ends_late_still_settles_by_the_engines_counter() -> None:
+    """`ends_arrive_out_of_step` (a Redis leader) switches off only the rule that reads our
+    ends; arrivals counted by the engine need none of them."""
+    clock = FakeClock()
+    gate, _, _ = make_gate(clock, grace=3.0)
+    gate.ends_arrive_out_of_step()
+    scheduler = FairScheduler([INTERACTIVE], gate, clock=clock)
+    gate.update("m", scrape(clock, running=2, requests_finished=7))
+    assert all(take(scheduler) is not None for _ in range(3))
+    clock.advance(0.1)
+    # Two of ours arrived and two requests finished: the gauges alone show no growth.
+    gate.update("m", scrape(clock, waiting=0, running=2, requests_finished=9))
+    assert gate.status()[0].pending == 1
+    # Without the counter the leader waits for first bytes or the grace.
+    clock.advance(0.1)
+    gate.update("m", scrape(clock, waiting=1, running=2))
+    assert gate.status()[0].pending == 1
+    await drain(scheduler)
+
+
+def test_with_the_engines_counter_late_ends_no_longer_overshoot_the_threshold() -> None:
+    """The scripted engine of the #17 test above, whose proxy sees first bytes and ends 0.5 s
+    late: settled by our ends the queue reached 6 against 3 (the test above allows two over);
+    by the engine's finished counter it never passes the threshold, and the engine stays full."""
+    stats = _simulate({}, transit_s=0.3, proxy_delay_s=0.5, service_s=1.3, finished_counter=True)
+    assert stats.running >= 0.95 * 8
+    assert stats.max_waiting <= 3
+
+
+def test_behind_a_slow_litellm_the_engines_counter_holds_the_threshold() -> None:
+    """Issue #16's bench as the scripted engine sees it: released requests take 1 s to reach
+    the engine, the proxy sees first bytes and ends 1.5 s late, the grace is 3 s (the bench's).
+    Settled by our ends the engine's queue reached 9 against 3; by its own counter it stays at
+    3. The engine then runs what the gate lets be in flight: 8 slots plus 3 queued over 1 s of
+    transit and 2 s of service is 7.3 running on average (7.6 before, by overshooting).
+    `max_num_seqs` is configured as in the bench: a gate that keeps its promise never shows it
+    a saturated engine to learn the slots from."""
+    late = {"transit_s": 1.0, "proxy_delay_s": 1.5, "service_s": 2.0}
+    gate_options = {"arrival_grace_s": 3.0, "max_num_seqs": 8}
+    before = _simulate(gate_options, **late)  # type: ignore[arg-type]
+    after = _simulate(gate_options, finished_counter=True, **late)  # type: ignore[arg-type]
+    assert before.max_waiting > 3 + 3
+    assert after.max_waiting <= 3
+    assert after.running >= 0.9 * 8

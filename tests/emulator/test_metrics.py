@@ -63,6 +63,54 @@ async def test_metrics_rise_with_load_and_fall_after(wait_until: WaitUntil) -> N
     assert after["vllm:num_preemptions_total"] == 0
 
 
+def finished_by_reason(text: str) -> dict[str, float]:
+    return {
+        sample.labels["finished_reason"]: sample.value
+        for family in text_string_to_metric_families(text)
+        for sample in family.samples
+        if sample.name == "vllm:request_success_total"
+    }
+
+
+async def test_finished_counter_plus_the_gauges_count_every_arrival(
+    wait_until: WaitUntil,
+) -> None:
+    """What the gate's arrivals rule relies on: at any scrape, waiting + running + finished is
+    every request the engine received (none aborted here), whatever the proxy has seen."""
+    config = fast_config(max_num_seqs=4, base_step_ms=5.0)
+    async with run_emulator(config) as emu, open_client(emu) as http:
+        flood = [
+            asyncio.create_task(http.post("/v1/chat/completions", json=chat_body(max_tokens=8)))
+            for _ in range(12)
+        ]
+        await wait_until(lambda: emu.engine.statistics().requests_finished >= 2)
+        seen = []
+        while not all(task.done() for task in flood):
+            text = (await http.get("/metrics")).text
+            samples = parse_samples(text)
+            in_engine = samples["vllm:num_requests_waiting"] + samples["vllm:num_requests_running"]
+            seen.append((in_engine + sum(finished_by_reason(text).values()), in_engine))
+        await asyncio.gather(*flood)
+        after = finished_by_reason((await http.get("/metrics")).text)
+    assert seen and all(total == 12 for total, _ in seen), seen
+    assert any(in_engine for _, in_engine in seen)  # some scrape caught it mid-flood
+    # The emulator ends a request only at max_tokens: vLLM's "length"; every reason is printed.
+    assert after == {"stop": 0, "length": 12, "abort": 0, "error": 0, "repetition": 0}
+
+
+async def test_an_aborted_request_is_not_counted_as_finished(wait_until: WaitUntil) -> None:
+    """Like vLLM (vllm-project/vllm#31503): an abort leaves the gauges without a count, so
+    the gate under-counts arrivals by it (a lease pending a little longer, never one released
+    too many)."""
+    async with run_emulator(fast_config(max_num_seqs=1)) as emu, open_client(emu) as http:
+        body = chat_body(max_tokens=100_000, stream=True)
+        async with http.stream("POST", "/v1/chat/completions", json=body) as response:
+            assert (await anext(response.aiter_lines())).startswith("data: ")
+        await wait_until(lambda: emu.engine.statistics().requests_aborted == 1)
+        finished = finished_by_reason((await http.get("/metrics")).text)
+    assert sum(finished.values()) == 0
+
+
 async def test_vllm_names_labels_and_types_match_a_real_capture(
     client: httpx.AsyncClient,
 ) -> None:

@@ -50,6 +50,34 @@ def test_recent_prefix_cache_hit_rate_is_the_delta_of_the_counters() -> None:
     assert parse_metrics(vllm_text(), VLLM_PROFILE, "tiny").prefix_cache_queries is None
 
 
+def test_kvfull_capture_counts_finished_requests_over_every_reason(kvfull_text: str) -> None:
+    # vLLM 0.32 prints one `request_success_total` series per finished_reason (25 "length", the
+    # others 0): the arrivals rule needs them all, whatever made a request leave the engine.
+    assert parse_metrics(kvfull_text, VLLM_PROFILE, "tiny").requests_finished == 25
+
+
+def test_finished_counter_sums_reasons_and_engines() -> None:
+    text = vllm_text() + "".join(
+        f'vllm:request_success_total{{engine="{engine}",finished_reason="{reason}",'
+        f'model_name="tiny"}} {count}\n'
+        for engine, reason, count in (("0", "stop", 4), ("0", "length", 3), ("1", "abort", 2))
+    )
+    assert parse_metrics(text, VLLM_PROFILE, "tiny").requests_finished == 9
+
+
+def test_finished_counter_absent_is_none_not_zero() -> None:
+    # An engine without the counter keeps the gate on the rule that counts our own ends.
+    assert parse_metrics(vllm_text(), VLLM_PROFILE, "tiny").requests_finished is None
+    assert SGLANG_PROFILE.requests_finished == TGI_PROFILE.requests_finished == ()
+
+
+@pytest.mark.parametrize("value", ["NaN", "-1"])
+def test_garbage_in_the_finished_counter_is_an_error(value: str) -> None:
+    text = vllm_text() + f'vllm:request_success_total{{finished_reason="stop"}} {value}\n'
+    with pytest.raises(MetricsParseError, match="request_success_total"):
+        parse_metrics(text, VLLM_PROFILE, None)
+
+
 def test_midburst_capture_without_model_filter_is_the_same(midburst_text: str) -> None:
     assert parse_metrics(midburst_text, VLLM_PROFILE, None) == parse_metrics(
         midburst_text, VLLM_PROFILE, "tiny"
@@ -198,6 +226,15 @@ def test_metric_names_override_replaces_every_candidate() -> None:
     text = vllm_text(waiting=9, kv_usage=0.3) + "my:queue_len 2\nmy:kv 0.8\n"
     parsed = parse_metrics(text, profile, None)
     assert (parsed.waiting, parsed.kv_usage) == (2, 0.8)
+
+
+def test_renamed_queue_gauges_drop_the_finished_counter() -> None:
+    # Gauges from another exporter need not move in step with vLLM's counter.
+    assert (
+        profile_for(BackendSettings(metric_names={"running": "my:batch"})).requests_finished == ()
+    )
+    kept = profile_for(BackendSettings(metric_names={"kv_usage": "my:kv"}))
+    assert kept.requests_finished == VLLM_PROFILE.requests_finished
 
 
 def test_overridden_name_absent_means_stale_even_if_the_default_exists() -> None:

@@ -82,6 +82,7 @@ async def test_real_capture_served_over_http(
         snapshot = await snapshots.next()
     assert snapshot.ok
     assert (snapshot.waiting, snapshot.running) == (22, 8)
+    assert snapshot.requests_finished == 116  # request_success_total over its five reasons
 
 
 async def test_recent_tpot_comes_from_consecutive_scrapes(
