@@ -59,6 +59,18 @@ def layout() -> str:
     return name
 
 
+def flood_size() -> tuple[int, int]:
+    """(power requests, tokens each) of the floods: `FAIR_SCHED_VLLM_FLOOD` as `NxT` (issue #17's
+    flood is `100x128`), else CI's 56 x 48."""
+    value = os.environ.get("FAIR_SCHED_VLLM_FLOOD", "").strip().lower()
+    if not value:
+        return 56, 48
+    requests, _, tokens = value.partition("x")
+    if not (requests.isdigit() and tokens.isdigit() and int(requests) >= 8 and int(tokens) >= 1):
+        raise pytest.UsageError(f"FAIR_SCHED_VLLM_FLOOD must be NxT with N >= 8, not {value!r}")
+    return int(requests), int(tokens)
+
+
 def own_sessions() -> bool:
     """Engine and LiteLLM proxy each in a session of their own (`FAIR_SCHED_VLLM_LAYOUT`)."""
     return layout() == "sessions"
@@ -96,7 +108,10 @@ FLOOD_REPORT: dict[str, dict[str, float]] = {}
 def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
     if not FLOOD_REPORT:
         return
-    terminalreporter.section(f"real vLLM (CPU) flood numbers, layout: {layout()}")
+    requests, tokens = flood_size()
+    terminalreporter.section(
+        f"real vLLM (CPU) flood numbers, layout: {layout()}, flood: {requests} x {tokens} tokens"
+    )
     for name, numbers in FLOOD_REPORT.items():
         terminalreporter.write_line(
             f"{name:42s} light TTFT p50 {numbers['light_ttft_p50_s']:5.2f} s | "

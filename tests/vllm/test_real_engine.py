@@ -48,6 +48,7 @@ from .conftest import (
     PLUGIN_LITELLM_FLOOD,
     SERVED_MODEL,
     VllmEngine,
+    flood_size,
     own_sessions,
 )
 
@@ -56,8 +57,8 @@ pytestmark = [pytest.mark.vllm, pytest.mark.slow, pytest.mark.timeout(600)]
 # Equal lengths make vLLM run the flood in waves of `--max-num-seqs 8`: 56 requests are 7 waves,
 # so the power user's median request ends with the 4th, and a light user who comes during the
 # 1st has 1-2 waves of margin whether the machine is fast or slowed down by other work.
-POWER_REQUESTS = 56
-MAX_TOKENS = 48
+# `FAIR_SCHED_VLLM_FLOOD=100x128` for issue #17's flood (conftest.flood_size).
+POWER_REQUESTS, MAX_TOKENS = flood_size()
 WATCHED_BURST_TOKENS = 256
 REQUEST_TIMEOUT_S = 180.0
 FLOOD_TIMEOUT_S = 240.0
