@@ -20,6 +20,7 @@ import atexit
 import contextlib
 import ctypes
 import hashlib
+import math
 import os
 import signal
 import socket
@@ -121,6 +122,11 @@ def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
             f"{numbers['tokens_per_s']:5.0f} tokens/s | "
             f"engine running {numbers['engine_running_mean']:4.1f}, "
             f"waiting {numbers['engine_waiting_mean']:4.1f} while work waits"
+            + (
+                f" | LiteLLM CPU {numbers['proxy_cpu_ms_per_token']:.2f} ms/token"
+                if not math.isnan(numbers["proxy_cpu_ms_per_token"])
+                else ""
+            )
         )
     for name, baseline in THROUGHPUT_RATIOS:
         if name in FLOOD_REPORT and baseline in FLOOD_REPORT:

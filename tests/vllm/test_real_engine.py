@@ -237,6 +237,8 @@ class Flood:
     # The engine's (waiting, running) from its /metrics while more requests than it has
     # running slots were unfinished (some waited: in our queue, LiteLLM's or the engine's).
     engine_load: list[tuple[float, float]] = field(default_factory=list)
+    # CPU seconds the LiteLLM proxy process spent on the flood (NaN: no LiteLLM in the path).
+    proxy_cpu_s: float = float("nan")
 
     def check_all_ok(self) -> None:
         bad = [s for s in self.heavy + self.light if not s.ok or s.finish_reason != "length"]
@@ -268,6 +270,8 @@ class Flood:
             # Issue #17: does the scheduler keep the engine full while work waits?
             "engine_running_mean": _mean_or_nan(running for _, running in self.engine_load),
             "engine_waiting_mean": _mean_or_nan(waiting for waiting, _ in self.engine_load),
+            # What relaying costs the proxy per token (the plugin's own share shows here).
+            "proxy_cpu_ms_per_token": 1000 * self.proxy_cpu_s / tokens,
         }
 
 
@@ -522,6 +526,7 @@ async def litellm_flood(
     )
     async with litellm_proxy(config, tmp_path, "litellm-vllm", new_session=own_sessions()) as proxy:
         try:
+            cpu_before = proxy.cpu_seconds()
             flood = await run_flood(
                 name,
                 engine,
@@ -532,6 +537,8 @@ async def litellm_flood(
                 heavy_body=power_body,
                 light_body=light_body,
             )
+            # Includes the idle wait for the engine before the flood (milliseconds).
+            flood.proxy_cpu_s = proxy.cpu_seconds() - cpu_before
         except BaseException:
             print(proxy.log_tail())
             raise
