@@ -5,6 +5,10 @@ session. With the kernel's autogroup scheduling (on by default), a new session i
 scheduling group that is given as much CPU as everything else together: a busy vLLM in its own
 session starved the proxy under test, whose event loop then lagged about 100 ms per wake-up, and
 a flood through it ran at a third of the direct throughput (`tests/vllm`).
+
+The real-vLLM stage measures that other layout too (issue #17): `new_session=True` puts a child
+in a session of its own (`setsid`, also its own process group), as a server started by hand or
+by a service manager would be.
 """
 
 from __future__ import annotations
@@ -15,8 +19,16 @@ from collections.abc import Callable
 from typing import Any
 
 
-def own_process_group(preexec: Callable[[], None] | None = None) -> dict[str, Any]:
-    """`subprocess.Popen` options: a new process group in this session, then `preexec`."""
+def own_process_group(
+    preexec: Callable[[], None] | None = None, *, new_session: bool = False
+) -> dict[str, Any]:
+    """`subprocess.Popen` options: a new process group in this session (or, with `new_session`,
+    a session of its own), then `preexec`."""
+    if new_session:
+        session: dict[str, Any] = {"start_new_session": True}
+        if preexec is not None:
+            session["preexec_fn"] = preexec
+        return session
     if sys.version_info >= (3, 11):
         options: dict[str, Any] = {"process_group": 0}
         if preexec is not None:

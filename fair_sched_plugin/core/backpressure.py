@@ -348,7 +348,7 @@ class MetricsGate:
             deployment.held_back = False
             now = self._clock.now()
             for tuner in deployment.tuners.values():
-                tuner.observe_engine(now, snapshot.ttft_s, snapshot.tpot_s)
+                tuner.observe_engine(now, snapshot.ttft_s, snapshot.tpot_s, snapshot.waiting)
                 tuner.tick(now)
         else:
             deployment.last_error = snapshot.error or "scrape failed"

@@ -17,9 +17,28 @@ use it, on the queue the gate lets form in the engine:
 - in between it stays (a dead band: no hunting while the targets hold). Always within
   [minimum, maximum];
 - and never above what the engine drains within `headroom` of the TTFT target at its recent
-  completion rate (Little's law: queue = rate x wait). Completions slow down the moment the
-  engine does, long before the first bytes of the requests queued behind them come back, so a
-  slower engine shrinks the queue within an interval or two instead of a round trip each step.
+  completion rate (Little's law: queue = rate x wait), plus the requests on their way to it
+  (rate x the path's latency, below). Completions slow down the moment the engine does, long
+  before the first bytes of the requests queued behind them come back, so a slower engine
+  shrinks the queue within an interval or two instead of a round trip each step.
+
+The engine's queue, not the way to it (issue #17). The gate counts requests on their way to the
+engine against the allowed queue, and behind a CPU-starved proxy (LiteLLM in a CPU scheduling
+group of its own) they take a second or more to arrive and their first bytes come back as late:
+our latency missed a 2 s target with the engine's queue empty and most of its slots free, the
+tuner shrank to its minimum, and the engine ran 2.4 of 8 slots. So the scrapes' waiting counts
+say whose latency it is:
+
+- an interval in which every scrape showed the engine without a queue is the path's: only the
+  engine's own TTFT and TPOT can shrink the queue then, no drain ceiling applies (the completion
+  rate is what we let through, not what the engine can drain), and the queue grows while the
+  gate holds requests back; its latency feeds the path's latency (an EWMA, like Vegas's base
+  RTT: never from an interval with an engine queue, so queueing delay cannot inflate it; any
+  faster interval lowers it);
+- where the path alone misses the TTFT target, the target the queue is held to is the path's
+  latency with `headroom` to spare (path / headroom): no queue meets the target then, and only
+  queueing delay beyond the path shrinks the queue.
+Without scrapes (the tuner alone, or no `waiting` exported) everything is as before.
 
 Signals arrive late: a request released before a decrease still reports the old queue's latency.
 After a decrease only requests released after it count (one decrease per round trip), and the
@@ -101,11 +120,17 @@ class QueueTuner:
         self._outstanding: dict[int, float] = {}
         self._engine_ttft: list[float] = []
         self._engine_tpot: list[float] = []
+        # The longest engine queue a scrape showed this interval; None: no scrape said.
+        self._engine_waiting: float | None = None
         self._held_back = False
         self._completions = 0
         self._drain_rate: float | None = None
         self._latency: float | None = None
         self._last_latency: float | None = None
+        # The latency of the way to the engine and back without an engine queue (Vegas's base
+        # RTT): learned only in intervals whose scrapes all showed no queue, so the queue's own
+        # delay never inflates it; lowered by any interval that was faster.
+        self._path: float | None = None
         self._tpot: float | None = None
         self._decreases = 0
         self._increases = 0
@@ -136,10 +161,19 @@ class QueueTuner:
         """A request of any tier left the engine: the rate at which its queue drains."""
         self._completions += 1
 
-    def observe_engine(self, now: float, ttft_s: float | None, tpot_s: float | None) -> None:
-        """One scrape's recent engine TTFT and TPOT (None where not exported); the interval's
-        mean counts, so one slow scrape among many does not shrink the queue. Skipped for an
-        interval after a decrease: the engine's means still hold the requests queued before."""
+    def observe_engine(
+        self,
+        now: float,
+        ttft_s: float | None,
+        tpot_s: float | None,
+        waiting: float | None = None,
+    ) -> None:
+        """One scrape's recent engine TTFT and TPOT (None where not exported) and its waiting
+        queue; the interval's mean counts, so one slow scrape among many does not shrink the
+        queue. TTFT and TPOT are skipped for an interval after a decrease: the engine's means
+        still hold the requests queued before."""
+        if waiting is not None:
+            self._engine_waiting = max(self._engine_waiting or 0.0, waiting)
         if now - self._decreased_at < self._interval_s:
             return
         if ttft_s is not None:
@@ -161,19 +195,31 @@ class QueueTuner:
         self._completions = 0
         self._drain_rate = _smooth(self._drain_rate, rate, self._smoothing)
         latency = self._interval_latency(now)
+        engine_ttft = _mean(self._engine_ttft)
         tpot = _mean(self._engine_tpot)
         held_back = self._held_back
+        # Every scrape of the interval showed the engine without a queue: whatever kept our
+        # latency long was on the way to the engine (a CPU-starved proxy, the network), which no
+        # engine queue shortens, and the queue the gate allowed was spent on requests in transit.
+        no_engine_queue = self._engine_waiting == 0.0
         self._first_bytes = []
         self._engine_ttft = []
         self._engine_tpot = []
+        self._engine_waiting = None
         self._held_back = False
         if latency is not None:
             self._last_latency = latency
             self._latency = _smooth(self._latency, latency, self._smoothing)
+            if no_engine_queue:
+                self._path = _smooth(self._path, latency, self._smoothing)
+            elif self._path is not None:
+                self._path = min(self._path, latency)
         if tpot is not None:
             self._tpot = _smooth(self._tpot, tpot, self._smoothing)
         before = self._allowed
-        ceiling = self._drain_ceiling()
+        # Little's law is about the engine's queue: without one the completion rate is what we
+        # sent, not what the engine can drain, and a ceiling from it would keep it under-filled.
+        ceiling = self._maximum if no_engine_queue else self._drain_ceiling()
         if ceiling < before:
             # The queue cannot drain within the target at the engine's present pace (Little's
             # law): shrink now rather than after its first bytes come back late.
@@ -182,9 +228,11 @@ class QueueTuner:
             self._latency = self._tpot = None
             self._decreases += 1
             return True
-        if latency is None and tpot is None:
+        if latency is None and tpot is None and not no_engine_queue:
             return False  # nothing measured: no reason to move
-        overshoot = self._overshoot()
+        # Without an engine queue only what the engine itself reports counts: shrinking a queue
+        # it does not have would hold work back from free slots and shorten nobody's wait.
+        overshoot = self._engine_overshoot(engine_ttft) if no_engine_queue else self._overshoot()
         if overshoot > 1.0:
             # Proportional to how far over the target (a gradient step, as in Vegas-style
             # limiters), never less than `decrease` nor more than half at once.
@@ -236,22 +284,44 @@ class QueueTuner:
 
     def _drain_ceiling(self) -> float:
         """The largest queue the engine drains within `headroom` of the TTFT target at its
-        recent completion rate; no ceiling before a rate is known or without a TTFT target."""
+        recent completion rate, plus the requests on their way to it (the rate times the path's
+        latency: those replace completions rather than queue); no ceiling before a rate is known
+        or without a TTFT target."""
         if self._ttft_target is None or not self._drain_rate:
             return self._maximum
         # (queue + 1) / rate: the wait of a request released behind the whole queue.
-        return max(self._minimum, self._ttft_target * self._headroom * self._drain_rate - 1)
+        budget = self._ttft_target * self._headroom + (self._path or 0.0)
+        return max(self._minimum, budget * self._drain_rate - 1)
+
+    def _effective_ttft_target(self) -> float | None:
+        """The TTFT target, or where the way to the engine alone misses it, the path's latency
+        with `headroom` of it to spare: no engine queue can meet the target then, and shrinking
+        the queue would only leave its slots idle (issue #17's CPU-starved proxy)."""
+        target = self._ttft_target
+        if target is None or self._path is None:
+            return target
+        return max(target, self._path / self._headroom)
 
     def _settled(self, now: float) -> bool:
         """Long enough since the last decrease that a slow request released after it would
         have shown: first bytes that came back sooner are the lucky ones only."""
         return now - self._decreased_at >= self._interval_s + (self._ttft_target or 0.0)
 
+    def _engine_overshoot(self, engine_ttft: float | None) -> float:
+        """The worst of the engine's own TTFT / TTFT target and TPOT / TPOT target."""
+        ratios = [0.0]
+        if self._ttft_target is not None and engine_ttft is not None:
+            ratios.append(engine_ttft / self._ttft_target)
+        if self._tpot_target is not None and self._tpot is not None:
+            ratios.append(self._tpot / self._tpot_target)
+        return max(ratios)
+
     def _overshoot(self) -> float:
         """The worst of latency / TTFT target and TPOT / TPOT target (0 when unmeasured)."""
         ratios = [0.0]
-        if self._ttft_target is not None and self._latency is not None:
-            ratios.append(self._latency / self._ttft_target)
+        target = self._effective_ttft_target()
+        if target is not None and self._latency is not None:
+            ratios.append(self._latency / target)
         if self._tpot_target is not None and self._tpot is not None:
             ratios.append(self._tpot / self._tpot_target)
         return max(ratios)

@@ -169,3 +169,70 @@ def test_a_slower_drain_lowers_the_ceiling_before_any_first_byte_is_late() -> No
         tuner.observe_completion()
     tuner.tick(2.0)
     assert tuner.allowed == 1
+
+
+# ---------------------------------------------------------------- the path, not the engine
+# Issue #17's real-vLLM result behind a CPU-starved LiteLLM: requests spend about a second on the
+# way to the engine and their first bytes and ends come back a second late, so our own time to
+# first byte misses a 2 s target with the engine's queue empty and half its slots free.
+
+STARVED_PROXY = {"transit_s": 1.0, "proxy_delay_s": 1.0, "service_s": 1.0}
+
+
+def test_a_miss_without_an_engine_queue_does_not_shrink_the_queue() -> None:
+    """Every scrape of the interval shows the engine without a queue: a first byte over the
+    target was slow on the way, which no engine queue shortens. The queue is not shrunk, and it
+    grows while the gate holds requests back. That latency becomes the path's: later, with a
+    queue in the engine, only latency beyond it (with `headroom` to spare) shrinks the queue."""
+    tuner = QueueTuner(minimum=1, maximum=16, ttft_target_s=1.0, initial=4)
+    tuner.observe_first_byte(1, 0.0, 1.8)
+    tuner.observe_engine(0.5, 0.05, None, waiting=0)
+    tuner.observe_engine(0.9, 0.05, None, waiting=0)
+    tuner.note_held_back()
+    tuner.tick(1.0)
+    assert tuner.allowed == 5
+    assert tuner.statistics().decreases == 0
+    tuner.observe_first_byte(2, 1.0, 1.9)  # as slow as the path alone: no queueing delay
+    tuner.observe_engine(1.9, 0.05, None, waiting=2)
+    tuner.tick(2.0)
+    assert tuner.allowed == 5
+    tuner.observe_first_byte(3, 2.0, 3.5)  # the engine's queue adds to it: now it counts
+    tuner.observe_engine(2.9, 0.05, None, waiting=4)
+    tuner.tick(3.0)
+    assert tuner.allowed < 5
+
+
+def test_the_engines_own_ttft_over_target_still_shrinks_a_queue_it_does_not_show() -> None:
+    """No queue in any scrape, but the engine itself reports a TTFT 2x over the target (a long
+    prefill): that is the engine's, and it still halves the queue."""
+    tuner = QueueTuner(minimum=1, maximum=16, ttft_target_s=1.0, initial=8)
+    tuner.observe_engine(0.5, 2.0, None, waiting=0)
+    tuner.tick(1.0)
+    assert tuner.allowed == 4
+
+
+def test_without_an_engine_queue_the_drain_ceiling_does_not_cap_growth() -> None:
+    """Little's law bounds the engine's queue by its drain rate; with no queue the completion
+    rate is only what we sent (1 per second here: a ceiling of 0.6 at a 2 s target), and
+    capping growth by it kept an engine with free slots at the minimum."""
+    tuner = QueueTuner(minimum=1, maximum=16, ttft_target_s=2.0)
+    now = 0.0
+    for _ in range(5):
+        now += 1.0
+        tuner.observe_completion()
+        tuner.observe_engine(now - 0.5, 0.05, None, waiting=0)
+        tuner.note_held_back()
+        tuner.tick(now)
+    assert tuner.allowed >= 3
+
+
+def test_a_starved_proxy_in_front_of_the_engine_does_not_leave_its_slots_idle() -> None:
+    """8 slots, 1 s per request, 1 s on the way to the engine and 1 s late first bytes and
+    ends: the allowed queue is spent on requests in transit, never in the engine's queue. Before
+    this rule the tuner sat at its minimum (the misses were the path's, the drain ceiling came
+    from the trickle it let through) and the engine ran 2.4 of 8 slots (a fixed 3: 3.0)."""
+    _, samples = _run(40.0, **STARVED_PROXY)
+    parked = [s for s in samples if s.at >= 5.0 and s.parked]
+    assert mean([s.running for s in parked]) >= 0.9 * 8
+    # The queue it lets form once the engine is full stays bounded.
+    assert max(s.waiting for s in parked) <= 8

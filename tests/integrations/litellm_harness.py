@@ -162,7 +162,12 @@ def process_cpu_seconds(pid: int) -> float:
 
 
 def _spawn(
-    config_path: Path, port: int, log_path: Path, env: Mapping[str, str] | None = None
+    config_path: Path,
+    port: int,
+    log_path: Path,
+    env: Mapping[str, str] | None = None,
+    *,
+    new_session: bool = False,
 ) -> subprocess.Popen[bytes]:
     log_path.parent.mkdir(parents=True, exist_ok=True)
     with log_path.open("wb") as log:
@@ -181,7 +186,7 @@ def _spawn(
             stderr=subprocess.STDOUT,
             env=proxy_env(env),
             cwd=str(config_path.parent),
-            **own_process_group(),  # killed as a whole
+            **own_process_group(new_session=new_session),  # killed as a whole
         )
 
 
@@ -229,13 +234,16 @@ async def litellm_proxy(
     directory: Path,
     name: str = "proxy",
     env: Mapping[str, str] | None = None,
+    *,
+    new_session: bool = False,
 ) -> AsyncIterator[ProxyProcess]:
     """Start `litellm --config` with `config` written to `directory/name.yaml`; wait until live.
-    `env` adds environment variables for the proxy."""
+    `env` adds environment variables for the proxy; `new_session` starts it in a session (an
+    autogroup CPU scheduling group) of its own (`tests/processes.py`)."""
     config_path = write_config(directory, name, config)
     port = free_port()
     log_path = directory / f"{name}.log"
-    process = _spawn(config_path, port, log_path, env)
+    process = _spawn(config_path, port, log_path, env, new_session=new_session)
     proxy = ProxyProcess(f"http://{LOOPBACK}:{port}", port, process, log_path, config_path)
     try:
         await _wait_live(proxy, PROXY_STARTUP_TIMEOUT_S)

@@ -7,6 +7,11 @@ run. Under CI (`CI=true`) a missing or broken vLLM fails: the stage can never si
 One engine runs at a time (two would fight over two cores): `engines.get("priority")` stops an
 engine of the other policy first. Every engine runs in its own process group, killed in the
 session's teardown and, should that not run, at interpreter exit.
+
+`FAIR_SCHED_VLLM_LAYOUT` picks the process layout (issue #17): `shared` (the default, and CI's)
+keeps the engine and the LiteLLM proxy in the test run's session; `sessions` starts each in a
+session of its own, so engine, LiteLLM proxy and client (this process) are three autogroup CPU
+scheduling groups, as when the proxy is CPU-starved by other work (`tests/processes.py`).
 """
 
 from __future__ import annotations
@@ -15,6 +20,7 @@ import atexit
 import contextlib
 import ctypes
 import hashlib
+import math
 import os
 import signal
 import socket
@@ -31,6 +37,7 @@ import pytest
 from ..processes import own_process_group
 
 VLLM_VERSION = "0.32.0"  # keep in step with scripts/vllm_env.sh
+LAYOUTS = ("shared", "sessions")
 LOOPBACK = "127.0.0.1"
 SERVED_MODEL = "tiny"
 ROOT = Path(__file__).resolve().parents[2]
@@ -43,6 +50,31 @@ ENGINE_STOP_TIMEOUT_S = 15.0
 
 def in_ci() -> bool:
     return os.environ.get("CI", "").strip().lower() in {"1", "true", "yes"}
+
+
+def layout() -> str:
+    """`FAIR_SCHED_VLLM_LAYOUT`: `shared` (default) or `sessions` (see the module docstring)."""
+    name = os.environ.get("FAIR_SCHED_VLLM_LAYOUT", "").strip().lower() or LAYOUTS[0]
+    if name not in LAYOUTS:
+        raise pytest.UsageError(f"FAIR_SCHED_VLLM_LAYOUT must be one of {LAYOUTS}, not {name!r}")
+    return name
+
+
+def flood_size() -> tuple[int, int]:
+    """(power requests, tokens each) of the floods: `FAIR_SCHED_VLLM_FLOOD` as `NxT` (issue #17's
+    flood is `100x128`), else CI's 56 x 48."""
+    value = os.environ.get("FAIR_SCHED_VLLM_FLOOD", "").strip().lower()
+    if not value:
+        return 56, 48
+    requests, _, tokens = value.partition("x")
+    if not (requests.isdigit() and tokens.isdigit() and int(requests) >= 8 and int(tokens) >= 1):
+        raise pytest.UsageError(f"FAIR_SCHED_VLLM_FLOOD must be NxT with N >= 8, not {value!r}")
+    return int(requests), int(tokens)
+
+
+def own_sessions() -> bool:
+    """Engine and LiteLLM proxy each in a session of their own (`FAIR_SCHED_VLLM_LAYOUT`)."""
+    return layout() == "sessions"
 
 
 def cache_dir() -> Path:
@@ -77,14 +109,24 @@ FLOOD_REPORT: dict[str, dict[str, float]] = {}
 def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
     if not FLOOD_REPORT:
         return
-    terminalreporter.section("real vLLM (CPU) flood numbers")
+    requests, tokens = flood_size()
+    terminalreporter.section(
+        f"real vLLM (CPU) flood numbers, layout: {layout()}, flood: {requests} x {tokens} tokens"
+    )
     for name, numbers in FLOOD_REPORT.items():
         terminalreporter.write_line(
-            f"{name:40s} light TTFT p50 {numbers['light_ttft_p50_s']:6.2f} s | "
-            f"power TTFT p50 {numbers['power_ttft_p50_s']:6.2f} s | "
-            f"light done (max) {numbers['light_done_max_s']:6.2f} s | "
-            f"power done p50 {numbers['power_done_p50_s']:6.2f} s | "
-            f"{numbers['tokens_per_s']:7.0f} tokens/s"
+            f"{name:42s} light TTFT p50 {numbers['light_ttft_p50_s']:5.2f} s | "
+            f"power TTFT p50 {numbers['power_ttft_p50_s']:5.2f} s | "
+            f"light done (max) {numbers['light_done_max_s']:5.2f} s | "
+            f"power done p50 {numbers['power_done_p50_s']:5.2f} s | "
+            f"{numbers['tokens_per_s']:5.0f} tokens/s | "
+            f"engine running {numbers['engine_running_mean']:4.1f}, "
+            f"waiting {numbers['engine_waiting_mean']:4.1f} while work waits"
+            + (
+                f" | LiteLLM CPU {numbers['proxy_cpu_ms_per_token']:.2f} ms/token"
+                if not math.isnan(numbers["proxy_cpu_ms_per_token"])
+                else ""
+            )
         )
     for name, baseline in THROUGHPUT_RATIOS:
         if name in FLOOD_REPORT and baseline in FLOOD_REPORT:
@@ -146,6 +188,12 @@ def engine_environment(vllm_python: Path, scratch: Path) -> dict[str, str]:
         TMPDIR=str(scratch / "tmp"),
         NO_PROXY="127.0.0.1,localhost",
         PYTHONUNBUFFERED="1",
+        # vLLM closes a keep-alive connection idle for 5 s (uvicorn's timer). LiteLLM's aiohttp
+        # pool then sometimes sends a request on a connection vLLM is closing at that instant
+        # and answers 500 ("Server disconnected", no retry with num_retries 0): seen on a loaded
+        # machine, where parked requests leave pooled connections idle for seconds. The
+        # measurement is of scheduling, not of that race, so idle connections live longer.
+        VLLM_HTTP_TIMEOUT_KEEP_ALIVE="120",
     )
     for name in ("HTTP_PROXY", "HTTPS_PROXY", "http_proxy", "https_proxy", "ALL_PROXY"):
         env.pop(name, None)
@@ -263,7 +311,8 @@ def start_engine(vllm_python: Path, model_dir: Path, scratch: Path, policy: str)
             stderr=subprocess.STDOUT,
             env=engine_environment(vllm_python, scratch),
             cwd=str(scratch),
-            **own_process_group(_die_with_parent),  # killed as a whole
+            # Killed as a whole; a session of its own in the `sessions` layout.
+            **own_process_group(_die_with_parent, new_session=own_sessions()),
         )
     atexit.register(_kill_group, process)
     engine = VllmEngine(policy, f"http://{LOOPBACK}:{port}", process, log_path, 0.0)

@@ -21,7 +21,7 @@ import contextlib
 import json
 import statistics
 import time
-from collections.abc import AsyncIterator, Callable, Mapping
+from collections.abc import AsyncIterator, Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -48,6 +48,8 @@ from .conftest import (
     PLUGIN_LITELLM_FLOOD,
     SERVED_MODEL,
     VllmEngine,
+    flood_size,
+    own_sessions,
 )
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow, pytest.mark.timeout(600)]
@@ -55,11 +57,14 @@ pytestmark = [pytest.mark.vllm, pytest.mark.slow, pytest.mark.timeout(600)]
 # Equal lengths make vLLM run the flood in waves of `--max-num-seqs 8`: 56 requests are 7 waves,
 # so the power user's median request ends with the 4th, and a light user who comes during the
 # 1st has 1-2 waves of margin whether the machine is fast or slowed down by other work.
-POWER_REQUESTS = 56
-MAX_TOKENS = 48
+# `FAIR_SCHED_VLLM_FLOOD=100x128` for issue #17's flood (conftest.flood_size).
+POWER_REQUESTS, MAX_TOKENS = flood_size()
 WATCHED_BURST_TOKENS = 256
 REQUEST_TIMEOUT_S = 180.0
 FLOOD_TIMEOUT_S = 240.0
+MAX_NUM_SEQS = 8  # the engine's --max-num-seqs (conftest.start_engine)
+# How often a flood samples the engine's own /metrics for its mean running sequences.
+ENGINE_SAMPLE_S = 0.25
 
 POWER_KEY = "sk-power"
 LIGHT_KEYS = ("sk-light-1", "sk-light-2")
@@ -229,6 +234,11 @@ class Flood:
     started_at: float
     heavy: list[Stream] = field(default_factory=list)
     light: list[Stream] = field(default_factory=list)
+    # The engine's (waiting, running) from its /metrics while more requests than it has
+    # running slots were unfinished (some waited: in our queue, LiteLLM's or the engine's).
+    engine_load: list[tuple[float, float]] = field(default_factory=list)
+    # CPU seconds the LiteLLM proxy process spent on the flood (NaN: no LiteLLM in the path).
+    proxy_cpu_s: float = float("nan")
 
     def check_all_ok(self) -> None:
         bad = [s for s in self.heavy + self.light if not s.ok or s.finish_reason != "length"]
@@ -257,7 +267,17 @@ class Flood:
             ),
             "makespan_s": makespan,
             "tokens_per_s": tokens / makespan,
+            # Issue #17: does the scheduler keep the engine full while work waits?
+            "engine_running_mean": _mean_or_nan(running for _, running in self.engine_load),
+            "engine_waiting_mean": _mean_or_nan(waiting for waiting, _ in self.engine_load),
+            # What relaying costs the proxy per token (the plugin's own share shows here).
+            "proxy_cpu_ms_per_token": 1000 * self.proxy_cpu_s / tokens,
         }
+
+
+def _mean_or_nan(values: Iterable[float]) -> float:
+    present = list(values)
+    return statistics.fmean(present) if present else float("nan")
 
 
 def _done(stream: Stream) -> float:
@@ -283,7 +303,13 @@ async def run_flood(
     flood = Flood(name, time.perf_counter())
     heavy_progress: list[Stream] = []
     light_progress: list[Stream] = []
+
+    def unfinished() -> int:
+        return sum(s.done_at is None for s in heavy_progress + light_progress)
+
     async with contextlib.AsyncExitStack() as stack:
+        sampler = asyncio.ensure_future(sample_engine_load(engine, unfinished, flood.engine_load))
+        stack.push_async_callback(cancel_and_wait, sampler)
         heavy_client = await stack.enter_async_context(
             open_client(base_url, heavy_key, timeout=REQUEST_TIMEOUT_S)
         )
@@ -315,6 +341,26 @@ async def run_flood(
     flood.light = list(done[heavy_count:])
     flood.check_all_ok()
     return flood
+
+
+async def cancel_and_wait(task: asyncio.Future[None]) -> None:
+    task.cancel()
+    await asyncio.gather(task, return_exceptions=True)
+
+
+async def sample_engine_load(
+    engine: VllmEngine, unfinished: Callable[[], int], samples: list[tuple[float, float]]
+) -> None:
+    """Until cancelled: the engine's (waiting, running) every ENGINE_SAMPLE_S while more
+    requests than its running slots are unfinished (the same sampling in every flood, plugin or
+    not, so the means compare)."""
+    async with httpx.AsyncClient(timeout=5.0, trust_env=False) as client:
+        while True:
+            with contextlib.suppress(httpx.HTTPError):
+                counts = await engine_counts(client, engine)
+                if unfinished() > MAX_NUM_SEQS:
+                    samples.append(counts)
+            await asyncio.sleep(ENGINE_SAMPLE_S)
 
 
 def record_flood(flood: Flood) -> dict[str, float]:
@@ -478,8 +524,9 @@ async def litellm_flood(
         plugin=plugin,
         custom_auth=plugin,
     )
-    async with litellm_proxy(config, tmp_path, "litellm-vllm") as proxy:
+    async with litellm_proxy(config, tmp_path, "litellm-vllm", new_session=own_sessions()) as proxy:
         try:
+            cpu_before = proxy.cpu_seconds()
             flood = await run_flood(
                 name,
                 engine,
@@ -490,6 +537,8 @@ async def litellm_flood(
                 heavy_body=power_body,
                 light_body=light_body,
             )
+            # Includes the idle wait for the engine before the flood (milliseconds).
+            flood.proxy_cpu_s = proxy.cpu_seconds() - cpu_before
         except BaseException:
             print(proxy.log_tail())
             raise
