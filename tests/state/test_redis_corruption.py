@@ -19,9 +19,10 @@ import pytest
 import redis.asyncio as redis_asyncio
 
 from fair_sched_plugin.state import ReplicaScheduler
+from fair_sched_plugin.testing import make_ticket
 
 from .conftest import RedisServer
-from .test_replicas import Cluster, eventually, pair, ticket
+from .test_replicas import Cluster, eventually, pair
 
 pytestmark = pytest.mark.redis
 
@@ -84,8 +85,8 @@ CASES: dict[str, tuple[str, Write]] = {
 
 async def schedules_with_a_cap_of_one(follower: ReplicaScheduler) -> None:
     """Two requests at the follower: the second waits for the first (the cap is 1)."""
-    first = await asyncio.wait_for(follower.acquire(ticket("A")), 10)
-    second = asyncio.ensure_future(follower.acquire(ticket("B")))
+    first = await asyncio.wait_for(follower.acquire(make_ticket("A")), 10)
+    second = asyncio.ensure_future(follower.acquire(make_ticket("B")))
     for _ in range(10):  # a few heartbeats: still parked behind the first
         await asyncio.sleep(0.05)
         assert not second.done()
