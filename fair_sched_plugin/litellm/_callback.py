@@ -222,6 +222,16 @@ class FairSchedCallback(CustomLogger):
             _release_with_usage(lease, self._service, getattr(response_obj, "usage", None))
 
 
+def _alias_target(aliases: Any, model: str) -> str | None:
+    """The group a `router_settings.model_group_alias` entry names (a string, or a mapping with
+    `model`, as LiteLLM accepts both). Read from the router's attribute, which every supported
+    release has (`Router.get_model_from_alias` is newer than the oldest one)."""
+    item = aliases.get(model) if isinstance(aliases, Mapping) else None
+    if isinstance(item, Mapping):
+        item = item.get("model")
+    return item if isinstance(item, str) else None
+
+
 def router_model_group(model: Any, groups: frozenset[str]) -> Any:
     """The name a call is scheduled under: the model group LiteLLM's router sends `model` to.
 
@@ -234,8 +244,8 @@ def router_model_group(model: Any, groups: frozenset[str]) -> Any:
     router = getattr(running_proxy(), "llm_router", None)
     if router is None or not isinstance(model, str) or model in groups:
         return model
-    alias = router.get_model_from_alias(model=model)
-    if isinstance(alias, str) and alias in groups:
+    alias = _alias_target(getattr(router, "model_group_alias", None), model)
+    if alias is not None and alias in groups:
         return alias
     pinned = [
         entry.get("model_name")

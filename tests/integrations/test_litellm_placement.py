@@ -209,9 +209,15 @@ async def test_body_fields_that_pick_a_deployment_do_not_move_a_request(stack: S
     async with open_client(stack.proxy.base_url, key="sk-bob") as client:
         for fields, headers in attempts:
             before = stack.received()
-            response = await client.post(CHAT, json={**chat("tiny"), **fields}, headers=headers)
+            try:
+                response = await client.post(CHAT, json={**chat("tiny"), **fields}, headers=headers)
+            except httpx.TransportError:
+                # LiteLLM 1.94.0 drops the connection for a body `base_url`: a failure too.
+                response = None
             arrived = {k: n - before[k] for k, n in stack.received().items() if n > before[k]}
-            if response.status_code == 200:
+            if response is None:
+                assert arrived == {}, (fields, "connection dropped", arrived)
+            elif response.status_code == 200:
                 assert arrived == {response.headers[DEPLOYMENT_HEADER]: 1}, (fields, arrived)
             else:
                 assert arrived == {}, (fields, response.status_code, arrived)
