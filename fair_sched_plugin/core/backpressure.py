@@ -474,18 +474,25 @@ class MetricsGate:
         """Released now, the ticket would be bound away from the deployment that holds its
         prefix (no room there, or over the load bound) to one that has room: its prefix would
         be recomputed there (the scheduler's look-ahead may release someone else first)."""
-        state = self._groups.get(ticket.model)
-        if state is None or len(state.deployments) < 2 or not ticket.prefix:
-            return False
-        return state.placer.spills(ticket.prefix, self._candidates(state, tier))
+        state = self._affinity_group(ticket)
+        return state is not None and state.placer.spills(
+            ticket.prefix, self._candidates(state, tier)
+        )
 
     def waits_for_home(self, ticket: Ticket, tier: TierLimits) -> bool:
         """Released now, the ticket would spill into a deployment where it would only queue (no
         free running slot there): it waits for the one that holds its prefix instead."""
+        state = self._affinity_group(ticket)
+        return state is not None and state.placer.waits(
+            ticket.prefix, self._candidates(state, tier)
+        )
+
+    def _affinity_group(self, ticket: Ticket) -> _GroupState | None:
+        """The ticket's group where prefix affinity can matter: several deployments, a prefix."""
         state = self._groups.get(ticket.model)
         if state is None or len(state.deployments) < 2 or not ticket.prefix:
-            return False
-        return state.placer.waits(ticket.prefix, self._candidates(state, tier))
+            return None
+        return state
 
     def _candidates(self, state: _GroupState, tier: TierLimits) -> list[Candidate]:
         """The deployments placement chooses among: those with fresh metrics while one of them

@@ -107,25 +107,26 @@ class Placer:
         one has no room for it, or is over the load bound, while another has room. The
         scheduler then first looks for a user whose own prefix's deployment has room (see the
         module docstring: spill only what no one else can use)."""
-        target = self._affinity_target(prefix, candidates)
-        if target is None:
-            return False
-        placement = self._choose(target, candidates)
-        return placement is not None and placement.deployment != target.deployment
+        return self._spill(prefix, candidates) is not None
 
     def waits(self, prefix: tuple[int, ...], candidates: Sequence[Candidate]) -> bool:
         """`choose` would spill this prefix into a deployment where it would queue, not start
         (no free running slot there): its own deployment, full now, frees a slot about as soon,
         and there the prefix is cached. The scheduler then holds it (see the module docstring:
         spill only into a free running slot)."""
+        spill = self._spill(prefix, candidates)
+        return spill is not None and not _free_slot(spill)
+
+    def _spill(self, prefix: tuple[int, ...], candidates: Sequence[Candidate]) -> Candidate | None:
+        """The candidate `choose` would bind this prefix to instead of the deployment it went
+        to last; None when it would stay there, or has nowhere to go."""
         target = self._affinity_target(prefix, candidates)
         if target is None:
-            return False
+            return None
         placement = self._choose(target, candidates)
         if placement is None or placement.deployment == target.deployment:
-            return False
-        spill = next(c for c in candidates if c.deployment == placement.deployment)
-        return not _free_slot(spill)
+            return None
+        return next(c for c in candidates if c.deployment == placement.deployment)
 
     def record(self, prefix: tuple[int, ...], deployment: str) -> None:
         """A ticket with this prefix was bound to `deployment`."""
