@@ -85,6 +85,8 @@ from .tuning import QueueTuner, TunerStatus
 GateMode = Literal["starting", "metrics", "fallback"]
 
 _MAX_FIRST_BYTES = 10_000
+# Weight of the newest good scrape in a deployment's smoothed scrape duration.
+_SCRAPE_SMOOTHING = 0.3
 
 
 class Deployment(NamedTuple):
@@ -253,6 +255,8 @@ class _DeploymentState:
     held_back: bool = False
     # `waiting_below: auto` tiers' controllers, by tier name, made on the tier's first decision.
     tuners: dict[str, QueueTuner] = field(default_factory=dict)
+    # How long a good scrape takes to come back (smoothed): a slow /metrics is late, not gone.
+    scrape_s: float = 0.0
     blocked_reason: str | None = None
 
 
@@ -331,6 +335,8 @@ class MetricsGate:
             previous = deployment.latest
             deployment.latest = snapshot
             deployment.last_error = None
+            took = max(0.0, self._clock.now() - snapshot.started_at)
+            deployment.scrape_s += _SCRAPE_SMOOTHING * (took - deployment.scrape_s)
             # Replicas sharing the engine (share_with) each see the others' arrivals as growth:
             # taken for their own, they would let as many more in, n times over.
             # Arrivals counted by the engine's own finished counter need none of our ends, so
@@ -822,7 +828,13 @@ class MetricsGate:
             reason = f"no successful scrape of {url} yet" + (f" ({error})" if error else "")
         else:
             age = self._clock.now() - snapshot.started_at
-            if age > self._stale_after_s:
+            # A scrape that takes D shows the engine D before it lands, and the next one lands
+            # no sooner than D later: between two good scrapes the snapshot is up to 2D old.
+            # Counted against `stale_after_s`, a slow /metrics (vLLM's API server on a starved
+            # CPU took a second and more, issue #17) sent the gate to its fallback cap while
+            # every scrape succeeded, and the engine idled. Only good scrapes set D, so an engine
+            # that stops answering is still found out after `stale_after_s` plus its usual 2D.
+            if age > self._stale_after_s + 2 * deployment.scrape_s:
                 reason = f"metrics of {url} are {age:.1f} s old" + (f" ({error})" if error else "")
         if reason is None:
             mode: GateMode = "metrics"

@@ -193,6 +193,43 @@ async def test_stale_metrics_fall_back_to_an_inflight_cap_and_recover() -> None:
     await drain(scheduler)
 
 
+async def test_a_slow_metrics_page_is_late_not_stale() -> None:
+    """Issue #17: behind a starved LiteLLM every scrape of vLLM took about as long as
+    `stale_after_s`; with the snapshot's age counted from when it was sent the gate fell back to
+    its in-flight cap between two good scrapes and the engine idled. Good scrapes that take
+    1.2 s keep it on metrics with `stale_after_s` 1 s; when the scrapes then fail it falls back
+    once the last good one is older than 1 s plus twice their usual duration."""
+    clock = FakeClock()
+    gate, transitions, _ = make_gate(clock)
+    for _ in range(10):
+        sent = clock.now()
+        clock.advance(1.2)  # the scrape is on its way
+        gate.update("m", BackendSnapshot(URL, started_at=sent, ok=True))
+        clock.advance(0.1)  # the poll interval
+        assert gate.may_release("m", INTERACTIVE)
+    assert [t.new for t in transitions] == ["metrics"]
+    last_good = clock.now() - 1.3
+    while not [t for t in transitions if t.new == "fallback"]:
+        clock.advance(0.1)
+        gate.update("m", BackendSnapshot.failed(URL, clock.now(), "connection refused"))
+    age = clock.now() - last_good
+    assert 1.0 + 2 * 1.1 < age <= 1.0 + 2 * 1.2 + 0.11
+
+
+async def test_a_fast_engine_that_stops_answering_falls_back_after_stale_after() -> None:
+    """Scrapes that come back at once give no extra time: the fallback comes as before."""
+    clock = FakeClock()
+    gate, transitions, _ = make_gate(clock)
+    for _ in range(10):
+        gate.update("m", scrape(clock))
+        clock.advance(0.1)
+    last_good = clock.now() - 0.1
+    while not [t for t in transitions if t.new == "fallback"]:
+        clock.advance(0.1)
+        gate.update("m", BackendSnapshot.failed(URL, clock.now(), "connection refused"))
+    assert clock.now() - last_good <= 1.0 + 0.11
+
+
 async def test_a_failed_scrape_never_reads_as_zero_load() -> None:
     clock = FakeClock()
     gate, _, _ = make_gate(clock)
