@@ -40,6 +40,10 @@ class _ScrapeFailed(Exception):
     """Internal: one scrape failed for an expected reason (network, status, size, encoding)."""
 
 
+class _TimedOut(_ScrapeFailed):
+    """Internal: one scrape took longer than its deadline."""
+
+
 class MetricsWatcher:
     """One background task that scrapes `url` every `interval_s` and reports to `on_snapshot`.
 
@@ -62,6 +66,7 @@ class MetricsWatcher:
         clock: Callable[[], float] | None = None,
         min_gap_s: float | None = None,
         max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
+        longest_timeout_s: float | None = None,
     ) -> None:
         if interval_s <= 0 or timeout_s <= 0:
             raise ValueError("interval_s and timeout_s must be greater than 0")
@@ -72,6 +77,15 @@ class MetricsWatcher:
         self._model_name = model_name
         self._interval_s = interval_s
         self._timeout_s = timeout_s
+        # A loaded engine renders /metrics slowly (vLLM's API server on a starved CPU took a
+        # second and more, issue #17), and a scrape cut off at `timeout_s` each time never
+        # completes: the gate then falls back although the engine answers. So the deadline
+        # follows what good scrapes take (3x their smoothed duration, never below `timeout_s`),
+        # doubles after a timeout, and stops at `longest_timeout_s` (4x `timeout_s` unless
+        # given), which bounds how long a hung engine keeps a scrape waiting.
+        self._longest_timeout_s = max(timeout_s, longest_timeout_s or 4 * timeout_s)
+        self._deadline_s = timeout_s
+        self._usual_s: float | None = None
         self._min_gap_s = interval_s / 4 if min_gap_s is None else min(min_gap_s, interval_s)
         self._max_body_bytes = max_body_bytes
         self._on_snapshot = on_snapshot
@@ -198,11 +212,26 @@ class MetricsWatcher:
         if until_gap_over > 0:
             await asyncio.sleep(until_gap_over)
 
+    @property
+    def deadline_s(self) -> float:
+        """How long the next scrape may take (see `__init__`)."""
+        return self._deadline_s
+
+    def _took(self, seconds: float) -> None:
+        usual = self._usual_s
+        self._usual_s = seconds if usual is None else usual + 0.3 * (seconds - usual)
+        self._deadline_s = min(self._longest_timeout_s, max(self._timeout_s, 3 * self._usual_s))
+
     async def _scrape_once(self) -> BackendSnapshot:
         started_at = self._now()  # before the GET: anything released earlier may be counted
+        began = asyncio.get_running_loop().time()
         try:
             text = await self._fetch()
+            self._took(asyncio.get_running_loop().time() - began)
             parsed = parse_metrics(text, self._profile, self._model_name)
+        except _TimedOut as exc:
+            self._deadline_s = min(self._longest_timeout_s, 2 * self._deadline_s)
+            return self._failed(started_at, str(exc))
         except (_ScrapeFailed, MetricsParseError) as exc:
             return self._failed(started_at, str(exc))
         except Exception as exc:
@@ -240,17 +269,18 @@ class MetricsWatcher:
     async def _fetch(self) -> str:
         client = self._client
         assert client is not None  # set by start()
+        deadline = self._deadline_s
         try:
             # httpx's timeout bounds each phase; wait_for bounds the whole exchange, so a server
             # that trickles bytes cannot stall the loop either.
-            return await asyncio.wait_for(self._fetch_text(client), timeout=self._timeout_s)
+            return await asyncio.wait_for(self._fetch_text(client, deadline), timeout=deadline)
         except (asyncio.TimeoutError, httpx.TimeoutException):
-            raise _ScrapeFailed(f"timed out after {self._timeout_s:g}s") from None
+            raise _TimedOut(f"timed out after {deadline:g}s") from None
         except httpx.HTTPError as exc:
             raise _ScrapeFailed(f"{type(exc).__name__}: {exc}") from None
 
-    async def _fetch_text(self, client: httpx.AsyncClient) -> str:
-        async with client.stream("GET", self.url, timeout=self._timeout_s) as response:
+    async def _fetch_text(self, client: httpx.AsyncClient, deadline: float) -> str:
+        async with client.stream("GET", self.url, timeout=deadline) as response:
             if response.status_code != 200:
                 raise _ScrapeFailed(f"HTTP {response.status_code}")
             declared = response.headers.get("content-length", "")

@@ -61,9 +61,13 @@ class FakeEngine:
         self.mode = "ok"  # ok | garbage | error | slow
         self.requests = 0
         self.release_slow = asyncio.Event()
+        # Every answer this late (a loaded engine rendering its page slowly).
+        self.delay_s = 0.0
 
     async def metrics(self, request: Request) -> Response:
         self.requests += 1
+        if self.delay_s:
+            await asyncio.sleep(self.delay_s)
         if self.mode == "garbage":
             return PlainTextResponse("<html><body>502 Bad Gateway</body></html>")
         if self.mode == "error":

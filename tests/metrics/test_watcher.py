@@ -159,6 +159,42 @@ async def test_slow_endpoint_fails_with_a_timeout(
     assert snapshot.error is not None and "timed out" in snapshot.error
 
 
+async def test_a_slow_but_answering_engine_gets_a_longer_deadline(
+    loopback: LoopbackServer, engine: FakeEngine, snapshots: Snapshots
+) -> None:
+    """Issue #17: vLLM's /metrics on a starved CPU took longer than the scrape timeout every
+    time, so every scrape was cut off and the gate fell back although the engine answered.
+    Answers 3x later than `timeout_s`: the deadline doubles after each timeout (up to 4x) and
+    the scrapes then succeed; once they come back quickly the deadline shrinks towards `timeout_s`."""
+    engine.delay_s = 0.3
+    async with make_watcher(loopback.url, snapshots, timeout_s=0.1) as watcher:
+        assert not (await snapshots.next()).ok
+        good = await snapshots.until(lambda s: s.ok, attempts=6)
+        assert good.waiting == 2
+        slow_deadline = watcher.deadline_s
+        assert slow_deadline > 0.1
+        engine.delay_s = 0.0
+        for _ in range(20):
+            await snapshots.until(lambda s: s.ok)
+            if watcher.deadline_s < slow_deadline / 2:
+                break
+        assert 0.1 <= watcher.deadline_s < slow_deadline / 2
+
+
+async def test_a_hung_engine_is_given_up_on_within_the_longest_deadline(
+    loopback: LoopbackServer, engine: FakeEngine, snapshots: Snapshots
+) -> None:
+    """The deadline never exceeds `longest_timeout_s`: a hung engine still fails each scrape."""
+    engine.mode = "slow"
+    async with make_watcher(
+        loopback.url, snapshots, timeout_s=0.05, longest_timeout_s=0.1
+    ) as watcher:
+        for _ in range(4):
+            failed = await snapshots.next()
+            assert not failed.ok and failed.error is not None and "timed out" in failed.error
+        assert watcher.deadline_s == 0.1
+
+
 async def test_engine_down_then_back(
     watcher: MetricsWatcher, loopback: LoopbackServer, snapshots: Snapshots
 ) -> None:
