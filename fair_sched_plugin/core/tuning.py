@@ -13,7 +13,9 @@ use it, on the queue the gate lets form in the engine:
 - over a target: the allowed queue shrinks at once, in proportion to the overshoot (x0.7 for a
   small one, at most halved: a gradient step in the style of Vegas / concurrency-limits);
 - under `headroom` (80%) of every target, and the gate held requests back because of the queue
-  during the interval (the limit binds: more queue could be used): it grows by one;
+  during the interval (the limit binds: more queue could be used): it grows by one; until the
+  first decrease (slow start, as in TCP) it doubles instead, once per round trip (the path's
+  latency, below), in intervals where no scrape showed an engine queue;
 - in between it stays (a dead band: no hunting while the targets hold). Always within
   [minimum, maximum];
 - and never above what the engine drains within `headroom` of the TTFT target at its recent
@@ -55,7 +57,14 @@ in the dead band or, after a noisy miss, in the sawtooth below it: within
 
 How fast it reacts: a step to a 3x slower engine lowers the drain ceiling to about a third
 within two intervals (the completion rate is smoothed); latency over target shrinks the queue by
-up to half per round trip; recovery is one request more per interval once the targets hold.
+up to half per round trip; recovery is one request more per interval once the targets hold. From
+the start, slow start reaches a queue of 16 in four round trips where one more per interval took
+sixteen intervals.
+
+Overshoot of slow start (tests/core/test_tuning.py holds it): a doubling's requests show in the
+engine's queue within one round trip, before the next doubling, and the first decrease ends it;
+so the engine's queue exceeds the largest queue that met the targets by at most that queue once
+(the last doubling), and only while slow start lasts.
 Pure: the gate feeds it; time comes from the caller.
 """
 
@@ -115,6 +124,7 @@ class QueueTuner:
         self._headroom = headroom
         self._interval_started = started_at
         self._decreased_at = -math.inf
+        self._doubled_at = -math.inf
         self._first_bytes: list[float] = []
         # Released requests without a first byte yet, oldest first: key -> release time.
         self._outstanding: dict[int, float] = {}
@@ -245,8 +255,23 @@ class QueueTuner:
             self._latency = self._tpot = None
             self._decreases += self._allowed < before
         elif held_back and overshoot <= self._headroom and self._settled(now):
-            self._allowed = min(self._maximum, ceiling, before + 1.0)
+            # Slow start: no scrape showed an engine queue although we held requests back, so
+            # whatever the queue we allowed was spent on (requests on their way, first bytes
+            # relayed late), the engine has room; one more a second left it idle for most of a
+            # 20 s flood behind a starved LiteLLM (issue #17: 1 -> 11 by the flood's end). So
+            # double, once per round trip (the path's latency: the requests of the last
+            # doubling have reached the engine by then), one more per interval in between,
+            # until the first decrease; from then on one more per interval only.
+            ramp = (
+                no_engine_queue
+                and not self._decreases
+                and now - self._doubled_at >= (self._path or 0.0)
+            )
+            step = max(1.0, before) if ramp else 1.0
+            self._allowed = min(self._maximum, ceiling, before + step)
             self._increases += self._allowed > before
+            if ramp:
+                self._doubled_at = now
         return self._allowed != before
 
     def statistics(self) -> TunerStatus:
