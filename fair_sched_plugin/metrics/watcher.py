@@ -33,6 +33,10 @@ logger = logging.getLogger(__name__)
 DEFAULT_MAX_BODY_BYTES = 5 * 1024 * 1024
 
 _SCRAPING = "scraping"
+# The scrape deadline is this many times a good scrape's usual duration (an exponential
+# average, the newest good scrape weighing _USUAL_WEIGHT), never below the configured timeout.
+_DEADLINE_PER_USUAL = 3.0
+_USUAL_WEIGHT = 0.3
 _DELIVERING = "delivering a snapshot"
 
 
@@ -219,8 +223,10 @@ class MetricsWatcher:
 
     def _took(self, seconds: float) -> None:
         usual = self._usual_s
-        self._usual_s = seconds if usual is None else usual + 0.3 * (seconds - usual)
-        self._deadline_s = min(self._longest_timeout_s, max(self._timeout_s, 3 * self._usual_s))
+        self._usual_s = seconds if usual is None else usual + _USUAL_WEIGHT * (seconds - usual)
+        self._deadline_s = min(
+            self._longest_timeout_s, max(self._timeout_s, _DEADLINE_PER_USUAL * self._usual_s)
+        )
 
     async def _scrape_once(self) -> BackendSnapshot:
         started_at = self._now()  # before the GET: anything released earlier may be counted
