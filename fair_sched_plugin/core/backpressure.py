@@ -251,6 +251,10 @@ class _DeploymentState:
     settled_since_scrape: int = 0
     # The gate held a request back for this engine's queue since the last scrape (demand).
     held_back: bool = False
+    # ... by a tier without an engine queue (below 1): it needs a free slot, so it probes.
+    held_back_for_a_slot: bool = False
+    # When a scrape last showed a queue (the capacity exactly): no probing within the window.
+    saturated_at: float | None = None
     # `waiting_below: auto` tiers' controllers, by tier name, made on the tier's first decision.
     tuners: dict[str, QueueTuner] = field(default_factory=dict)
     blocked_reason: str | None = None
@@ -345,7 +349,7 @@ class MetricsGate:
             self._account_scraped(state.spec, deployment)
             # After the settling: probing asks whether anything is still on its way.
             self._learn_capacity(state.spec, deployment, snapshot)
-            deployment.held_back = False
+            deployment.held_back = deployment.held_back_for_a_slot = False
             now = self._clock.now()
             for tuner in deployment.tuners.values():
                 tuner.observe_engine(now, snapshot.ttft_s, snapshot.tpot_s, snapshot.waiting)
@@ -443,6 +447,8 @@ class MetricsGate:
                 continue
             # Held back for this engine's queue: demand its tuner and probing look for.
             deployment.held_back = True
+            if self._waiting_below(deployment, tier) < 1:
+                deployment.held_back_for_a_slot = True
             tuner = deployment.tuners.get(tier.name)
             if tuner is not None:
                 tuner.note_held_back()
@@ -561,10 +567,16 @@ class MetricsGate:
         free_slots = self._free_slots(spec, deployment)
         if self._sharers > 1:
             free_slots = float(int(free_slots) // self._sharers)
-        queued_in_engine = engine_queue_estimate(
+        allowed = self._waiting_below(deployment, tier)
+        if allowed < 1:
+            # No engine queue at all (`waiting_below: 0`, or `auto` down to 0): a request waits
+            # in our queue, where its user's turn comes, until a running slot is free for it too.
+            # A queue of one makes a newcomer wait for two completions instead of one.
+            if engine_queue_estimate(snapshot.waiting, deployment.pending_count + 1, free_slots):
+                return "waiting"
+        elif engine_queue_estimate(
             snapshot.waiting, deployment.pending_count, free_slots
-        )
-        if queued_in_engine >= self._share(self._waiting_below(deployment, tier)):
+        ) >= self._share(allowed):
             return "waiting"
         if _at_or_over(snapshot.tpot_s, tier.tpot_below_s):
             return "tpot"
@@ -620,28 +632,41 @@ class MetricsGate:
             # (lower than max_num_seqs when the KV cache is the limit). Authoritative, so it
             # replaces both buckets: a probe must not leave a phantom free slot behind.
             deployment.capacity = deployment.capacity_previous = running
+            deployment.saturated_at = now
             return
         known = self._capacity(spec, deployment)
         unseen = deployment.capacity is None and deployment.capacity_previous is None
         if ceiling is not None and unseen:
             running = float(ceiling)  # configured and not yet contradicted by a queue
-        elif (
-            deployment.tuners
-            and deployment.held_back
-            and not deployment.pending_count
-            and 0 < running >= known
-        ):
+        elif self._probes(spec, deployment, running, known, now):
             # Running at the learned capacity with an empty queue while we held requests back
             # and none of ours is on its way: the engine may have more slots. Probe one more
             # per scrape; a queue forming shows the real number. Without this an engine never
             # seen saturated keeps slots unused, since the gate only saturates it through slots
-            # it believes free (issue #17). Only for `waiting_below: auto` tiers (those have a
-            # tuner): a probe into a slot that does not exist puts one request in the engine's
-            # queue beyond the threshold until the next scrape, and a fixed threshold is a promise.
+            # it believes free (issue #17).
             running += 1
         if ceiling is not None:
             running = min(running, float(ceiling))
         deployment.capacity = max(deployment.capacity or 0.0, running)
+
+    @staticmethod
+    def _probes(
+        spec: BackendGroup, deployment: _DeploymentState, running: float, known: float, now: float
+    ) -> bool:
+        """Whether this scrape tries one running slot more (see `_learn_capacity`)."""
+        if not deployment.held_back or deployment.pending_count or running < known:
+            return False
+        if deployment.held_back_for_a_slot:
+            # A tier without an engine queue releases only into slots the gate counts free: it
+            # must probe (or an idle engine's first slot is never used), but not an engine that
+            # showed its slots with a queue within the window: each probe into a slot that does
+            # not exist is a request in the engine's queue, the very wait this tier avoids.
+            saturated = deployment.saturated_at
+            return saturated is None or now - saturated >= spec.capacity_window_s
+        # Otherwise only `waiting_below: auto` tiers (those have a tuner): a probe into a slot
+        # that does not exist puts one request in the engine's queue beyond the threshold until
+        # the next scrape, and a fixed threshold is a promise.
+        return bool(deployment.tuners) and running > 0
 
     @staticmethod
     def _capacity(spec: BackendGroup, deployment: _DeploymentState) -> float:

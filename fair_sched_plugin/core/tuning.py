@@ -97,8 +97,10 @@ class QueueTuner:
         headroom: float = 0.8,
         started_at: float = 0.0,
     ) -> None:
-        if not 1 <= minimum <= maximum:
-            raise ValueError(f"need 1 <= minimum <= maximum (got {minimum}, {maximum})")
+        if not 0 <= minimum <= maximum or maximum < 1:
+            raise ValueError(
+                f"need 0 <= minimum <= maximum and maximum >= 1 (got {minimum}, {maximum})"
+            )
         if ttft_target_s is None and tpot_target_s is None:
             raise ValueError("auto needs a TTFT or a TPOT target")
         if not 0 < decrease < 1 or not 0 < smoothing <= 1 or interval_s <= 0:
@@ -223,7 +225,7 @@ class QueueTuner:
         if ceiling < before:
             # The queue cannot drain within the target at the engine's present pace (Little's
             # law): shrink now rather than after its first bytes come back late.
-            self._allowed = ceiling
+            self._allowed = self._whole_queue(ceiling)
             self._decreased_at = now
             self._latency = self._tpot = None
             self._decreases += 1
@@ -236,9 +238,7 @@ class QueueTuner:
         if overshoot > 1.0:
             # Proportional to how far over the target (a gradient step, as in Vegas-style
             # limiters), never less than `decrease` nor more than half at once.
-            self._allowed = max(
-                self._minimum, before * max(0.5, min(self._decrease, 1 / overshoot))
-            )
+            self._allowed = self._whole_queue(before * max(0.5, min(self._decrease, 1 / overshoot)))
             self._decreased_at = now
             # The next decision rests on what follows the decrease only: smoothing it with the
             # latency already acted on would shrink the queue again for the same cause.
@@ -281,6 +281,12 @@ class QueueTuner:
         # about one completion interval for a user without a backlog (the light users the
         # target is for): the part of the target the engine queue may not spend.
         return latency + (1 / self._drain_rate if self._drain_rate else 0.0)
+
+    def _whole_queue(self, shrunk: float) -> float:
+        """A decrease's result within the bounds. Below 1 the gate lets no queue form at all
+        (`_blocked_reason`), so a queue shrunk from 1 is 0 (where the minimum allows): growth
+        by one then comes back to 1, not to 1.7, which would let a queue of two form."""
+        return max(self._minimum, shrunk if shrunk >= 1 else 0.0)
 
     def _drain_ceiling(self) -> float:
         """The largest queue the engine drains within `headroom` of the TTFT target at its
