@@ -61,3 +61,5 @@ def test_each_variants_settings_are_valid_and_auto_min_0_reaches_the_tier() -> N
     assert tiers["fixed_0"].initial_waiting_below() == 0
     assert tiers["auto"].auto_bounds() == (1, 32)
     assert tiers["auto_min_0"].auto_bounds() == (0, 32)
+    settings = load_settings(fair_sched_section(speed_change_variants(SIZE)[0], "http://x:9"))
+    assert settings.backends["tiny"].max_num_seqs == 8  # a queue of 0 needs the slots told

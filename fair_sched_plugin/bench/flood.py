@@ -72,6 +72,8 @@ class Variant:
     # default; 0 lets it keep no engine queue at all).
     ttft_target_ms: float | None = None
     auto_min: int | None = None
+    # The engine's running slots, told to the gate (None: learned from its scrapes).
+    max_num_seqs: int | None = None
 
 
 def fair_sched_section(variant: Variant, engine_base: str) -> dict[str, Any]:
@@ -105,6 +107,7 @@ def fair_sched_section(variant: Variant, engine_base: str) -> dict[str, Any]:
                 "metrics_url": f"{engine_base}/metrics",
                 "engine": "vllm",
                 "priority_scheduling": variant.engine_policy == "priority",
+                **({"max_num_seqs": variant.max_num_seqs} if variant.max_num_seqs else {}),
             }
         },
         # Generous caps: the demo measures ordering, not rejections.

@@ -86,10 +86,13 @@ def speed_change_variants(size: SpeedChangeSize) -> list[Variant]:
     default minimum of 1, and a minimum of 0), through the standalone fair proxy: the same core
     as the plugin, without LiteLLM's per-chunk CPU cost, which on a shared 2-core machine would
     make six LiteLLM proxies, not the engine, the bottleneck (the real-vLLM comparison through
-    LiteLLM is `benchmarks/auto_vs_fixed.py`)."""
+    LiteLLM is `benchmarks/auto_vs_fixed.py`). Every gateway is told the engine's slots
+    (`max_num_seqs`): without a queue the gate cannot learn them without queueing requests."""
     gateway: Gateway = "fair_proxy"
+    slots = SPEED_ENGINE.max_num_seqs
     fixed = [
-        Variant(f"fixed_{n}", f"waiting_below {n}", gateway, waiting_below=n) for n in (0, 1, 3, 8)
+        Variant(f"fixed_{n}", f"waiting_below {n}", gateway, waiting_below=n, max_num_seqs=slots)
+        for n in (0, 1, 3, 8)
     ]
     target = f"TTFT target {size.ttft_target_ms:.0f} ms"
     auto = [
@@ -99,6 +102,7 @@ def speed_change_variants(size: SpeedChangeSize) -> list[Variant]:
             gateway,
             waiting_below="auto",
             ttft_target_ms=size.ttft_target_ms,
+            max_num_seqs=slots,
         ),
         Variant(
             "auto_min_0",
@@ -107,6 +111,7 @@ def speed_change_variants(size: SpeedChangeSize) -> list[Variant]:
             waiting_below="auto",
             ttft_target_ms=size.ttft_target_ms,
             auto_min=0,
+            max_num_seqs=slots,
         ),
     ]
     return [*fixed, *auto]

@@ -46,6 +46,14 @@ never one released too many. With `metrics_lag_s` a scrape is
 taken to show the engine as of `started_at - metrics_lag_s`: first bytes and pending requests
 are forgotten against that time, and ends seen after it give their slots back.
 
+A threshold below 1 (`waiting_below: 0`, or `auto` down to a minimum of 0) keeps no engine queue
+at all: a request is released only when the engine's queue estimate with it added is still 0,
+that is into a running slot left free for it. Such a tier probes for slots too, from none on an
+idle engine (else its first slot would never count free). Each probe past the engine's real
+slots puts one request in its queue until a slot frees, so with such a tier `max_num_seqs`
+(the probes' ceiling) should be given: without it the engine holds a queue of about one while
+saturated, which is what the tier exists to avoid.
+
 A tier with `waiting_below: auto` has its threshold set by a `QueueTuner` (core/tuning.py) that
 the gate owns per deployment and tier, and feeds with that tier's release-to-first-byte times of
 the requests bound there, that engine's TTFT and TPOT, and whether its queue held requests back.
@@ -253,8 +261,6 @@ class _DeploymentState:
     held_back: bool = False
     # ... by a tier without an engine queue (below 1): it needs a free slot, so it probes.
     held_back_for_a_slot: bool = False
-    # When a scrape last showed a queue (the capacity exactly): no probing within the window.
-    saturated_at: float | None = None
     # `waiting_below: auto` tiers' controllers, by tier name, made on the tier's first decision.
     tuners: dict[str, QueueTuner] = field(default_factory=dict)
     blocked_reason: str | None = None
@@ -632,13 +638,12 @@ class MetricsGate:
             # (lower than max_num_seqs when the KV cache is the limit). Authoritative, so it
             # replaces both buckets: a probe must not leave a phantom free slot behind.
             deployment.capacity = deployment.capacity_previous = running
-            deployment.saturated_at = now
             return
         known = self._capacity(spec, deployment)
         unseen = deployment.capacity is None and deployment.capacity_previous is None
         if ceiling is not None and unseen:
             running = float(ceiling)  # configured and not yet contradicted by a queue
-        elif self._probes(spec, deployment, running, known, now):
+        elif self._probes(deployment, running, known):
             # Running at the learned capacity with an empty queue while we held requests back
             # and none of ours is on its way: the engine may have more slots. Probe one more
             # per scrape; a queue forming shows the real number. Without this an engine never
@@ -650,19 +655,17 @@ class MetricsGate:
         deployment.capacity = max(deployment.capacity or 0.0, running)
 
     @staticmethod
-    def _probes(
-        spec: BackendGroup, deployment: _DeploymentState, running: float, known: float, now: float
-    ) -> bool:
+    def _probes(deployment: _DeploymentState, running: float, known: float) -> bool:
         """Whether this scrape tries one running slot more (see `_learn_capacity`)."""
         if not deployment.held_back or deployment.pending_count or running < known:
             return False
         if deployment.held_back_for_a_slot:
             # A tier without an engine queue releases only into slots the gate counts free: it
-            # must probe (or an idle engine's first slot is never used), but not an engine that
-            # showed its slots with a queue within the window: each probe into a slot that does
-            # not exist is a request in the engine's queue, the very wait this tier avoids.
-            saturated = deployment.saturated_at
-            return saturated is None or now - saturated >= spec.capacity_window_s
+            # must probe, from none on an idle engine. A probe into a slot that does not exist
+            # is a request in the engine's queue, the wait this tier avoids, and an engine's
+            # queue also holds requests that just arrived, so a queue does not prove the slots
+            # (probing stops at `max_num_seqs`: give it with such a tier).
+            return True
         # Otherwise only `waiting_below: auto` tiers (those have a tuner): a probe into a slot
         # that does not exist puts one request in the engine's queue beyond the threshold until
         # the next scrape, and a fixed threshold is a promise.

@@ -15,7 +15,10 @@ use it, on the queue the gate lets form in the engine:
 - under `headroom` (80%) of every target, and the gate held requests back because of the queue
   during the interval (the limit binds: more queue could be used): it grows by one;
 - in between it stays (a dead band: no hunting while the targets hold). Always within
-  [minimum, maximum];
+  [minimum, maximum]. A minimum of 0 lets it keep no engine queue at all, where even a queue of
+  one misses the target (a newcomer behind one queued request waits for two completions): a
+  decrease that ends below 1 ends at 0, since the gate treats any allowed queue below 1 as none
+  (it then releases only into a running slot left free), and growth from 0 is to 1;
 - and never above what the engine drains within `headroom` of the TTFT target at its recent
   completion rate (Little's law: queue = rate x wait), plus the requests on their way to it
   (rate x the path's latency, below). Completions slow down the moment the engine does, long
@@ -51,7 +54,9 @@ noisy interval or scrape does not halve the queue.
 Oscillation bound (tests/core/test_tuning.py holds it): against an engine whose time to first
 byte grows with its queue, with L the largest queue meeting the target, the allowed queue ends
 in the dead band or, after a noisy miss, in the sawtooth below it: within
-[decrease * L - 1, L + 2], after an initial ramp of about L intervals.
+[decrease * L - 1, L + 2], after an initial ramp of about L intervals. Where no queue meets
+the target (L = 0, minimum 0) that is [0, 2]: it tries a queue again once the last miss has had
+time to show, and is back at 0 within a round trip.
 
 How fast it reacts: a step to a 3x slower engine lowers the drain ceiling to about a third
 within two intervals (the completion rate is smoothed); latency over target shrinks the queue by

@@ -774,11 +774,17 @@ def test_without_demand_the_capacity_is_not_probed() -> None:
 NO_QUEUE = TierLimits("interactive", waiting_below=0)
 
 
+def _gate_with_slots(clock: FakeClock) -> MetricsGate:
+    """A gate told the engine's 8 slots (`max_num_seqs`), as a queue of zero should be."""
+    group = BackendGroup("m", (Deployment(URL, URL),), arrival_grace_s=0.3, max_num_seqs=8)
+    return MetricsGate([group], stale_after_s=1.0, clock=clock)
+
+
 async def test_a_queue_of_zero_releases_only_into_a_free_slot() -> None:
     """Two slots free: two released (a queue of one would let a third wait in the engine); the
     slots their first bytes took are not free again; a scrape showing one freed lets one in."""
     clock = FakeClock()
-    gate, _, _ = make_gate(clock)
+    gate = _gate_with_slots(clock)
     scheduler = FairScheduler([NO_QUEUE], gate, clock=clock)
     gate.update("m", scrape(clock, waiting=1, running=8))  # saturated: 8 slots
     clock.advance(0.1)
@@ -827,16 +833,16 @@ async def test_a_queue_of_zero_probes_an_idle_engine_for_its_first_slots() -> No
     await drain(scheduler)
 
 
-def test_a_queue_of_zero_does_not_probe_an_engine_that_showed_its_slots() -> None:
-    """A queue in a scrape shows the slots exactly; a probe after it puts a request in the
-    engine's queue, the wait a queue of zero exists to avoid. Not again within the window."""
+def test_a_queue_of_zero_probes_no_further_than_max_num_seqs() -> None:
+    """Every probe past the engine's slots would put a request in its queue (the wait a queue
+    of zero avoids): with `max_num_seqs` given, a saturated engine is never probed past it."""
     clock = FakeClock()
-    gate, _, _ = make_gate(clock)
-    gate.update("m", scrape(clock, waiting=2, running=6))
+    gate = _gate_with_slots(clock)
+    gate.update("m", scrape(clock, running=8))
     for _ in range(5):
         assert not gate.may_release("m", NO_QUEUE)  # held back: demand
         clock.advance(0.1)
-        gate.update("m", scrape(clock, running=6))
+        gate.update("m", scrape(clock, running=8))
         assert gate.status()[0].free_slots == 0
 
 
