@@ -7,7 +7,9 @@ use it, on the queue the gate lets form in the engine:
 - every `interval_s` it compares the interval's latency with the tier's targets: our own
   release-to-first-byte time of this tier's requests (its 95th percentile, so that the target
   holds for the slow requests too, counting requests still without a first byte at their age;
-  plus one completion interval, a newcomer's wait in our own queue for the next release)
+  plus one completion interval, a newcomer's wait in our own queue for the next release; at
+  an allowed queue of 0 that wait is the whole TTFT and counts at its 95th percentile, ln 20
+  intervals)
   and the engine's own recent TTFT where it exports it, against `ttft_target_s`; the engine's
   recent TPOT against `tpot_target_s`;
 - over a target: the allowed queue shrinks at once, in proportion to the overshoot (x0.7 for a
@@ -73,6 +75,10 @@ __all__ = ["QueueTuner", "TunerStatus"]
 
 # Enough first bytes per interval for a percentile (bounded memory under any load).
 _MAX_SAMPLES = 4096
+# The 95th percentile of the wait from a random moment to the next completion, in mean
+# completion intervals: ln 20 for completions spread as a Poisson stream (2.5 for the slot
+# turnover of the speed-change scenario, benchmarks/slot_turnover.py).
+_NEXT_RELEASE_P95_INTERVALS = math.log(20)
 
 
 class TunerStatus(NamedTuple):
@@ -282,10 +288,17 @@ class QueueTuner:
         latency = engine if own is None else own if engine is None else max(own, engine)
         if latency is None:
             return None
-        # A client's TTFT through us also holds its wait in our queue for the next release,
-        # about one completion interval for a user without a backlog (the light users the
-        # target is for): the part of the target the engine queue may not spend.
-        return latency + (1 / self._drain_rate if self._drain_rate else 0.0)
+        # A client's TTFT through us also holds its wait in our queue for the next release, for
+        # a user without a backlog (the light users the target is for) the wait for the next
+        # completion: the part of the target the engine queue may not spend. About one mean
+        # interval beside first bytes that span several completions themselves; with no engine
+        # queue they are only the way and one step, and that wait is the TTFT: at its 95th
+        # percentile, or a queue of 0 reads as room to grow where the wait for a slot alone
+        # takes most of the target (issue #17's slow phase: it grew to 3 and missed it).
+        if not self._drain_rate:
+            return latency
+        intervals = _NEXT_RELEASE_P95_INTERVALS if self._allowed < 1 else 1.0
+        return latency + intervals / self._drain_rate
 
     def _whole_queue(self, shrunk: float) -> float:
         """A decrease's result within the bounds. Below 1 the gate lets no queue form at all

@@ -294,3 +294,22 @@ def test_where_no_queue_meets_the_target_it_stays_between_zero_and_one() -> None
     assert min(seen) == 0 and max(seen) <= 0 + 2
     assert seen.count(0.0) >= 0.4 * len(seen)
     assert seen.count(0.0) == max(seen.count(value) for value in set(seen))
+
+
+@pytest.mark.parametrize(("completions_per_s", "grows"), [(2, False), (5, True)])
+def test_at_zero_the_wait_for_a_slot_counts_at_its_95th_percentile(
+    completions_per_s: int, grows: bool
+) -> None:
+    """With no engine queue a newcomer's TTFT is its wait for the next completion (first bytes
+    are only the way and one step, 0.2 s here). At 2 completions/s that wait's 95th percentile,
+    ln 20 / 2 = 1.5 s, leaves no room under 80% of a 2 s target: it stays at 0 (counted as one
+    mean interval, 0.5 s, it grew to 1 and then to 3 in issue #17's slow phase). At 5/s it grows."""
+    tuner = QueueTuner(minimum=0, maximum=8, ttft_target_s=2.0, initial=0, smoothing=1.0)
+    for second in range(1, 6):
+        for _ in range(completions_per_s):
+            tuner.observe_completion()
+        tuner.observe_first_byte(second, second - 0.5, 0.2)
+        tuner.note_held_back()
+        tuner.tick(float(second))
+    assert (tuner.allowed > 0) is grows
+    assert tuner.statistics().decreases == 0
