@@ -214,7 +214,9 @@ class QueueTuner:
         # Every scrape of the interval showed the engine without a queue: whatever kept our
         # latency long was on the way to the engine (a CPU-starved proxy, the network), which no
         # engine queue shortens, and the queue the gate allowed was spent on requests in transit.
-        no_engine_queue = self._engine_waiting == 0.0
+        # Not at an allowed queue of 0: the gate keeps the engine's queue empty then, and the
+        # latency is the wait in ours for a slot, which growing the queue would lengthen.
+        no_engine_queue = self._engine_waiting == 0.0 and self._allowed >= 1
         self._first_bytes = []
         self._engine_ttft = []
         self._engine_tpot = []

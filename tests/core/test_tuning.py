@@ -313,3 +313,19 @@ def test_at_zero_the_wait_for_a_slot_counts_at_its_95th_percentile(
         tuner.tick(float(second))
     assert (tuner.allowed > 0) is grows
     assert tuner.statistics().decreases == 0
+
+
+def test_at_zero_an_engine_without_a_queue_is_not_the_paths_latency() -> None:
+    """At 0 the gate keeps the engine's queue empty, so scrapes without a queue say nothing about
+    the way to the engine: the latency is the wait for a slot in our queue. Taken for the path's
+    (as at a queue of 1 or more), it grew the queue on every interval held back and inflated
+    the path's latency, which relaxes the target for the queue it grew to."""
+    tuner = QueueTuner(minimum=0, maximum=8, ttft_target_s=2.0, initial=0, smoothing=1.0)
+    for second in range(1, 6):
+        for _ in range(2):  # 2 completions/s: the wait for a slot is 1.5 s at its 95th percentile
+            tuner.observe_completion()
+        tuner.observe_first_byte(second, second - 0.5, 0.2)
+        tuner.observe_engine(second - 0.5, 0.1, None, waiting=0)
+        tuner.note_held_back()
+        tuner.tick(float(second))
+    assert tuner.allowed == 0
