@@ -1,7 +1,7 @@
 """The `fair_sched:` settings, validated once at the edge.
 
 Everything downstream receives frozen, typed objects. Errors name the key path and the bad value,
-for example ``fair_sched.tiers[1].waiting_below: must be greater than 0 (got -1)``.
+for example ``fair_sched.tiers[1].waiting_below: must be 0 or more (got -1)``.
 """
 
 from __future__ import annotations
@@ -80,7 +80,8 @@ def _check_secret_reference(value: str | None) -> str | None:
 class AutoBounds(_Frozen):
     """The range `waiting_below: auto` tunes within."""
 
-    min: Annotated[int, Field(gt=0)] = 1
+    # 0: no engine queue at all where the targets need it (see docs/choosing-thresholds.md).
+    min: Annotated[int, Field(ge=0)] = 1
     max: Annotated[int, Field(gt=0, le=10_000)] = 32
 
 
@@ -96,8 +97,9 @@ class TierSettings(_Frozen):
     name: str
     # A number, or `auto` (optionally `{auto: {min, max}}`, or with `waiting_below_min/_max`):
     # the gate then tunes it per model group to keep `ttft_target_ms` and `tpot_below_ms`.
-    waiting_below: Annotated[int, Field(gt=0)] | Literal["auto"] | AutoWaitingBelow = 3
-    waiting_below_min: Annotated[int, Field(gt=0)] | None = None
+    # 0: no engine queue at all, release only into a running slot the gate counts free.
+    waiting_below: Annotated[int, Field(ge=0)] | Literal["auto"] | AutoWaitingBelow = 3
+    waiting_below_min: Annotated[int, Field(ge=0)] | None = None
     waiting_below_max: Annotated[int, Field(gt=0, le=10_000)] | None = None
     # Time to first token as the client sees it through us; what `auto` keeps.
     ttft_target_ms: Annotated[float, Field(gt=0, le=600_000)] | None = None
@@ -126,8 +128,8 @@ class TierSettings(_Frozen):
         if isinstance(value, str) and value.strip().isdigit():
             value = int(value)  # as the plain integer field accepted it
         if isinstance(value, int) and not isinstance(value, bool):
-            if value <= 0:
-                raise ValueError(f"must be greater than 0 (got {value})")
+            if value < 0:
+                raise ValueError(f"must be 0 or more (got {value})")
             return value
         if isinstance(value, Mapping) and set(value) == {"auto"}:
             try:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from fair_sched_plugin.bench.client import RequestRecord
-from fair_sched_plugin.bench.flood import Variant
+from fair_sched_plugin.bench.flood import Variant, fair_sched_section
 from fair_sched_plugin.bench.speed_change import (
     Sample,
     SpeedChangeResult,
@@ -13,6 +13,7 @@ from fair_sched_plugin.bench.speed_change import (
     speed_change_variants,
     summarize_speed_change,
 )
+from fair_sched_plugin.config import load_settings
 
 SIZE = SpeedChangeSize(before_s=10, slow_s=10, after_s=10, transition_s=2)
 
@@ -45,7 +46,20 @@ def test_ttft_outside_transitions_per_phase_and_running_while_parked() -> None:
     assert summary["mean_allowed_slow"] == 1.0
 
 
-def test_the_variants_are_fixed_1_3_8_and_auto_with_the_target() -> None:
+def test_the_variants_are_fixed_0_1_3_8_and_auto_with_the_target() -> None:
     variants = speed_change_variants(SIZE)
-    assert [v.waiting_below for v in variants] == [1, 3, 8, "auto"]
-    assert variants[-1].ttft_target_ms == SIZE.ttft_target_ms
+    assert [v.waiting_below for v in variants] == [0, 1, 3, 8, "auto", "auto"]
+    assert [v.auto_min for v in variants[-2:]] == [None, 0]
+    assert all(v.ttft_target_ms == SIZE.ttft_target_ms for v in variants[-2:])
+
+
+def test_each_variants_settings_are_valid_and_auto_min_0_reaches_the_tier() -> None:
+    tiers = {
+        v.name: load_settings(fair_sched_section(v, "http://127.0.0.1:9")).tiers[0]
+        for v in speed_change_variants(SIZE)
+    }
+    assert tiers["fixed_0"].initial_waiting_below() == 0
+    assert tiers["auto"].auto_bounds() == (1, 32)
+    assert tiers["auto_min_0"].auto_bounds() == (0, 32)
+    settings = load_settings(fair_sched_section(speed_change_variants(SIZE)[0], "http://x:9"))
+    assert settings.backends["tiny"].max_num_seqs == 8  # a queue of 0 needs the slots told

@@ -19,7 +19,11 @@ BAD_CONFIGS: list[tuple[str, Any, str]] = [
         {"tiers": [{"name": "a", "waiting_below": -1}]},
         "fair_sched.tiers[0].waiting_below",
     ),
-    ("zero threshold", {"tiers": [{"name": "a", "waiting_below": 0}]}, "(got 0)"),
+    (
+        "negative threshold, its value named",
+        {"tiers": [{"name": "a", "waiting_below": -1}]},
+        "(got -1)",
+    ),
     (
         "tpot not a number",
         {"tiers": [{"name": "a", "tpot_below_ms": "fast"}]},

@@ -25,13 +25,17 @@ def tier(**keys: Any) -> dict[str, Any]:
         ({"waiting_below": "auto", "waiting_below_min": 2, "tpot_below_ms": 150}, (2, 32)),
         ({"waiting_below": {"auto": {"min": 2, "max": 9}}, "ttft_target_ms": 800}, (2, 9)),
         ({"waiting_below": {"auto": {}}, "ttft_target_ms": 800}, (1, 32)),
+        ({"waiting_below": {"auto": {"min": 0, "max": 8}}, "ttft_target_ms": 800}, (0, 8)),
+        ({"waiting_below": "auto", "waiting_below_min": 0, "ttft_target_ms": 800}, (0, 32)),
         ({"waiting_below": 3}, None),
+        ({"waiting_below": 0}, None),
     ],
 )
 def test_the_forms_of_waiting_below(keys: dict[str, Any], bounds: tuple[int, int] | None) -> None:
     settings = load_settings(tier(**keys))
     assert settings.tiers[0].auto_bounds() == bounds
-    assert settings.tiers[0].initial_waiting_below() == (bounds[0] if bounds else 3)
+    fixed = keys["waiting_below"] if isinstance(keys["waiting_below"], int) else None
+    assert settings.tiers[0].initial_waiting_below() == (bounds[0] if bounds else fixed)
 
 
 @pytest.mark.parametrize(
@@ -49,11 +53,19 @@ def test_the_forms_of_waiting_below(keys: dict[str, Any], bounds: tuple[int, int
             "give them in one place",
         ),
         (
-            {"waiting_below": {"auto": {"min": 0}}, "ttft_target_ms": 1},
-            "tiers[0].waiting_below.auto.min: Input should be greater than 0",
+            {"waiting_below": {"auto": {"min": -1}}, "ttft_target_ms": 1},
+            "tiers[0].waiting_below.auto.min: Input should be greater than or equal to 0",
         ),
         ({"waiting_below": "sometimes"}, "tiers[0].waiting_below: must be a number, auto or"),
-        ({"waiting_below": -1}, "tiers[0].waiting_below: must be greater than 0 (got -1)"),
+        ({"waiting_below": -1}, "tiers[0].waiting_below: must be 0 or more (got -1)"),
+        (
+            {"waiting_below": "auto", "waiting_below_min": -1, "ttft_target_ms": 1},
+            "tiers[0].waiting_below_min: Input should be greater than or equal to 0",
+        ),
+        (
+            {"waiting_below": {"auto": {"max": 0}}, "ttft_target_ms": 1},
+            "tiers[0].waiting_below.auto.max: Input should be greater than 0",
+        ),
         ({"waiting_below": "auto", "ttft_target_ms": -5}, "tiers[0].ttft_target_ms"),
     ],
 )  # fmt: skip

@@ -68,16 +68,23 @@ class Variant:
     # The plugin's settings: every user in one tier with this threshold, or tiers (power = batch).
     waiting_below: int | Literal["auto"] = 3
     tiered: bool = False
-    # With `waiting_below: auto`: the interactive tier's target.
+    # With `waiting_below: auto`: the interactive tier's target, and its minimum (None: the
+    # default; 0 lets it keep no engine queue at all).
     ttft_target_ms: float | None = None
+    auto_min: int | None = None
+    # The engine's running slots, told to the gate (None: learned from its scrapes).
+    max_num_seqs: int | None = None
 
 
 def fair_sched_section(variant: Variant, engine_base: str) -> dict[str, Any]:
     """The `fair_sched:` settings of a variant (used by the plugin and by the fair proxy)."""
     power_tier = "batch" if variant.tiered else "interactive"
+    waiting_below: Any = variant.waiting_below
+    if variant.auto_min is not None:
+        waiting_below = {"auto": {"min": variant.auto_min}}
     interactive: dict[str, Any] = {
         "name": "interactive",
-        "waiting_below": variant.waiting_below,
+        "waiting_below": waiting_below,
         "tpot_below_ms": 150,
         "vllm_priority": 0,
     }
@@ -100,6 +107,7 @@ def fair_sched_section(variant: Variant, engine_base: str) -> dict[str, Any]:
                 "metrics_url": f"{engine_base}/metrics",
                 "engine": "vllm",
                 "priority_scheduling": variant.engine_policy == "priority",
+                **({"max_num_seqs": variant.max_num_seqs} if variant.max_num_seqs else {}),
             }
         },
         # Generous caps: the demo measures ordering, not rejections.

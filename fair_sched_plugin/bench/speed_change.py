@@ -1,4 +1,4 @@
-"""The speed-change scenario (issue #17): fixed `waiting_below` 1, 3 and 8 against `auto`.
+"""The speed-change scenario (issue #17): fixed `waiting_below` 0, 1, 3 and 8 against `auto`.
 
 A power user keeps the engine overloaded (a closed loop of streaming requests) and two light
 users send one request each every `light_every_s`; all are in the `interactive` tier. After
@@ -77,23 +77,44 @@ class SpeedChangeSize:
 QUICK_SPEED_SIZE = SpeedChangeSize(before_s=10.0, slow_s=10.0, after_s=10.0, transition_s=4.0)
 
 
+# The fixed settings issue #17 compares `auto`'s throughput with (the best of them).
+COMPARED_FIXED = ("fixed_1", "fixed_3", "fixed_8")
+
+
 def speed_change_variants(size: SpeedChangeSize) -> list[Variant]:
-    """Fixed 1, 3 and 8, and auto with the scenario's TTFT target, through the standalone fair
-    proxy: the same core as the plugin, without LiteLLM's per-chunk CPU cost, which on a shared
-    2-core machine would make four LiteLLM proxies, not the engine, the bottleneck (the real-vLLM
-    comparison through LiteLLM is `benchmarks/auto_vs_fixed.py`)."""
+    """Fixed 0 (no engine queue), 1, 3 and 8, and auto with the scenario's TTFT target (its
+    default minimum of 1, and a minimum of 0), through the standalone fair proxy: the same core
+    as the plugin, without LiteLLM's per-chunk CPU cost, which on a shared 2-core machine would
+    make six LiteLLM proxies, not the engine, the bottleneck (the real-vLLM comparison through
+    LiteLLM is `benchmarks/auto_vs_fixed.py`). Every gateway is told the engine's slots
+    (`max_num_seqs`): without a queue the gate cannot learn them without queueing requests."""
     gateway: Gateway = "fair_proxy"
+    slots = SPEED_ENGINE.max_num_seqs
     fixed = [
-        Variant(f"fixed_{n}", f"waiting_below {n}", gateway, waiting_below=n) for n in (1, 3, 8)
+        Variant(f"fixed_{n}", f"waiting_below {n}", gateway, waiting_below=n, max_num_seqs=slots)
+        for n in (0, 1, 3, 8)
     ]
-    auto = Variant(
-        "auto",
-        f"waiting_below auto (TTFT target {size.ttft_target_ms:.0f} ms)",
-        gateway,
-        waiting_below="auto",
-        ttft_target_ms=size.ttft_target_ms,
-    )
-    return [*fixed, auto]
+    target = f"TTFT target {size.ttft_target_ms:.0f} ms"
+    auto = [
+        Variant(
+            "auto",
+            f"waiting_below auto ({target})",
+            gateway,
+            waiting_below="auto",
+            ttft_target_ms=size.ttft_target_ms,
+            max_num_seqs=slots,
+        ),
+        Variant(
+            "auto_min_0",
+            f"waiting_below auto, min 0 ({target})",
+            gateway,
+            waiting_below="auto",
+            ttft_target_ms=size.ttft_target_ms,
+            auto_min=0,
+            max_num_seqs=slots,
+        ),
+    ]
+    return [*fixed, *auto]
 
 
 @dataclass
@@ -283,6 +304,7 @@ def _fmt(seconds: float | None) -> str:
 
 
 __all__ = [
+    "COMPARED_FIXED",
     "QUICK_SPEED_SIZE",
     "SPEED_ENGINE",
     "SpeedChangeResult",

@@ -46,6 +46,14 @@ never one released too many. With `metrics_lag_s` a scrape is
 taken to show the engine as of `started_at - metrics_lag_s`: first bytes and pending requests
 are forgotten against that time, and ends seen after it give their slots back.
 
+A threshold below 1 (`waiting_below: 0`, or `auto` down to a minimum of 0) keeps no engine queue
+at all: a request is released only when the engine's queue estimate with it added is still 0,
+that is into a running slot left free for it. Such a tier probes for slots too, from none on an
+idle engine (else its first slot would never count free). Each probe past the engine's real
+slots puts one request in its queue until a slot frees, so with such a tier `max_num_seqs`
+(the probes' ceiling) should be given: without it the engine holds a queue of about one while
+saturated, which is what the tier exists to avoid.
+
 A tier with `waiting_below: auto` has its threshold set by a `QueueTuner` (core/tuning.py) that
 the gate owns per deployment and tier, and feeds with that tier's release-to-first-byte times of
 the requests bound there, that engine's TTFT and TPOT, and whether its queue held requests back.
@@ -253,6 +261,8 @@ class _DeploymentState:
     settled_since_scrape: int = 0
     # The gate held a request back for this engine's queue since the last scrape (demand).
     held_back: bool = False
+    # ... by a tier without an engine queue (below 1): it needs a free slot, so it probes.
+    held_back_for_a_slot: bool = False
     # `waiting_below: auto` tiers' controllers, by tier name, made on the tier's first decision.
     tuners: dict[str, QueueTuner] = field(default_factory=dict)
     # How long a good scrape takes to come back (smoothed): a slow /metrics is late, not gone.
@@ -351,7 +361,7 @@ class MetricsGate:
             self._account_scraped(state.spec, deployment)
             # After the settling: probing asks whether anything is still on its way.
             self._learn_capacity(state.spec, deployment, snapshot)
-            deployment.held_back = False
+            deployment.held_back = deployment.held_back_for_a_slot = False
             now = self._clock.now()
             for tuner in deployment.tuners.values():
                 tuner.observe_engine(now, snapshot.ttft_s, snapshot.tpot_s, snapshot.waiting)
@@ -449,6 +459,8 @@ class MetricsGate:
                 continue
             # Held back for this engine's queue: demand its tuner and probing look for.
             deployment.held_back = True
+            if self._waiting_below(deployment, tier) < 1:
+                deployment.held_back_for_a_slot = True
             tuner = deployment.tuners.get(tier.name)
             if tuner is not None:
                 tuner.note_held_back()
@@ -567,10 +579,16 @@ class MetricsGate:
         free_slots = self._free_slots(spec, deployment)
         if self._sharers > 1:
             free_slots = float(int(free_slots) // self._sharers)
-        queued_in_engine = engine_queue_estimate(
+        allowed = self._waiting_below(deployment, tier)
+        if allowed < 1:
+            # No engine queue at all (`waiting_below: 0`, or `auto` down to 0): a request waits
+            # in our queue, where its user's turn comes, until a running slot is free for it too.
+            # A queue of one makes a newcomer wait for two completions instead of one.
+            if engine_queue_estimate(snapshot.waiting, deployment.pending_count + 1, free_slots):
+                return "waiting"
+        elif engine_queue_estimate(
             snapshot.waiting, deployment.pending_count, free_slots
-        )
-        if queued_in_engine >= self._share(self._waiting_below(deployment, tier)):
+        ) >= self._share(allowed):
             return "waiting"
         if _at_or_over(snapshot.tpot_s, tier.tpot_below_s):
             return "tpot"
@@ -631,23 +649,33 @@ class MetricsGate:
         unseen = deployment.capacity is None and deployment.capacity_previous is None
         if ceiling is not None and unseen:
             running = float(ceiling)  # configured and not yet contradicted by a queue
-        elif (
-            deployment.tuners
-            and deployment.held_back
-            and not deployment.pending_count
-            and 0 < running >= known
-        ):
+        elif self._probes(deployment, running, known):
             # Running at the learned capacity with an empty queue while we held requests back
             # and none of ours is on its way: the engine may have more slots. Probe one more
             # per scrape; a queue forming shows the real number. Without this an engine never
             # seen saturated keeps slots unused, since the gate only saturates it through slots
-            # it believes free (issue #17). Only for `waiting_below: auto` tiers (those have a
-            # tuner): a probe into a slot that does not exist puts one request in the engine's
-            # queue beyond the threshold until the next scrape, and a fixed threshold is a promise.
+            # it believes free (issue #17).
             running += 1
         if ceiling is not None:
             running = min(running, float(ceiling))
         deployment.capacity = max(deployment.capacity or 0.0, running)
+
+    @staticmethod
+    def _probes(deployment: _DeploymentState, running: float, known: float) -> bool:
+        """Whether this scrape tries one running slot more (see `_learn_capacity`)."""
+        if not deployment.held_back or deployment.pending_count or running < known:
+            return False
+        if deployment.held_back_for_a_slot:
+            # A tier without an engine queue releases only into slots the gate counts free: it
+            # must probe, from none on an idle engine. A probe into a slot that does not exist
+            # is a request in the engine's queue, the wait this tier avoids, and an engine's
+            # queue also holds requests that just arrived, so a queue does not prove the slots
+            # (probing stops at `max_num_seqs`: give it with such a tier).
+            return True
+        # Otherwise only `waiting_below: auto` tiers (those have a tuner): a probe into a slot
+        # that does not exist puts one request in the engine's queue beyond the threshold until
+        # the next scrape, and a fixed threshold is a promise.
+        return bool(deployment.tuners) and running > 0
 
     @staticmethod
     def _capacity(spec: BackendGroup, deployment: _DeploymentState) -> float:

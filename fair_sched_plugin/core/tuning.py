@@ -7,7 +7,9 @@ use it, on the queue the gate lets form in the engine:
 - every `interval_s` it compares the interval's latency with the tier's targets: our own
   release-to-first-byte time of this tier's requests (its 95th percentile, so that the target
   holds for the slow requests too, counting requests still without a first byte at their age;
-  plus one completion interval, a newcomer's wait in our own queue for the next release)
+  plus one completion interval, a newcomer's wait in our own queue for the next release; at
+  an allowed queue of 0 that wait is the whole TTFT and counts at its 95th percentile, ln 20
+  intervals)
   and the engine's own recent TTFT where it exports it, against `ttft_target_s`; the engine's
   recent TPOT against `tpot_target_s`;
 - over a target: the allowed queue shrinks at once, in proportion to the overshoot (x0.7 for a
@@ -17,7 +19,10 @@ use it, on the queue the gate lets form in the engine:
   first decrease (slow start, as in TCP) it doubles instead, once per round trip (the path's
   latency, below), in intervals where no scrape showed an engine queue;
 - in between it stays (a dead band: no hunting while the targets hold). Always within
-  [minimum, maximum];
+  [minimum, maximum]. A minimum of 0 lets it keep no engine queue at all, where even a queue of
+  one misses the target (a newcomer behind one queued request waits for two completions): a
+  decrease that ends below 1 ends at 0, since the gate treats any allowed queue below 1 as none
+  (it then releases only into a running slot left free), and growth from 0 is to 1;
 - and never above what the engine drains within `headroom` of the TTFT target at its recent
   completion rate (Little's law: queue = rate x wait), plus the requests on their way to it
   (rate x the path's latency, below). Completions slow down the moment the engine does, long
@@ -53,7 +58,9 @@ noisy interval or scrape does not halve the queue.
 Oscillation bound (tests/core/test_tuning.py holds it): against an engine whose time to first
 byte grows with its queue, with L the largest queue meeting the target, the allowed queue ends
 in the dead band or, after a noisy miss, in the sawtooth below it: within
-[decrease * L - 1, L + 2], after an initial ramp of about L intervals.
+[decrease * L - 1, L + 2], after an initial ramp of about L intervals. Where no queue meets
+the target (L = 0, minimum 0) that is [0, 2]: it tries a queue again once the last miss has had
+time to show, and is back at 0 within a round trip.
 
 How fast it reacts: a step to a 3x slower engine lowers the drain ceiling to about a third
 within two intervals (the completion rate is smoothed); latency over target shrinks the queue by
@@ -77,6 +84,10 @@ __all__ = ["QueueTuner", "TunerStatus"]
 
 # Enough first bytes per interval for a percentile (bounded memory under any load).
 _MAX_SAMPLES = 4096
+# The 95th percentile of the wait from a random moment to the next completion, in mean
+# completion intervals: ln 20 for completions spread as a Poisson stream (2.5 for the slot
+# turnover of the speed-change scenario, benchmarks/slot_turnover.py).
+_NEXT_RELEASE_P95_INTERVALS = math.log(20)
 
 
 class TunerStatus(NamedTuple):
@@ -106,8 +117,10 @@ class QueueTuner:
         headroom: float = 0.8,
         started_at: float = 0.0,
     ) -> None:
-        if not 1 <= minimum <= maximum:
-            raise ValueError(f"need 1 <= minimum <= maximum (got {minimum}, {maximum})")
+        if not 0 <= minimum <= maximum or maximum < 1:
+            raise ValueError(
+                f"need 0 <= minimum <= maximum and maximum >= 1 (got {minimum}, {maximum})"
+            )
         if ttft_target_s is None and tpot_target_s is None:
             raise ValueError("auto needs a TTFT or a TPOT target")
         if not 0 < decrease < 1 or not 0 < smoothing <= 1 or interval_s <= 0:
@@ -211,7 +224,9 @@ class QueueTuner:
         # Every scrape of the interval showed the engine without a queue: whatever kept our
         # latency long was on the way to the engine (a CPU-starved proxy, the network), which no
         # engine queue shortens, and the queue the gate allowed was spent on requests in transit.
-        no_engine_queue = self._engine_waiting == 0.0
+        # Not at an allowed queue of 0: the gate keeps the engine's queue empty then, and the
+        # latency is the wait in ours for a slot, which growing the queue would lengthen.
+        no_engine_queue = self._engine_waiting == 0.0 and self._allowed >= 1
         self._first_bytes = []
         self._engine_ttft = []
         self._engine_tpot = []
@@ -233,7 +248,7 @@ class QueueTuner:
         if ceiling < before:
             # The queue cannot drain within the target at the engine's present pace (Little's
             # law): shrink now rather than after its first bytes come back late.
-            self._allowed = ceiling
+            self._allowed = self._whole_queue(ceiling)
             self._decreased_at = now
             self._latency = self._tpot = None
             self._decreases += 1
@@ -246,9 +261,7 @@ class QueueTuner:
         if overshoot > 1.0:
             # Proportional to how far over the target (a gradient step, as in Vegas-style
             # limiters), never less than `decrease` nor more than half at once.
-            self._allowed = max(
-                self._minimum, before * max(0.5, min(self._decrease, 1 / overshoot))
-            )
+            self._allowed = self._whole_queue(before * max(0.5, min(self._decrease, 1 / overshoot)))
             self._decreased_at = now
             # The next decision rests on what follows the decrease only: smoothing it with the
             # latency already acted on would shrink the queue again for the same cause.
@@ -302,10 +315,23 @@ class QueueTuner:
         latency = engine if own is None else own if engine is None else max(own, engine)
         if latency is None:
             return None
-        # A client's TTFT through us also holds its wait in our queue for the next release,
-        # about one completion interval for a user without a backlog (the light users the
-        # target is for): the part of the target the engine queue may not spend.
-        return latency + (1 / self._drain_rate if self._drain_rate else 0.0)
+        # A client's TTFT through us also holds its wait in our queue for the next release, for
+        # a user without a backlog (the light users the target is for) the wait for the next
+        # completion: the part of the target the engine queue may not spend. About one mean
+        # interval beside first bytes that span several completions themselves; with no engine
+        # queue they are only the way and one step, and that wait is the TTFT: at its 95th
+        # percentile, or a queue of 0 reads as room to grow where the wait for a slot alone
+        # takes most of the target (issue #17's slow phase: it grew to 3 and missed it).
+        if not self._drain_rate:
+            return latency
+        intervals = _NEXT_RELEASE_P95_INTERVALS if self._allowed < 1 else 1.0
+        return latency + intervals / self._drain_rate
+
+    def _whole_queue(self, shrunk: float) -> float:
+        """A decrease's result within the bounds. Below 1 the gate lets no queue form at all
+        (`_blocked_reason`), so a queue shrunk from 1 is 0 (where the minimum allows): growth
+        by one then comes back to 1, not to 1.7, which would let a queue of two form."""
+        return max(self._minimum, shrunk if shrunk >= 1 else 0.0)
 
     def _drain_ceiling(self) -> float:
         """The largest queue the engine drains within `headroom` of the TTFT target at its

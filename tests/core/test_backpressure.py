@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import itertools
 from typing import NamedTuple
 
 from fair_sched_plugin.core import (
@@ -746,6 +747,21 @@ def test_lagging_scrapes_keep_the_engine_full_with_waiting_at_the_threshold() ->
     assert stats.waiting >= 1.0  # and the queue is used, not kept empty
 
 
+_LEASE_IDS = itertools.count(1)
+
+
+def _fill_and_hold_back(gate: MetricsGate, clock: FakeClock, tier: TierLimits) -> None:
+    """Release every request the tier may (the slots the gate counts free, and its queue), then
+    ask once more: held back by the engine's queue. The grace passes before the next scrape."""
+    owner = GateLeaseOwner(gate)
+    while gate.may_release("m", tier):
+        lease = Lease(
+            owner, ticket("u", tier=tier.name), next(_LEASE_IDS), clock.now(), clock.now(), 0.0
+        )
+        gate.on_released(lease)
+    clock.advance(0.4)  # past the 0.3 s grace: the next scrape accounts for them
+
+
 def test_an_engine_never_seen_saturated_is_probed_for_more_slots() -> None:
     """`auto` tier: four running, none queued, requests held back: one more slot is tried per
     scrape until a queue forms; the queue then pins the capacity (no phantom slot left behind)."""
@@ -757,8 +773,7 @@ def test_an_engine_never_seen_saturated_is_probed_for_more_slots() -> None:
         "m", TierLimits("a", waiting_below=1, auto_waiting_below=(1, 8), ttft_target_s=2.0)
     )
     for running in (4, 5):  # at the learned capacity each time
-        gate.may_release("m", TierLimits("t", waiting_below=0))  # held back: demand
-        clock.advance(0.1)
+        _fill_and_hold_back(gate, clock, BATCH)  # held back: demand
         gate.update("m", scrape(clock, running=running))
         assert gate.status()[0].free_slots == 1
     clock.advance(0.1)
@@ -771,13 +786,12 @@ def test_an_engine_never_seen_saturated_is_probed_for_more_slots() -> None:
 
 def test_a_fixed_threshold_never_probes_past_what_the_engine_showed() -> None:
     """A probe can put one request in the engine's queue beyond the threshold; a fixed
-    threshold is a promise, so only `auto` tiers probe."""
+    threshold of 1 or more is a promise, so only `auto` tiers probe."""
     clock = FakeClock()
     gate, _, _ = make_gate(clock)
     gate.update("m", scrape(clock, running=4))
     for _ in range(3):
-        gate.may_release("m", TierLimits("t", waiting_below=0))  # held back: demand
-        clock.advance(0.1)
+        _fill_and_hold_back(gate, clock, BATCH)  # held back: demand
         gate.update("m", scrape(clock, running=4))
         assert gate.status()[0].free_slots == 0
 
@@ -789,6 +803,124 @@ def test_without_demand_the_capacity_is_not_probed() -> None:
         gate.update("m", scrape(clock, running=4))
         clock.advance(0.1)
     assert gate.status()[0].free_slots == 0
+
+
+# ---------------------------------------------------------------- no engine queue (issue #17)
+# `waiting_below: 0` (or `auto` down to 0): a newcomer waits for one completion, not two.
+
+NO_QUEUE = TierLimits("interactive", waiting_below=0)
+
+
+def _gate_with_slots(clock: FakeClock) -> MetricsGate:
+    """A gate told the engine's 8 slots (`max_num_seqs`), as a queue of zero should be."""
+    group = BackendGroup("m", (Deployment(URL, URL),), arrival_grace_s=0.3, max_num_seqs=8)
+    return MetricsGate([group], stale_after_s=1.0, clock=clock)
+
+
+async def test_a_queue_of_zero_releases_only_into_a_free_slot() -> None:
+    """Two slots free: two released (a queue of one would let a third wait in the engine); the
+    slots their first bytes took are not free again; a scrape showing one freed lets one in."""
+    clock = FakeClock()
+    gate = _gate_with_slots(clock)
+    scheduler = FairScheduler([NO_QUEUE], gate, clock=clock)
+    gate.update("m", scrape(clock, waiting=1, running=8))  # saturated: 8 slots
+    clock.advance(0.1)
+    gate.update("m", scrape(clock, running=6))
+    tasks = [asyncio.create_task(scheduler.acquire(ticket(f"u{i}"))) for i in range(6)]
+    await settle()
+    granted = [task.result() for task in tasks if task.done()]
+    assert len(granted) == 2
+    for lease in granted:
+        lease.mark_started()
+    clock.advance(0.4)
+    gate.update("m", scrape(clock, running=8))
+    await settle()
+    assert sum(task.done() for task in tasks) == 2
+    clock.advance(0.1)
+    gate.update("m", scrape(clock, running=7))  # one finished
+    await settle()
+    assert sum(task.done() for task in tasks) == 3
+    await drain(scheduler)
+
+
+async def test_a_queue_of_zero_releases_nothing_while_the_engine_queues() -> None:
+    clock = FakeClock()
+    gate, _, _ = make_gate(clock)
+    gate.update("m", scrape(clock, waiting=1, running=8))
+    assert not gate.may_release("m", NO_QUEUE)
+    assert gate.may_release("m", BATCH._replace(waiting_below=2))  # a queue of 2 would
+
+
+async def test_a_queue_of_zero_probes_an_idle_engine_for_its_first_slots() -> None:
+    """Nothing learned yet (no `max_num_seqs`, nothing ever ran): no slot counts free, so a
+    queue of zero must probe or it would never release anything. One slot more per scrape
+    while held back with nothing on its way."""
+    clock = FakeClock()
+    gate, _, _ = make_gate(clock)
+    scheduler = FairScheduler([NO_QUEUE], gate, clock=clock)
+    gate.update("m", scrape(clock))
+    tasks = [asyncio.create_task(scheduler.acquire(ticket(f"u{i}"))) for i in range(10)]
+    await settle()
+    assert sum(task.done() for task in tasks) == 0  # held back: demand
+    for running in range(3):
+        clock.advance(0.4)
+        gate.update("m", scrape(clock, running=running))
+        await settle()
+        assert sum(task.done() for task in tasks) == running + 1
+    await drain(scheduler)
+
+
+def test_a_queue_of_zero_probes_no_further_than_max_num_seqs() -> None:
+    """Every probe past the engine's slots would put a request in its queue (the wait a queue
+    of zero avoids): with `max_num_seqs` given, a saturated engine is never probed past it."""
+    clock = FakeClock()
+    gate = _gate_with_slots(clock)
+    gate.update("m", scrape(clock, running=8))
+    for _ in range(5):
+        assert not gate.may_release("m", NO_QUEUE)  # held back: demand
+        clock.advance(0.1)
+        gate.update("m", scrape(clock, running=8))
+        assert gate.status()[0].free_slots == 0
+
+
+async def test_a_shared_queue_of_zero_stays_zero() -> None:
+    """Among replicas a threshold is shared down to at least 1 each; a queue of zero is not a
+    share of anything (the free slots are shared instead) and stays zero."""
+    clock = FakeClock()
+    gate, _, _ = make_gate(clock)
+    scheduler = FairScheduler([NO_QUEUE], gate, clock=clock)
+    gate.update("m", scrape(clock, waiting=1, running=8))
+    clock.advance(0.1)
+    gate.update("m", scrape(clock, running=4))
+    gate.share_with(2)  # 2 of the 4 free slots each, no queue
+    tasks = [asyncio.create_task(scheduler.acquire(ticket(f"u{i}"))) for i in range(6)]
+    await settle()
+    assert sum(task.done() for task in tasks) == 2
+    await drain(scheduler)
+
+
+def test_a_queue_of_zero_keeps_the_engine_nearly_full() -> None:
+    """The cost of no queue: a freed slot stays idle until a scrape shows it (every 0.1 s) and
+    the next request reaches the engine (0.05 s). At 1 s per request that is under a tenth of
+    the slots; a queue of one keeps them all busy."""
+    no_queue = _simulate_tier(NO_QUEUE, max_num_seqs=8)
+    one = _simulate_tier(NO_QUEUE._replace(waiting_below=1), max_num_seqs=8)
+    assert no_queue.running >= 0.9 * 8
+    assert no_queue.max_waiting == 0
+    assert one.running >= no_queue.running
+
+
+def _simulate_tier(tier: TierLimits, seconds: float = 30.0, **gate_options: object) -> Stats:
+    clock = FakeClock(0.0)
+    group = BackendGroup("m", (Deployment(URL, URL),), **gate_options)  # type: ignore[arg-type]
+    gate = MetricsGate([group], stale_after_s=5.0, clock=clock)
+    sim = EngineSim(gate, clock)
+    samples = [s for s in sim.run(seconds, {tier: 100_000}) if s.at >= 5.0]
+    return Stats(
+        running=mean([s.running for s in samples]),
+        waiting=mean([s.waiting for s in samples]),
+        max_waiting=max(s.waiting for s in samples),
+    )
 
 
 def test_max_num_seqs_counts_free_slots_from_the_first_scrape() -> None:

@@ -299,3 +299,96 @@ def test_slow_start_overshoots_at_most_once_and_ends_at_the_first_decrease() -> 
         before = tuner.allowed
         tuner.tick(now)
         assert tuner.allowed - before <= 1
+
+
+# ---------------------------------------------------------------- down to no engine queue
+# `{auto: {min: 0}}`: where even a queue of one misses the target (issue #17's slow phase: a
+# newcomer behind one queued request waits for two completions), the gate keeps no engine queue.
+
+
+def test_a_minimum_of_zero_is_reached_on_a_miss_and_left_again() -> None:
+    """From 1 a miss goes to 0, not to 0.5..0.7 (the gate treats any queue below 1 as none, and
+    growth by one from 0.7 would allow a queue of two); once the targets hold it is 1 again."""
+    tuner = QueueTuner(minimum=0, maximum=8, ttft_target_s=1.0, initial=1)
+    tuner.observe_released(1, 0.0)
+    tuner.observe_first_byte(1, 0.0, 2.0)
+    tuner.tick(1.0)
+    assert tuner.allowed == 0
+    for second in (2, 3):  # settled 2 s after the decrease (an interval and the target)
+        tuner.observe_first_byte(second, second - 0.5, 0.2)
+        tuner.note_held_back()
+        tuner.tick(float(second))
+    assert tuner.allowed == 1
+    assert tuner.statistics().decreases == 1 and tuner.statistics().increases == 1
+
+
+def test_a_drain_ceiling_below_one_is_no_queue() -> None:
+    """At 1 completion/s a 1 s target (80% headroom) drains no queued request in time: the
+    ceiling (0.8 - 1) is no queue at all, with a minimum of 0."""
+    tuner = QueueTuner(minimum=0, maximum=8, ttft_target_s=1.0, initial=4, smoothing=1.0)
+    tuner.observe_completion()
+    tuner.tick(1.0)
+    assert tuner.allowed == 0
+
+
+def test_where_no_queue_meets_the_target_it_stays_between_zero_and_one() -> None:
+    """The oscillation bound of core/tuning.py with L = 0: the time to first byte is 0.3 s with
+    no engine queue and 1.5 s with any (the target is 1 s). The allowed queue stays within
+    [0, L + 2]: it tries a queue again once the last miss has had time to show (growing for an
+    interval or two on the first bytes of requests released at 0), and is back at 0 within a
+    round trip. 0 is where it spends the most time (45% here: growth waits only for the last
+    decrease to show, not for the queue it grew to)."""
+    rng = random.Random(17)
+    tuner = QueueTuner(minimum=0, maximum=32, ttft_target_s=1.0)
+    seen: list[float] = []
+    in_flight: list[tuple[int, float, float]] = []
+    for step in range(1, 3001):  # 300 s in 100 ms steps
+        now = step * 0.1
+        ttfb = (0.3 if tuner.allowed < 1 else 1.5) * rng.uniform(0.9, 1.1)
+        tuner.observe_released(step, now)
+        in_flight.append((step, now, ttfb))
+        for item in [item for item in in_flight if item[1] + item[2] <= now]:
+            in_flight.remove(item)
+            tuner.observe_first_byte(item[0], item[1], item[2])
+        tuner.note_held_back()
+        tuner.tick(now)
+        if now >= 30:
+            seen.append(tuner.allowed)
+    assert min(seen) == 0 and max(seen) <= 0 + 2
+    assert seen.count(0.0) >= 0.4 * len(seen)
+    assert seen.count(0.0) == max(seen.count(value) for value in set(seen))
+
+
+@pytest.mark.parametrize(("completions_per_s", "grows"), [(2, False), (5, True)])
+def test_at_zero_the_wait_for_a_slot_counts_at_its_95th_percentile(
+    completions_per_s: int, grows: bool
+) -> None:
+    """With no engine queue a newcomer's TTFT is its wait for the next completion (first bytes
+    are only the way and one step, 0.2 s here). At 2 completions/s that wait's 95th percentile,
+    ln 20 / 2 = 1.5 s, leaves no room under 80% of a 2 s target: it stays at 0 (counted as one
+    mean interval, 0.5 s, it grew to 1 and then to 3 in issue #17's slow phase). At 5/s it grows."""
+    tuner = QueueTuner(minimum=0, maximum=8, ttft_target_s=2.0, initial=0, smoothing=1.0)
+    for second in range(1, 6):
+        for _ in range(completions_per_s):
+            tuner.observe_completion()
+        tuner.observe_first_byte(second, second - 0.5, 0.2)
+        tuner.note_held_back()
+        tuner.tick(float(second))
+    assert (tuner.allowed > 0) is grows
+    assert tuner.statistics().decreases == 0
+
+
+def test_at_zero_an_engine_without_a_queue_is_not_the_paths_latency() -> None:
+    """At 0 the gate keeps the engine's queue empty, so scrapes without a queue say nothing about
+    the way to the engine: the latency is the wait for a slot in our queue. Taken for the path's
+    (as at a queue of 1 or more), it grew the queue on every interval held back and inflated
+    the path's latency, which relaxes the target for the queue it grew to."""
+    tuner = QueueTuner(minimum=0, maximum=8, ttft_target_s=2.0, initial=0, smoothing=1.0)
+    for second in range(1, 6):
+        for _ in range(2):  # 2 completions/s: the wait for a slot is 1.5 s at its 95th percentile
+            tuner.observe_completion()
+        tuner.observe_first_byte(second, second - 0.5, 0.2)
+        tuner.observe_engine(second - 0.5, 0.1, None, waiting=0)
+        tuner.note_held_back()
+        tuner.tick(float(second))
+    assert tuner.allowed == 0
