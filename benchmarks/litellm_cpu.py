@@ -8,7 +8,10 @@ first, then floods of streamed requests (`--concurrency` in flight, `--requests`
 `--tokens` each, `stream_options.include_usage` as the real-vLLM stage sends), the variants
 alternating round by round. Measured per flood: CPU seconds (utime + stime from /proc) of every
 process in the proxy's process group, divided by the content chunks the client received
-(one token each from the emulator) and by the requests.
+(one token each from the emulator) and by the requests. Before the floods, every proxy's CPU
+per second while no request runs (`--idle-s`): a cost per second, not per token, which a flood
+pays over its whole length (the plugin's metrics watcher scrapes each engine ten times a
+second at `metrics_poll_ms: 100`).
 
 Variants: `plain` (LiteLLM alone: no callback, no custom_auth, the master key) and `plugin`
 (callback + custom_auth + a `fair_sched:` section like the real-vLLM stage's, the interactive
@@ -199,7 +202,23 @@ def summary(floods: Sequence[Flood], names: Sequence[str]) -> list[str]:
     return lines
 
 
-async def run(variants: Sequence[Variant], args: argparse.Namespace, workdir: Path) -> list[Flood]:
+async def idle_cpu(proxies: Mapping[str, ProxyProcess], seconds: float) -> dict[str, float]:
+    """Each proxy's CPU milliseconds per second over the same `seconds` with no request: what
+    it spends whatever the traffic (the plugin's metrics watcher scrapes every engine each
+    `metrics_poll_ms`)."""
+    before = {name: group_cpu_seconds(proxy.pid) for name, proxy in proxies.items()}
+    started = time.perf_counter()
+    await asyncio.sleep(seconds)
+    elapsed = time.perf_counter() - started
+    return {
+        name: (group_cpu_seconds(proxy.pid) - before[name]) * 1000 / elapsed
+        for name, proxy in proxies.items()
+    }
+
+
+async def run(
+    variants: Sequence[Variant], args: argparse.Namespace, workdir: Path
+) -> tuple[list[Flood], dict[str, float]]:
     engine = EmulatorConfig(
         models=(MODEL,),
         max_num_seqs=8,
@@ -222,6 +241,9 @@ async def run(variants: Sequence[Variant], args: argparse.Namespace, workdir: Pa
             await flood(
                 variant.name, proxies[variant.name], variant.key, WARMUP_REQUESTS, 4, args.tokens
             )
+        idle = await idle_cpu(proxies, args.idle_s) if args.idle_s > 0 else {}
+        for name, cpu_ms in idle.items():
+            print(f"idle {name:24} {cpu_ms:.1f} ms CPU per second", flush=True)
         for index in range(args.rounds):
             order = variants if index % 2 == 0 else list(reversed(variants))
             for variant in order:
@@ -239,7 +261,7 @@ async def run(variants: Sequence[Variant], args: argparse.Namespace, workdir: Pa
                     flush=True,
                 )
                 floods.append(result)
-    return floods
+    return floods, idle
 
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
@@ -248,10 +270,15 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--requests", type=int, default=120, help="streams per flood")
     parser.add_argument("--concurrency", type=int, default=24, help="streams in flight")
     parser.add_argument("--tokens", type=int, default=48, help="tokens per stream")
+    parser.add_argument(
+        "--idle-s", type=float, default=10.0, help="seconds of no traffic measured (0: none)"
+    )
     parser.add_argument("--variants", default="plain,plugin", help=f"of {sorted(VARIANTS)}")
     args = parser.parse_args(argv)
     if not 1 <= args.rounds <= 20 or not 1 <= args.requests <= 2000:
         parser.error("--rounds must be within 1..20 and --requests within 1..2000")
+    if not 0 <= args.idle_s <= 120:
+        parser.error("--idle-s must be within 0..120")
     if not 1 <= args.concurrency <= 256 or not 1 <= args.tokens <= 1000:
         parser.error("--concurrency must be within 1..256 and --tokens within 1..1000")
     return args
@@ -267,12 +294,17 @@ def main(extra: Mapping[str, Variant] | None = None, argv: Sequence[str] | None 
         raise SystemExit(f"unknown variants {unknown}; known: {sorted(known)}")
     load_before = os.getloadavg()
     with tempfile.TemporaryDirectory(prefix="fair-sched-litellm-cpu-") as tmp:
-        floods = asyncio.run(run([known[name] for name in names], args, Path(tmp)))
+        floods, idle = asyncio.run(run([known[name] for name in names], args, Path(tmp)))
     print(
         f"\n{args.rounds} rounds of {args.requests} streams x {args.tokens} tokens, "
         f"{args.concurrency} in flight, variants alternating\n"
     )
     print("\n".join(summary(floods, names)))
+    if idle:
+        print(
+            f"\nidle ({args.idle_s:g} s, no requests), CPU ms per second: "
+            + ", ".join(f"{name} {cpu_ms:.1f}" for name, cpu_ms in idle.items())
+        )
     print(
         f"\nload average (1, 5 min) before {load_before[0]:.2f} {load_before[1]:.2f}, after "
         f"{os.getloadavg()[0]:.2f} {os.getloadavg()[1]:.2f} on {os.cpu_count()} CPUs"
