@@ -19,7 +19,7 @@ tier on `waiting_below: auto`).
 
     PYTHONPATH=$PWD .venv/bin/python benchmarks/litellm_cpu.py [--rounds 3] [--requests 120]
 
-Prints numbers, asserts nothing. About 1.5 minutes on two cores (most of it starting proxies
+Prints numbers, asserts nothing. About 3-5 minutes on two cores (most of it starting proxies
 and relaying). `uptime` before and after: the numbers are only comparable within one run.
 """
 
