@@ -18,6 +18,7 @@ Variants: `plain` (LiteLLM alone: no callback, no custom_auth, the master key) a
 tier on `waiting_below: auto`).
 
     PYTHONPATH=$PWD .venv/bin/python benchmarks/litellm_cpu.py [--rounds 3] [--requests 120]
+        [--compare-with ../other-checkout]   # before/after: that checkout's plugin as a third proxy
 
 Prints numbers, asserts nothing. About 3-5 minutes on two cores (most of it starting proxies
 and relaying). `uptime` before and after: the numbers are only comparable within one run.
@@ -273,6 +274,11 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser.add_argument(
         "--idle-s", type=float, default=10.0, help="seconds of no traffic measured (0: none)"
     )
+    parser.add_argument(
+        "--compare-with",
+        metavar="DIR",
+        help="also `plugin@DIR`: the plugin imported from another checkout (its repository root)",
+    )
     parser.add_argument("--variants", default="plain,plugin", help=f"of {sorted(VARIANTS)}")
     args = parser.parse_args(argv)
     if not 1 <= args.rounds <= 20 or not 1 <= args.requests <= 2000:
@@ -289,6 +295,15 @@ def main(extra: Mapping[str, Variant] | None = None, argv: Sequence[str] | None 
     args = parse_args(argv)
     known = {**VARIANTS, **(extra or {})}
     names = [name.strip() for name in args.variants.split(",") if name.strip()]
+    if args.compare_with:
+        other = Path(args.compare_with).resolve()
+        if not (other / "fair_sched_plugin").is_dir():
+            raise SystemExit(f"--compare-with: no fair_sched_plugin package in {other}")
+        # The proxy imports the plugin from that checkout first (PYTHONPATH).
+        known["plugin@DIR"] = Variant(
+            "plugin@DIR", plugin_config, POWER_KEY, {"PYTHONPATH": str(other)}
+        )
+        names.append("plugin@DIR")
     unknown = [name for name in names if name not in known]
     if unknown:
         raise SystemExit(f"unknown variants {unknown}; known: {sorted(known)}")
