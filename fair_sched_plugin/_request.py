@@ -119,6 +119,9 @@ class RequestWatch:
         self._watcher: asyncio.Task[Message] | None = None
         self._app_task: asyncio.Task[None] | None = None
         self._lease_timer: asyncio.TimerHandle | None = None
+        # The send timeout: when the send now running began (None: none is), and its timer.
+        self._sending_since: float | None = None
+        self._stall_timer: asyncio.TimerHandle | None = None
         # Why we cancelled the app (None: we did not).
         self.stopped: LeaseExpired | ClientDisconnected | None = None
         # Keep-alive while parked: the adapter says whether the client asked for a stream.
@@ -370,13 +373,21 @@ class RequestWatch:
             # Only a request holding a lease is timed: others hold nothing of the engine's.
             await self._send(message)
         else:
-            # A timer rather than wait_for: no task per chunk. `stop()` cancels the app's
-            # task, which is the one blocked in this send.
-            stalled = asyncio.get_running_loop().call_later(self._send_timeout_s, self._stalled)
+            # One timer per request, not one per chunk (a timer set and cancelled for every
+            # token was LiteLLM's proxy loop's work): each send notes when it began; the timer,
+            # when due, ends the request if the send then running began `send_timeout_s` ago,
+            # else moves on to that send's deadline. `stop()` cancels the app's task, which is
+            # the one blocked in this send.
+            loop = asyncio.get_running_loop()
+            self._sending_since = loop.time()
+            if self._stall_timer is None:
+                self._stall_timer = loop.call_at(
+                    self._sending_since + self._send_timeout_s, self._check_stalled
+                )
             try:
                 await self._send(message)
             finally:
-                stalled.cancel()
+                self._sending_since = None
         if message.get("more_body", False):
             self._chunks_since_yield += 1
             if self._chunks_since_yield >= YIELD_EVERY_CHUNKS:
@@ -505,6 +516,18 @@ class RequestWatch:
             if self._parked is None:
                 return
 
+    def _check_stalled(self) -> None:
+        self._stall_timer = None
+        since = self._sending_since
+        if since is None or self._send_timeout_s is None:
+            return  # no send running: the next one sets the timer again
+        loop = asyncio.get_running_loop()
+        due = since + self._send_timeout_s
+        if loop.time() < due:
+            self._stall_timer = loop.call_at(due, self._check_stalled)
+            return
+        self._stalled()
+
     def _stalled(self) -> None:
         logger.warning(
             "fair_sched: a client took no response data for %g s (send_timeout_s); ending its "
@@ -520,6 +543,9 @@ class RequestWatch:
         if self._lease_timer is not None:
             self._lease_timer.cancel()
             self._lease_timer = None
+        if self._stall_timer is not None:
+            self._stall_timer.cancel()
+            self._stall_timer = None
         if self._watcher is not None and not self._watcher.done():
             self._watcher.cancel()
         self.end_leases()

@@ -179,17 +179,22 @@ class FairSchedCallback(CustomLogger):
         self, user_api_key_dict: Any, response: Any, request_data: dict[str, Any]
     ) -> AsyncGenerator[Any, None]:
         lease = _request_lease()
+        if lease is None:
+            # Not ours to end (nothing to schedule, or it ended): chunks pass as they come.
+            async for chunk in response:
+                yield chunk
+            return
         usage: Any = None
         try:
+            # Per chunk only what the end needs (this loop runs for every token LiteLLM relays).
             async for chunk in response:
-                if lease is not None:
+                if not lease.started:
                     lease.mark_started()
-                usage = getattr(chunk, "usage", None) or usage
+                usage = chunk_usage(chunk) or usage
                 yield chunk
         finally:
             # Also on a mid-stream disconnect (the generator is closed or cancelled).
-            if lease is not None:
-                _end(lease, self._service, usage)
+            _end(lease, self._service, usage)
 
     async def async_post_call_success_hook(
         self, data: dict[str, Any], user_api_key_dict: Any, response: Any
@@ -220,6 +225,20 @@ class FairSchedCallback(CustomLogger):
         lease = _request_lease()
         if lease is not None:
             _release_with_usage(lease, self._service, getattr(response_obj, "usage", None))
+
+
+def chunk_usage(chunk: Any) -> Any:
+    """A streamed chunk's `usage`, None where it has none (most chunks).
+
+    LiteLLM's chunks are pydantic models that carry `usage` as an extra field, only on the
+    chunk that reports it; `getattr(chunk, "usage", None)` on the others goes through pydantic's
+    `__getattr__` and an AttributeError, ~7 us for every token relayed. The extras (and the
+    fields, in `__dict__`) are read directly instead; anything else by attribute."""
+    extra = getattr(chunk, "__pydantic_extra__", None)
+    if not isinstance(extra, dict):
+        return getattr(chunk, "usage", None)
+    fields = getattr(chunk, "__dict__", None)
+    return extra.get("usage") or (fields.get("usage") if isinstance(fields, dict) else None)
 
 
 def _alias_target(aliases: Any, model: str) -> str | None:

@@ -311,6 +311,55 @@ def test_parse_error_message_is_short() -> None:
     assert len(str(caught.value)) < 200
 
 
+# -- the plain-line reader and prometheus_client agree ---------------------------------------------
+
+EDGE_LINES = [
+    'vllm:num_requests_waiting{engine="0",model_name="tiny"} 4',
+    'vllm:num_requests_waiting{engine="1",model_name="tiny",} 1e+01',
+    'vllm:num_requests_running{engine="0",model_name="tiny"} 3.0 1733000000000',
+    'vllm:num_requests_running{engine="1",model_name="t\\"iny"} 2',  # an escape: the fallback
+    'vllm:num_requests_running{engine="2",model_name="other"} 7',
+    "vllm:num_requests_running\t5",  # a tab: the fallback
+    'vllm:kv_cache_usage_perc{engine="0"} .5',
+    'vllm:kv_cache_usage_perc{engine="1",engine="2"} 0.25',  # a label twice: the fallback
+]
+
+
+@pytest.mark.parametrize("model_name", ["tiny", None])
+def test_plain_lines_read_as_prometheus_client_reads_them(
+    midburst_text: str, kvfull_text: str, model_name: str | None, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The fast reader of plain sample lines is an optimisation only: with every line sent to
+    prometheus_client instead, every capture and edge line gives the same numbers."""
+    from fair_sched_plugin.metrics import parser
+
+    # Without the label named twice (the numbers), and with it (the same refusal).
+    edges = ["\n".join(EDGE_LINES[:-1]) + "\n", "\n".join(EDGE_LINES) + "\n"]
+    texts = [midburst_text, kvfull_text, *edges]
+    fast = []
+    for text in texts:
+        try:
+            fast.append(parse_metrics(text, VLLM_PROFILE, model_name))
+        except MetricsParseError as exc:
+            fast.append(str(exc))  # type: ignore[arg-type]
+
+    class NeverPlain:
+        @staticmethod
+        def fullmatch(line: str) -> None:
+            return None
+
+    monkeypatch.setattr(parser, "_PLAIN_SAMPLE", NeverPlain)
+    slow = []
+    for text in texts:
+        try:
+            slow.append(parse_metrics(text, VLLM_PROFILE, model_name))
+        except MetricsParseError as exc:
+            slow.append(str(exc))  # type: ignore[arg-type]
+    assert fast == slow
+    assert all(isinstance(result, ParsedMetrics) for result in fast[:3])
+    assert isinstance(fast[3], str)
+
+
 # -- recent time per output token ----------------------------------------------------------------
 
 
