@@ -19,6 +19,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import os
 import statistics
 import time
 from collections.abc import AsyncIterator, Callable, Iterable, Mapping
@@ -111,7 +112,7 @@ def fair_section(
         ],
         "backends": {SERVED_MODEL: backend},
         "queue": {"max_per_user": 1000, "max_total": 10000, "max_wait_s": 300},
-        "metrics_poll_ms": 100,
+        "metrics_poll_ms": float(os.environ.get("FAIR_SCHED_VLLM_POLL_MS", "100")),
     }
 
 
