@@ -17,7 +17,7 @@ use it, on the queue the gate lets form in the engine:
 - under `headroom` (80%) of every target, and the gate held requests back because of the queue
   during the interval (the limit binds: more queue could be used): it grows by one; until the
   first decrease (slow start, as in TCP) it doubles instead, once per round trip (the path's
-  latency, below), in intervals where no scrape showed an engine queue;
+  latency, below), in intervals whose scrapes showed no engine queue (below);
 - in between it stays (a dead band: no hunting while the targets hold). Always within
   [minimum, maximum]. A minimum of 0 lets it keep no engine queue at all, where even a queue of
   one misses the target (a newcomer behind one queued request waits for two completions): a
@@ -36,12 +36,13 @@ our latency missed a 2 s target with the engine's queue empty and most of its sl
 tuner shrank to its minimum, and the engine ran 2.4 of 8 slots. So the scrapes' waiting counts
 say whose latency it is:
 
-- an interval in which every scrape showed the engine without a queue is the path's: only the
-  engine's own TTFT and TPOT can shrink the queue then, no drain ceiling applies (the completion
-  rate is what we let through, not what the engine can drain), and the queue grows while the
-  gate holds requests back; its latency feeds the path's latency (an EWMA, like Vegas's base
-  RTT: never from an interval with an engine queue, so queueing delay cannot inflate it; any
-  faster interval lowers it);
+- an interval whose scrapes showed the engine without a queue (under half a request on
+  average: one scrape catching a request between its arrival and its slot is not one) is the
+  path's: only the engine's own TTFT and TPOT can shrink the queue then, no drain ceiling
+  applies (the completion rate is what we let through, not what the engine can drain), and the
+  queue grows while the gate holds requests back; its latency feeds the path's latency (an
+  EWMA, like Vegas's base RTT: never from an interval with an engine queue, so queueing delay
+  cannot inflate it; any faster interval lowers it);
 - where the path alone misses the TTFT target, the target the queue is held to is the path's
   latency with `headroom` to spare (path / headroom): no queue meets the target then, and only
   queueing delay beyond the path shrinks the queue.
@@ -84,6 +85,10 @@ __all__ = ["QueueTuner", "TunerStatus"]
 
 # Enough first bytes per interval for a percentile (bounded memory under any load).
 _MAX_SAMPLES = 4096
+# An interval whose scrapes showed the engine's queue this short on average had none to speak
+# of: its latency was the path's (one scrape catching a request between arrival and its slot
+# does not make it the queue's; read so, it ended slow start 2-4 s into a real flood).
+_NO_QUEUE_BELOW = 0.5
 # The 95th percentile of the wait from a random moment to the next completion, in mean
 # completion intervals: ln 20 for completions spread as a Poisson stream (2.5 for the slot
 # turnover of the speed-change scenario, benchmarks/slot_turnover.py).
@@ -143,15 +148,16 @@ class QueueTuner:
         self._outstanding: dict[int, float] = {}
         self._engine_ttft: list[float] = []
         self._engine_tpot: list[float] = []
-        # The longest engine queue a scrape showed this interval; None: no scrape said.
-        self._engine_waiting: float | None = None
+        # The engine queues the interval's scrapes showed: their sum and how many said.
+        self._waiting_sum = 0.0
+        self._waiting_scrapes = 0
         self._held_back = False
         self._completions = 0
         self._drain_rate: float | None = None
         self._latency: float | None = None
         self._last_latency: float | None = None
         # The latency of the way to the engine and back without an engine queue (Vegas's base
-        # RTT): learned only in intervals whose scrapes all showed no queue, so the queue's own
+        # RTT): learned only in intervals whose scrapes showed no queue, so the queue's own
         # delay never inflates it; lowered by any interval that was faster.
         self._path: float | None = None
         self._tpot: float | None = None
@@ -196,7 +202,8 @@ class QueueTuner:
         queue. TTFT and TPOT are skipped for an interval after a decrease: the engine's means
         still hold the requests queued before."""
         if waiting is not None:
-            self._engine_waiting = max(self._engine_waiting or 0.0, waiting)
+            self._waiting_sum += waiting
+            self._waiting_scrapes += 1
         if now - self._decreased_at < self._interval_s:
             return
         if ttft_s is not None:
@@ -221,16 +228,21 @@ class QueueTuner:
         engine_ttft = _mean(self._engine_ttft)
         tpot = _mean(self._engine_tpot)
         held_back = self._held_back
-        # Every scrape of the interval showed the engine without a queue: whatever kept our
+        # The interval's scrapes showed the engine without a queue: whatever kept our
         # latency long was on the way to the engine (a CPU-starved proxy, the network), which no
         # engine queue shortens, and the queue the gate allowed was spent on requests in transit.
         # Not at an allowed queue of 0: the gate keeps the engine's queue empty then, and the
         # latency is the wait in ours for a slot, which growing the queue would lengthen.
-        no_engine_queue = self._engine_waiting == 0.0 and self._allowed >= 1
+        no_engine_queue = (
+            self._waiting_scrapes > 0
+            and self._waiting_sum / self._waiting_scrapes < _NO_QUEUE_BELOW
+            and self._allowed >= 1
+        )
         self._first_bytes = []
         self._engine_ttft = []
         self._engine_tpot = []
-        self._engine_waiting = None
+        self._waiting_sum = 0.0
+        self._waiting_scrapes = 0
         self._held_back = False
         if latency is not None:
             self._last_latency = latency
@@ -268,7 +280,7 @@ class QueueTuner:
             self._latency = self._tpot = None
             self._decreases += self._allowed < before
         elif held_back and overshoot <= self._headroom and self._settled(now):
-            # Slow start: no scrape showed an engine queue although we held requests back, so
+            # Slow start: the scrapes showed no engine queue although we held requests back, so
             # whatever the queue we allowed was spent on (requests on their way, first bytes
             # relayed late), the engine has room; one more a second left it idle for most of a
             # 20 s flood behind a starved LiteLLM (issue #17: 1 -> 11 by the flood's end). So

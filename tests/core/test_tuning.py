@@ -392,3 +392,25 @@ def test_at_zero_an_engine_without_a_queue_is_not_the_paths_latency() -> None:
         tuner.note_held_back()
         tuner.tick(float(second))
     assert tuner.allowed == 0
+
+
+def test_one_scrape_catching_a_request_before_its_slot_is_not_an_engine_queue() -> None:
+    """Issue #17's traces: 2-4 s into a flood one scrape of an interval showed a request waiting
+    (between its arrival and its slot) while the rest showed none; read as the engine's queue,
+    the path's slow first bytes then shrank the queue and ended slow start at 1.2-1.4. An
+    interval whose scrapes average under half a request is the path's; one that averages more
+    is the queue's."""
+    path_like = QueueTuner(minimum=1, maximum=16, ttft_target_s=1.0, initial=4)
+    path_like.observe_first_byte(1, 0.0, 1.8)
+    for at in range(10):
+        path_like.observe_engine(at / 10, 0.05, None, waiting=1 if at == 5 else 0)
+    path_like.note_held_back()
+    path_like.tick(1.0)
+    assert path_like.allowed == 8  # grew (slow start), nothing shrunk
+    queued = QueueTuner(minimum=1, maximum=16, ttft_target_s=1.0, initial=4)
+    queued.observe_first_byte(1, 0.0, 1.8)
+    for at in range(10):
+        queued.observe_engine(at / 10, 0.05, None, waiting=1 if at % 2 else 0)
+    queued.note_held_back()
+    queued.tick(1.0)
+    assert queued.allowed < 4
