@@ -160,7 +160,7 @@ async def stack(tmp_path_factory: pytest.TempPathFactory) -> AsyncIterator[Stack
         )
         invalid_config = proxy_config(
             [model_entry("tiny", f"{emu.base_url}/v1")],
-            fair_sched_section(tiers=[{"name": "interactive", "waiting_below": 0}]),
+            fair_sched_section(tiers=[{"name": "interactive", "waiting_below": -1}]),
         )
         invalid_start = asyncio.create_task(
             run_proxy_to_exit(invalid_config, workdir, "invalid", timeout_s=120)
@@ -503,12 +503,12 @@ async def test_backend_500_is_an_error_and_ends_the_lease(stack: Stack) -> None:
 
 
 async def test_invalid_section_stops_the_proxy_with_the_key_path(stack: Stack) -> None:
-    """`tiers[0].waiting_below: 0` (started by the fixture): the proxy exits non-zero and its
+    """`tiers[0].waiting_below: -1` (started by the fixture): the proxy exits non-zero and its
     output names the key path and the bad value."""
     code, output = await asyncio.wait_for(asyncio.shield(stack.invalid_start), 120)
     assert code is not None and code != 0, output[-2000:]
     assert "fair_sched.tiers[0].waiting_below" in output, output[-2000:]
-    assert "(got 0)" in output, output[-2000:]
+    assert "(got -1)" in output, output[-2000:]
     assert "Application startup complete" not in output
 
 
