@@ -5,6 +5,7 @@ noisy TPOT, and the oscillation bound stated in core/tuning.py."""
 from __future__ import annotations
 
 import random
+from collections.abc import Callable
 
 import pytest
 
@@ -117,6 +118,27 @@ def test_requests_outstanding_past_the_target_count_before_their_first_byte() ->
     assert tuner.allowed == pytest.approx(10 / 1.75)
 
 
+def _allowed_after_30_s(tuner: QueueTuner, ttfb_at: Callable[[float], float]) -> list[float]:
+    """300 s in 100 ms steps against an engine whose time to first byte is `ttfb_at(allowed)`
+    for a request released under that allowed queue, known only when the first byte comes, with
+    requests always held back; the allowed queue at every step after the first 30 s."""
+    seen: list[float] = []
+    in_flight: list[tuple[int, float, float]] = []
+    for step in range(1, 3001):
+        now = step * 0.1
+        ttfb = ttfb_at(tuner.allowed)
+        tuner.observe_released(step, now)
+        in_flight.append((step, now, ttfb))
+        for item in [item for item in in_flight if item[1] + item[2] <= now]:
+            in_flight.remove(item)
+            tuner.observe_first_byte(item[0], item[1], item[2])
+        tuner.note_held_back()
+        tuner.tick(now)
+        if now >= 30:
+            seen.append(tuner.allowed)
+    return seen
+
+
 def test_the_queue_grows_only_while_the_gate_holds_requests_back() -> None:
     tuner = QueueTuner(minimum=1, maximum=16, ttft_target_s=1.0)
     for second in range(1, 6):
@@ -136,21 +158,9 @@ def test_oscillation_stays_within_the_stated_bound() -> None:
     [decrease * L - 1, L + 2] = [5.3, 11]."""
     rng = random.Random(17)
     tuner = QueueTuner(minimum=1, maximum=32, ttft_target_s=1.0)
-    seen: list[float] = []
-    in_flight: list[tuple[int, float, float]] = []
-    now = 0.0
-    for step in range(1, 3001):  # 300 s in 100 ms steps
-        now = step * 0.1
-        ttfb = 0.1 * (int(tuner.allowed) + 1) * rng.uniform(0.9, 1.1)
-        tuner.observe_released(step, now)
-        in_flight.append((step, now, ttfb))
-        for item in [item for item in in_flight if item[1] + item[2] <= now]:
-            in_flight.remove(item)
-            tuner.observe_first_byte(item[0], item[1], item[2])
-        tuner.note_held_back()
-        tuner.tick(now)
-        if now >= 30:
-            seen.append(tuner.allowed)
+    seen = _allowed_after_30_s(
+        tuner, lambda allowed: 0.1 * (int(allowed) + 1) * rng.uniform(0.9, 1.1)
+    )
     assert min(seen) >= 0.7 * 9 - 1
     assert max(seen) <= 9 + 2
 
@@ -340,20 +350,9 @@ def test_where_no_queue_meets_the_target_it_stays_between_zero_and_one() -> None
     decrease to show, not for the queue it grew to)."""
     rng = random.Random(17)
     tuner = QueueTuner(minimum=0, maximum=32, ttft_target_s=1.0)
-    seen: list[float] = []
-    in_flight: list[tuple[int, float, float]] = []
-    for step in range(1, 3001):  # 300 s in 100 ms steps
-        now = step * 0.1
-        ttfb = (0.3 if tuner.allowed < 1 else 1.5) * rng.uniform(0.9, 1.1)
-        tuner.observe_released(step, now)
-        in_flight.append((step, now, ttfb))
-        for item in [item for item in in_flight if item[1] + item[2] <= now]:
-            in_flight.remove(item)
-            tuner.observe_first_byte(item[0], item[1], item[2])
-        tuner.note_held_back()
-        tuner.tick(now)
-        if now >= 30:
-            seen.append(tuner.allowed)
+    seen = _allowed_after_30_s(
+        tuner, lambda allowed: (0.3 if allowed < 1 else 1.5) * rng.uniform(0.9, 1.1)
+    )
     assert min(seen) == 0 and max(seen) <= 0 + 2
     assert seen.count(0.0) >= 0.4 * len(seen)
     assert seen.count(0.0) == max(seen.count(value) for value in set(seen))

@@ -336,12 +336,18 @@ def test_plain_lines_read_as_prometheus_client_reads_them(
     # Without the label named twice (the numbers), and with it (the same refusal).
     edges = ["\n".join(EDGE_LINES[:-1]) + "\n", "\n".join(EDGE_LINES) + "\n"]
     texts = [midburst_text, kvfull_text, *edges]
-    fast = []
-    for text in texts:
-        try:
-            fast.append(parse_metrics(text, VLLM_PROFILE, model_name))
-        except MetricsParseError as exc:
-            fast.append(str(exc))  # type: ignore[arg-type]
+
+    def parse_all() -> list[ParsedMetrics | str]:
+        """Each text's numbers, or its refusal's message."""
+        results: list[ParsedMetrics | str] = []
+        for text in texts:
+            try:
+                results.append(parse_metrics(text, VLLM_PROFILE, model_name))
+            except MetricsParseError as exc:
+                results.append(str(exc))
+        return results
+
+    fast = parse_all()
 
     class NeverPlain:
         @staticmethod
@@ -349,12 +355,7 @@ def test_plain_lines_read_as_prometheus_client_reads_them(
             return None
 
     monkeypatch.setattr(parser, "_PLAIN_SAMPLE", NeverPlain)
-    slow = []
-    for text in texts:
-        try:
-            slow.append(parse_metrics(text, VLLM_PROFILE, model_name))
-        except MetricsParseError as exc:
-            slow.append(str(exc))  # type: ignore[arg-type]
+    slow = parse_all()
     assert fast == slow
     assert all(isinstance(result, ParsedMetrics) for result in fast[:3])
     assert isinstance(fast[3], str)
