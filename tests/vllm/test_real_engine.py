@@ -89,6 +89,11 @@ def fair_section(
         "priority_scheduling": priority_scheduling,
         "engine_model_name": SERVED_MODEL,
     }
+    if os.environ.get("FAIR_SCHED_VLLM_TELL_SLOTS", "1") != "0":
+        # The engine's slots, as docs/configuration.md asks. Without them the gate learns the
+        # slots it sees used, and behind a lagging LiteLLM (sessions layout) it saw 3 of 8 and
+        # kept to them: `FAIR_SCHED_VLLM_TELL_SLOTS=0` measures that (issue #17).
+        backend["max_num_seqs"] = MAX_NUM_SEQS
     if api_base is not None:
         backend["api_base"] = api_base
     interactive: dict[str, Any] = {
