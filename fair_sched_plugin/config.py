@@ -77,6 +77,10 @@ def _check_secret_reference(value: str | None) -> str | None:
     return value
 
 
+# The fixed threshold a tier gets without one, and where `auto` starts.
+_DEFAULT_WAITING_BELOW = 3
+
+
 class AutoBounds(_Frozen):
     """The range `waiting_below: auto` tunes within."""
 
@@ -98,7 +102,9 @@ class TierSettings(_Frozen):
     # A number, or `auto` (optionally `{auto: {min, max}}`, or with `waiting_below_min/_max`):
     # the gate then tunes it per model group to keep `ttft_target_ms` and `tpot_below_ms`.
     # 0: no engine queue at all, release only into a running slot the gate counts free.
-    waiting_below: Annotated[int, Field(ge=0)] | Literal["auto"] | AutoWaitingBelow = 3
+    waiting_below: Annotated[int, Field(ge=0)] | Literal["auto"] | AutoWaitingBelow = (
+        _DEFAULT_WAITING_BELOW
+    )
     waiting_below_min: Annotated[int, Field(ge=0)] | None = None
     waiting_below_max: Annotated[int, Field(gt=0, le=10_000)] | None = None
     # Time to first token as the client sees it through us; what `auto` keeps.
@@ -173,10 +179,14 @@ class TierSettings(_Frozen):
         )
 
     def initial_waiting_below(self) -> int:
-        """The fixed threshold, or where `auto` starts (its minimum: it grows only while
-        the targets hold and the queue is used)."""
+        """The fixed threshold, or where `auto` starts: the fixed default within its bounds.
+        From its minimum, slow start behind a lagging proxy (round trips of 1-2 s) spent most
+        of a 10 s flood growing 1 -> 12 with the engine's slots idle (issue #17); a first
+        interval over the targets shrinks it at once."""
         bounds = self.auto_bounds()
-        return bounds[0] if bounds is not None else int(self.waiting_below)  # type: ignore[arg-type]
+        if bounds is None:
+            return int(self.waiting_below)  # type: ignore[arg-type]
+        return min(max(_DEFAULT_WAITING_BELOW, bounds[0]), bounds[1])
 
 
 class PrincipalMatch(_Frozen):

@@ -19,23 +19,27 @@ def tier(**keys: Any) -> dict[str, Any]:
 
 
 @pytest.mark.parametrize(
-    ("keys", "bounds"),
+    ("keys", "bounds", "start"),
     [
-        ({"waiting_below": "auto", "ttft_target_ms": 1000}, (1, 32)),
-        ({"waiting_below": "auto", "waiting_below_min": 2, "tpot_below_ms": 150}, (2, 32)),
-        ({"waiting_below": {"auto": {"min": 2, "max": 9}}, "ttft_target_ms": 800}, (2, 9)),
-        ({"waiting_below": {"auto": {}}, "ttft_target_ms": 800}, (1, 32)),
-        ({"waiting_below": {"auto": {"min": 0, "max": 8}}, "ttft_target_ms": 800}, (0, 8)),
-        ({"waiting_below": "auto", "waiting_below_min": 0, "ttft_target_ms": 800}, (0, 32)),
-        ({"waiting_below": 3}, None),
-        ({"waiting_below": 0}, None),
+        ({"waiting_below": "auto", "ttft_target_ms": 1000}, (1, 32), 3),
+        ({"waiting_below": "auto", "waiting_below_min": 2, "tpot_below_ms": 150}, (2, 32), 3),
+        ({"waiting_below": {"auto": {"min": 2, "max": 9}}, "ttft_target_ms": 800}, (2, 9), 3),
+        ({"waiting_below": {"auto": {"min": 5, "max": 9}}, "ttft_target_ms": 800}, (5, 9), 5),
+        ({"waiting_below": {"auto": {"min": 0, "max": 2}}, "ttft_target_ms": 800}, (0, 2), 2),
+        ({"waiting_below": {"auto": {}}, "ttft_target_ms": 800}, (1, 32), 3),
+        ({"waiting_below": {"auto": {"min": 0, "max": 8}}, "ttft_target_ms": 800}, (0, 8), 3),
+        ({"waiting_below": "auto", "waiting_below_min": 0, "ttft_target_ms": 800}, (0, 32), 3),
+        ({"waiting_below": 3}, None, 3),
+        ({"waiting_below": 0}, None, 0),
     ],
 )
-def test_the_forms_of_waiting_below(keys: dict[str, Any], bounds: tuple[int, int] | None) -> None:
+def test_the_forms_of_waiting_below(
+    keys: dict[str, Any], bounds: tuple[int, int] | None, start: int
+) -> None:
+    """`auto` starts at the fixed default (3) within its bounds; a number is where it stays."""
     settings = load_settings(tier(**keys))
     assert settings.tiers[0].auto_bounds() == bounds
-    fixed = keys["waiting_below"] if isinstance(keys["waiting_below"], int) else None
-    assert settings.tiers[0].initial_waiting_below() == (bounds[0] if bounds else fixed)
+    assert settings.tiers[0].initial_waiting_below() == start
 
 
 @pytest.mark.parametrize(
@@ -101,27 +105,27 @@ async def test_the_service_tunes_an_auto_tier_and_reports_what_it_allows() -> No
         clock=clock,
     )
     (limits,) = svc.scheduler.tiers
-    assert (limits.waiting_below, limits.auto_waiting_below) == (2, (2, 9))
+    assert (limits.waiting_below, limits.auto_waiting_below) == (3, (2, 9))
     assert limits.ttft_target_s == 0.5
     spec = svc.gate.groups()["m"]
     assert (spec.max_num_seqs, spec.metrics_lag_s) == (8, 1.5)
-    assert svc.waiting_thresholds() == {"m": {"interactive": 4}}  # 2 per deployment
+    assert svc.waiting_thresholds() == {"m": {"interactive": 6}}  # 3 per deployment
     for url in spec.metrics_urls:
         svc.gate.update("m", BackendSnapshot(url, clock.now(), ok=True, running=8))
     svc.gate.may_release("m", limits)  # the tuner starts with the tier's first decision
-    assert [t["interactive"].allowed for t in svc.gate.tuning("m").values()] == [2, 2]
-    assert svc.waiting_thresholds() == {"m": {"interactive": 4}}
-    # The engine's queue is at the allowed 2 + 2 and its TTFT well within the target: it grows.
+    assert [t["interactive"].allowed for t in svc.gate.tuning("m").values()] == [3, 3]
+    assert svc.waiting_thresholds() == {"m": {"interactive": 6}}
+    # The engine's queue is at the allowed 3 + 3 and its TTFT well within the target: it grows.
     for url in spec.metrics_urls:
-        svc.gate.update("m", BackendSnapshot(url, clock.now(), ok=True, waiting=2, running=8))
+        svc.gate.update("m", BackendSnapshot(url, clock.now(), ok=True, waiting=3, running=8))
     assert not svc.gate.may_release("m", limits)  # held back by the queue: the limit binds
     clock.advance(1.1)
     for url in spec.metrics_urls:
-        snapshot = BackendSnapshot(url, clock.now(), ok=True, waiting=2, running=8, ttft_s=0.1)
+        snapshot = BackendSnapshot(url, clock.now(), ok=True, waiting=3, running=8, ttft_s=0.1)
         svc.gate.update("m", snapshot)
-    assert svc.waiting_thresholds() == {"m": {"interactive": 6}}
+    assert svc.waiting_thresholds() == {"m": {"interactive": 8}}
     text = svc.observability.render().decode()
-    assert 'fair_sched_tier_waiting_threshold{model="m",tier="interactive"} 6.0' in text
+    assert 'fair_sched_tier_waiting_threshold{model="m",tier="interactive"} 8.0' in text
     status = svc.gate_status()[0]
-    assert status.allowed_queue == (("interactive", 6.0),)
+    assert status.allowed_queue == (("interactive", 8.0),)
     await svc.aclose()
