@@ -363,8 +363,16 @@ class MetricsGate:
             self._learn_capacity(state.spec, deployment, snapshot)
             deployment.held_back = deployment.held_back_for_a_slot = False
             now = self._clock.now()
+            finished = _finished_delta(previous, snapshot)
+            counted = (
+                None
+                if finished is None or previous is None
+                else (finished, snapshot.started_at - previous.started_at)
+            )
             for tuner in deployment.tuners.values():
-                tuner.observe_engine(now, snapshot.ttft_s, snapshot.tpot_s, snapshot.waiting)
+                tuner.observe_engine(
+                    now, snapshot.ttft_s, snapshot.tpot_s, snapshot.waiting, counted
+                )
                 tuner.tick(now)
         else:
             deployment.last_error = snapshot.error or "scrape failed"

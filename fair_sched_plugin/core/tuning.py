@@ -27,7 +27,11 @@ use it, on the queue the gate lets form in the engine:
   completion rate (Little's law: queue = rate x wait), plus the requests on their way to it
   (rate x the path's latency, below). Completions slow down the moment the engine does, long
   before the first bytes of the requests queued behind them come back, so a slower engine
-  shrinks the queue within an interval or two instead of a round trip each step.
+  shrinks the queue within an interval or two instead of a round trip each step. The rate is
+  the engine's own count of finished requests between scrapes where it exports one (vLLM's
+  `request_success_total`), else the ends the gate sees: behind a starved proxy those come
+  back late and in bursts, and a rate from them cut the queue to a fraction of what the engine
+  drained.
 
 The engine's queue, not the way to it (issue #17). The gate counts requests on their way to the
 engine against the allowed queue, and behind a CPU-starved proxy (LiteLLM in a CPU scheduling
@@ -153,6 +157,12 @@ class QueueTuner:
         self._waiting_scrapes = 0
         self._held_back = False
         self._completions = 0
+        # Completions by the engine's own counter (vLLM's request_success_total) since the last
+        # decision, and the seconds between the scrapes that counted them; once an engine has
+        # counted, its count is the drain rate (our ends come back late and in bursts).
+        self._counted = 0.0
+        self._counted_s = 0.0
+        self._engine_counts = False
         self._drain_rate: float | None = None
         self._latency: float | None = None
         self._last_latency: float | None = None
@@ -196,14 +206,22 @@ class QueueTuner:
         ttft_s: float | None,
         tpot_s: float | None,
         waiting: float | None = None,
+        finished: tuple[float, float] | None = None,
     ) -> None:
-        """One scrape's recent engine TTFT and TPOT (None where not exported) and its waiting
-        queue; the interval's mean counts, so one slow scrape among many does not shrink the
-        queue. TTFT and TPOT are skipped for an interval after a decrease: the engine's means
-        still hold the requests queued before."""
+        """One scrape's recent engine TTFT and TPOT (None where not exported), its waiting
+        queue, and where the engine counts its finished requests, how many it finished since
+        the previous scrape and over how many seconds; the interval's means count, so one slow
+        scrape among many does not shrink the queue. TTFT and TPOT are skipped for an interval
+        after a decrease: the engine's means still hold the requests queued before."""
         if waiting is not None:
             self._waiting_sum += waiting
             self._waiting_scrapes += 1
+        if finished is not None:
+            count, seconds = finished
+            if count >= 0 and seconds > 0:  # a counter that went down: a restarted engine
+                self._counted += count
+                self._counted_s += seconds
+                self._engine_counts = True
         if now - self._decreased_at < self._interval_s:
             return
         if ttft_s is not None:
@@ -221,9 +239,7 @@ class QueueTuner:
         if elapsed < self._interval_s:
             return False
         self._interval_started = now
-        rate = self._completions / elapsed
-        self._completions = 0
-        self._drain_rate = _smooth(self._drain_rate, rate, self._smoothing)
+        self._update_drain_rate(elapsed)
         latency = self._interval_latency(now)
         engine_ttft = _mean(self._engine_ttft)
         tpot = _mean(self._engine_tpot)
@@ -233,11 +249,7 @@ class QueueTuner:
         # engine queue shortens, and the queue the gate allowed was spent on requests in transit.
         # Not at an allowed queue of 0: the gate keeps the engine's queue empty then, and the
         # latency is the wait in ours for a slot, which growing the queue would lengthen.
-        no_engine_queue = (
-            self._waiting_scrapes > 0
-            and self._waiting_sum / self._waiting_scrapes < _NO_QUEUE_BELOW
-            and self._allowed >= 1
-        )
+        no_engine_queue = self._allowed >= 1 and self._engine_had_no_queue()
         self._first_bytes = []
         self._engine_ttft = []
         self._engine_tpot = []
@@ -338,6 +350,29 @@ class QueueTuner:
             return latency
         intervals = _NEXT_RELEASE_P95_INTERVALS if self._allowed < 1 else 1.0
         return latency + intervals / self._drain_rate
+
+    def _engine_had_no_queue(self) -> bool:
+        """Whether the interval's scrapes showed the engine without a queue to speak of: under
+        half a request waiting on average."""
+        if not self._waiting_scrapes:
+            return False
+        return self._waiting_sum / self._waiting_scrapes < _NO_QUEUE_BELOW
+
+    def _update_drain_rate(self, elapsed: float) -> None:
+        """The engine's completion rate over the interval: by its own finished counter where it
+        has one, else by the ends we saw. Behind a starved LiteLLM the ends came back in bursts
+        seconds late; a rate from them fell to a fraction of the engine's and its drain ceiling
+        cut a flood's queue from 29 to 2.8 with the engine completing 7 requests a second (issue
+        #17). An interval without a scrape keeps the last rate (scrapes took 2-3 s there)."""
+        completions, self._completions = self._completions, 0
+        if self._engine_counts:
+            if self._counted_s <= 0:
+                return
+            rate = self._counted / self._counted_s
+            self._counted = self._counted_s = 0.0
+        else:
+            rate = completions / elapsed
+        self._drain_rate = _smooth(self._drain_rate, rate, self._smoothing)
 
     def _whole_queue(self, shrunk: float) -> float:
         """A decrease's result within the bounds. Below 1 the gate lets no queue form at all

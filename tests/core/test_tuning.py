@@ -181,6 +181,31 @@ def test_a_slower_drain_lowers_the_ceiling_before_any_first_byte_is_late() -> No
     assert tuner.allowed == 1
 
 
+def test_the_engines_finished_counter_is_the_drain_rate_where_it_has_one() -> None:
+    """Behind a starved LiteLLM our ends came back in bursts seconds late while the engine
+    finished 7 requests a second by its own counter; a drain ceiling from the ends cut a flood's
+    queue from 29 to 2.8 (issue #17). With the counter, the ceiling follows the engine: 3.2 s of
+    a 4 s target at 7/s holds 21 queued, at 2/s 5.4. Without it, the ends decide as before."""
+
+    def tuner() -> QueueTuner:
+        return QueueTuner(minimum=1, maximum=32, ttft_target_s=4.0, initial=20, smoothing=1.0)
+
+    counted, by_ends = tuner(), tuner()
+    for second in range(1, 7):
+        for each in (counted, by_ends):
+            each.observe_completion()  # one end a second reaches us
+            # A scrape every other second (they took 2-3 s), with the engine's own count.
+            if second % 2:
+                count = (14.0, 2.0) if each is counted else None
+                each.observe_engine(second - 0.1, None, None, waiting=6, finished=count)
+            each.tick(float(second))
+        assert counted.allowed == 20
+    assert by_ends.allowed <= 2.2
+    counted.observe_engine(6.9, None, None, waiting=6, finished=(4.0, 2.0))  # slowed to 2/s
+    counted.tick(7.0)
+    assert counted.allowed == pytest.approx(3.2 * 2 - 1)
+
+
 # ---------------------------------------------------------------- the path, not the engine
 # Issue #17's real-vLLM result behind a CPU-starved LiteLLM: requests spend about a second on the
 # way to the engine and their first bytes and ends come back a second late, so our own time to
