@@ -1,0 +1,82 @@
+"""What one scrape of a real vLLM's /metrics costs the engine (issue #17).
+
+vLLM renders its Prometheus page in its API server process, the one that also takes requests in
+and streams tokens out. Starts the CPU build the real-vLLM stage uses (the cached virtualenv and
+tiny model; `scripts/vllm_env.sh` makes them), leaves it idle, and measures the CPU time of the
+engine's processes over `--seconds` without scrapes and at each scrape rate of `--rates`, then
+prints milliseconds of engine CPU per second and per scrape. Prints, asserts nothing.
+
+    PYTHONPATH=$PWD .venv/bin/python benchmarks/vllm_scrape_cost.py [--rates 10 4 2] [--seconds 10]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import time
+
+import httpx
+
+from tests.vllm import conftest as vllm_stage
+
+
+def _group_cpu_s(group: int) -> float:
+    """User + system CPU seconds of every live process in the process group."""
+    ticks = os.sysconf("SC_CLK_TCK")
+    total = 0.0
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            if os.getpgid(int(entry)) != group:
+                continue
+            with open(f"/proc/{entry}/stat", encoding="ascii") as stat:
+                fields = stat.read().rsplit(")", 1)[1].split()
+        except (ProcessLookupError, FileNotFoundError, PermissionError):
+            continue  # gone, or not ours
+        total += (int(fields[11]) + int(fields[12])) / ticks
+    return total
+
+
+def _measure(client: httpx.Client, url: str, group: int, rate: float, seconds: float) -> None:
+    used_before, started, scrapes, size = _group_cpu_s(group), time.monotonic(), 0, 0
+    while time.monotonic() - started < seconds:
+        if rate:
+            size = len(client.get(url).content)
+            scrapes += 1
+            time.sleep(1 / rate)
+        else:
+            time.sleep(0.5)
+    used_ms = 1000 * (_group_cpu_s(group) - used_before)
+    per_scrape = f"{used_ms / scrapes:5.1f} ms per scrape (idle share included)" if scrapes else ""
+    page = f", page {size} bytes" if scrapes else ""
+    print(f"{rate:4g} scrapes/s: engine CPU {used_ms / seconds:5.0f} ms/s {per_scrape}{page}")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--rates", type=float, nargs="+", default=[10.0, 4.0, 2.0])
+    parser.add_argument("--seconds", type=float, default=10.0)
+    args = parser.parse_args()
+    cache = vllm_stage.cache_dir()
+    python = cache / f"vllm-venv-{vllm_stage.VLLM_VERSION}" / "bin" / "python"
+    models = [path for path in cache.glob("tiny-llama-*") if (path / ".complete").exists()]
+    if not python.exists() or not models:
+        raise SystemExit(
+            f"no vLLM virtualenv or tiny model under {cache}: run the real-vLLM stage once"
+        )
+    scratch = cache / "vllm-run"
+    scratch.mkdir(parents=True, exist_ok=True)
+    engine = vllm_stage.start_engine(python, models[0], scratch, "priority")
+    try:
+        group = os.getpgid(engine.process.pid)
+        with httpx.Client() as client:
+            client.get(engine.metrics_url)
+            for rate in [0.0, *args.rates]:
+                _measure(client, engine.metrics_url, group, rate, args.seconds)
+    finally:
+        engine.stop()
+
+
+if __name__ == "__main__":
+    main()
