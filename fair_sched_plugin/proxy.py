@@ -49,6 +49,12 @@ __all__ = ["DEFAULT_TIMEOUT", "add_proxy_parser", "build_proxy_app"]
 
 logger = logging.getLogger("fair_sched.proxy")
 
+# How long the proxy keeps a client's idle connection open. Longer than the clients' own pools
+# keep theirs (httpx and the openai SDK 5 s, aiohttp 15 s): with uvicorn's 5 s, a client reusing
+# a connection idle for 5 s could send a request just as the proxy closed it (a read error
+# without a response; seen in the HTTP flood test on a loaded machine).
+CLIENT_KEEP_ALIVE_S = 75
+
 # A short connect timeout; a read timeout that only ends a stream silent for minutes (a long
 # generation is fine as long as tokens keep coming).
 DEFAULT_TIMEOUT = httpx.Timeout(connect=10.0, read=300.0, write=60.0, pool=300.0)
@@ -381,6 +387,7 @@ def run_proxy_from_args(args: argparse.Namespace) -> int:
         port=args.port,
         log_level=args.log_level,
         lifespan="on",
+        timeout_keep_alive=CLIENT_KEEP_ALIVE_S,
     )
     return 0
 

@@ -19,6 +19,7 @@ from starlette.responses import Response, StreamingResponse
 from fair_sched_plugin.asgi import FairSchedulerMiddleware
 from fair_sched_plugin.emulator.engine import EmulatorConfig
 from fair_sched_plugin.emulator.server import RunningEmulator, run_emulator
+from fair_sched_plugin.proxy import CLIENT_KEEP_ALIVE_S
 from fair_sched_plugin.service import SchedulingService
 
 LOOPBACK = "127.0.0.1"
@@ -65,6 +66,7 @@ async def serve(app: Any) -> AsyncIterator[str]:
         log_level="warning",
         lifespan="on",
         timeout_graceful_shutdown=2,
+        timeout_keep_alive=CLIENT_KEEP_ALIVE_S,  # as `fair-sched proxy` serves
     )
     server = uvicorn.Server(config)
     serving = asyncio.get_running_loop().create_task(server.serve(), name="test-uvicorn")

@@ -12,7 +12,7 @@ from typing import Any
 import httpx
 import pytest
 
-from fair_sched_plugin.proxy import add_proxy_parser, build_proxy_app
+from fair_sched_plugin.proxy import CLIENT_KEEP_ALIVE_S, add_proxy_parser, build_proxy_app
 from fair_sched_plugin.service import SchedulingService
 
 from .conftest import (
@@ -378,3 +378,12 @@ def test_proxy_subcommand_parses_and_rejects_a_config_without_backends(
     config.write_text("fair_sched:\n  metrics_poll_ms: 1\n")
     assert args.handler(args) == 2
     assert "fair_sched.metrics_poll_ms" in capsys.readouterr().err
+
+
+def test_client_connections_outlive_the_clients_own_pools() -> None:
+    """A client reusing a pooled connection the proxy is closing gets a read error and no
+    response: the proxy keeps idle connections longer than httpx / the openai SDK (5 s) and
+    aiohttp (15 s) keep theirs."""
+    httpx_expiry = httpx.Limits().keepalive_expiry
+    assert httpx_expiry is not None
+    assert max(httpx_expiry, 15.0) < CLIENT_KEEP_ALIVE_S
