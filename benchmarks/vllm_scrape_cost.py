@@ -17,29 +17,12 @@ import time
 
 import httpx
 
+from fair_sched_plugin.bench.processes import group_cpu_seconds
 from tests.vllm import conftest as vllm_stage
 
 
-def _group_cpu_s(group: int) -> float:
-    """User + system CPU seconds of every live process in the process group."""
-    ticks = os.sysconf("SC_CLK_TCK")
-    total = 0.0
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        try:
-            if os.getpgid(int(entry)) != group:
-                continue
-            with open(f"/proc/{entry}/stat", encoding="ascii") as stat:
-                fields = stat.read().rsplit(")", 1)[1].split()
-        except (ProcessLookupError, FileNotFoundError, PermissionError):
-            continue  # gone, or not ours
-        total += (int(fields[11]) + int(fields[12])) / ticks
-    return total
-
-
 def _measure(client: httpx.Client, url: str, group: int, rate: float, seconds: float) -> None:
-    used_before, started, scrapes, size = _group_cpu_s(group), time.monotonic(), 0, 0
+    used_before, started, scrapes, size = group_cpu_seconds(group), time.monotonic(), 0, 0
     while time.monotonic() - started < seconds:
         if rate:
             size = len(client.get(url).content)
@@ -47,7 +30,7 @@ def _measure(client: httpx.Client, url: str, group: int, rate: float, seconds: f
             time.sleep(1 / rate)
         else:
             time.sleep(0.5)
-    used_ms = 1000 * (_group_cpu_s(group) - used_before)
+    used_ms = 1000 * (group_cpu_seconds(group) - used_before)
     per_scrape = f"{used_ms / scrapes:5.1f} ms per scrape (idle share included)" if scrapes else ""
     page = f", page {size} bytes" if scrapes else ""
     print(f"{rate:4g} scrapes/s: engine CPU {used_ms / seconds:5.0f} ms/s {per_scrape}{page}")

@@ -351,11 +351,11 @@ class MetricsGate:
             # taken for their own, they would let as many more in, n times over.
             # Arrivals counted by the engine's own finished counter need none of our ends, so
             # a leader that hears ends late through Redis may settle by them too.
-            counted_by_engine = _finished_delta(previous, snapshot) is not None
-            if self._sharers > 1 or not (self._growth_settles or counted_by_engine):
+            finished = _finished_delta(previous, snapshot)
+            if self._sharers > 1 or not (self._growth_settles or finished is not None):
                 deployment.ends_since_scrape = deployment.settled_since_scrape = 0
             elif previous is not None and previous.started_at < snapshot.started_at:
-                self._settle_arrivals(state.spec, deployment, previous, snapshot)
+                self._settle_arrivals(state.spec, deployment, previous, snapshot, finished)
             else:  # nothing to compare with: what happened before this scrape is in it
                 deployment.ends_since_scrape = deployment.settled_since_scrape = 0
             self._account_scraped(state.spec, deployment)
@@ -363,7 +363,7 @@ class MetricsGate:
             self._learn_capacity(state.spec, deployment, snapshot)
             deployment.held_back = deployment.held_back_for_a_slot = False
             now = self._clock.now()
-            finished = _finished_delta(previous, snapshot)
+            # The engine's finished count since the previous scrape, for the tuners' drain rate.
             counted = (
                 None
                 if finished is None or previous is None
@@ -791,14 +791,15 @@ class MetricsGate:
         deployment: _DeploymentState,
         previous: BackendSnapshot,
         snapshot: BackendSnapshot,
+        finished: float | None,
     ) -> None:
         """Settle as many pending leases (oldest first) as requests reached the engine between
         two scrapes. Waiting out the grace instead counts a request that already runs as pending
         too, which eats the queue credit the engine needs to stay full when first bytes come
         back late (a CPU-starved proxy, issue #17). Another client's arrivals taken for ours let
-        at most that many more in, and the next scrape shows them."""
+        at most that many more in, and the next scrape shows them. `finished`: the engine's
+        finished count between the two (`_finished_delta`), None where it has none."""
         grown = snapshot.waiting + snapshot.running - previous.waiting - previous.running
-        finished = _finished_delta(previous, snapshot)
         if finished is None:
             # Requests that left the engine in between hide as many arrivals: our own ends since
             # the last scrape stand for them. Behind a lagging proxy (a loaded LiteLLM) an end is
