@@ -10,23 +10,11 @@ import pytest
 from fair_sched_plugin.emulator import run_emulator
 from fair_sched_plugin.emulator.server import KEEP_ALIVE_S
 
+from ..integrations.conftest import get_on_connection
 from .conftest import fast_config
 
 # LiteLLM's aiohttp pool keeps an idle connection this long (litellm AIOHTTP_KEEPALIVE_TIMEOUT).
 LITELLM_POOL_KEEPALIVE_S = 15
-
-
-async def _get_metrics(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> bytes:
-    writer.write(b"GET /metrics HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n")
-    await writer.drain()
-    head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 10)
-    length = next(
-        int(line.split(b":", 1)[1])
-        for line in head.split(b"\r\n")
-        if line.lower().startswith(b"content-length:")
-    )
-    await asyncio.wait_for(reader.readexactly(length), 10)
-    return head.split(b"\r\n", 1)[0]
 
 
 def test_keep_alive_outlasts_litellms_connection_pool() -> None:
@@ -40,10 +28,10 @@ async def test_an_idle_connection_is_still_open_after_uvicorns_default_keep_aliv
     async with run_emulator(fast_config()) as emu:
         reader, writer = await asyncio.open_connection("127.0.0.1", emu.port)
         try:
-            assert await _get_metrics(reader, writer) == b"HTTP/1.1 200 OK"
+            assert await get_on_connection(reader, writer, "/metrics") == b"HTTP/1.1 200 OK"
             await asyncio.sleep(6.0)  # idle past uvicorn's default 5 s
             assert not reader.at_eof()
-            assert await _get_metrics(reader, writer) == b"HTTP/1.1 200 OK"
+            assert await get_on_connection(reader, writer, "/metrics") == b"HTTP/1.1 200 OK"
         finally:
             writer.close()
             await writer.wait_closed()

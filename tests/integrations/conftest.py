@@ -245,3 +245,20 @@ async def cancel_all(tasks: Sequence[asyncio.Future[Any]]) -> None:
     for task in tasks:
         task.cancel()
     await asyncio.gather(*tasks, return_exceptions=True)
+
+
+async def get_on_connection(
+    reader: asyncio.StreamReader, writer: asyncio.StreamWriter, path: str
+) -> bytes:
+    """One `GET path` on an already open HTTP/1.1 connection, its body read; its status line
+    (keep-alive tests reuse the connection after an idle wait)."""
+    writer.write(f"GET {path} HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n".encode())
+    await writer.drain()
+    head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 10)
+    length = next(
+        int(line.split(b":", 1)[1])
+        for line in head.split(b"\r\n")
+        if line.lower().startswith(b"content-length:")
+    )
+    await asyncio.wait_for(reader.readexactly(length), 10)
+    return head.split(b"\r\n", 1)[0]

@@ -12,6 +12,7 @@ from typing import Any
 import httpx
 import pytest
 
+from fair_sched_plugin.bench.processes import fair_proxy
 from fair_sched_plugin.proxy import CLIENT_KEEP_ALIVE_S, add_proxy_parser, build_proxy_app
 from fair_sched_plugin.service import SchedulingService
 
@@ -24,6 +25,7 @@ from .conftest import (
     emulator,
     fair_config,
     gate_sees_metrics,
+    get_on_connection,
     json_error,
     open_client,
     park_behind_full_engine,
@@ -387,3 +389,23 @@ def test_client_connections_outlive_the_clients_own_pools() -> None:
     httpx_expiry = httpx.Limits().keepalive_expiry
     assert httpx_expiry is not None
     assert max(httpx_expiry, 15.0) < CLIENT_KEEP_ALIVE_S
+
+
+@pytest.mark.timeout(90)
+async def test_fair_sched_proxy_keeps_an_idle_client_connection_past_uvicorns_default(
+    tmp_path: pathlib.Path,
+) -> None:
+    """`fair-sched proxy` as a process: a connection idle for 6 s (past uvicorn's and the
+    clients' 5 s) still answers, so a client reusing it does not race the proxy's close."""
+    section = {"backends": {"m": {"api_base": f"http://127.0.0.1:{free_port()}/v1"}}}
+    async with fair_proxy(section, tmp_path, "keep-alive") as proxy:
+        host, port = proxy.base_url.removeprefix("http://").removesuffix("/v1").split(":")
+        reader, writer = await asyncio.open_connection(host, int(port))
+        try:
+            assert await get_on_connection(reader, writer, "/health") == b"HTTP/1.1 200 OK"
+            await asyncio.sleep(6.0)
+            assert not reader.at_eof()
+            assert await get_on_connection(reader, writer, "/health") == b"HTTP/1.1 200 OK"
+        finally:
+            writer.close()
+            await writer.wait_closed()
