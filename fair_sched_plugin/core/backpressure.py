@@ -584,9 +584,7 @@ class MetricsGate:
             return "fallback_inflight"
         # Free running slots are capacity too: replicas sharing one engine split them as well
         # (whole slots, so the shares never add up to more than the engine has).
-        free_slots = self._free_slots(spec, deployment)
-        if self._sharers > 1:
-            free_slots = float(int(free_slots) // self._sharers)
+        free_slots = self._free_slots(spec, deployment, own_share=True)
         allowed = self._waiting_below(deployment, tier)
         if allowed < 1:
             # No engine queue at all (`waiting_below: 0`, or `auto` down to 0): a request waits
@@ -692,12 +690,26 @@ class MetricsGate:
             return float(spec.max_num_seqs)
         return max(deployment.capacity or 0.0, deployment.capacity_previous or 0.0)
 
-    @staticmethod
-    def _free_slots(spec: BackendGroup, deployment: _DeploymentState) -> float:
+    def _free_slots(
+        self, spec: BackendGroup, deployment: _DeploymentState, *, own_share: bool = False
+    ) -> float:
+        """Running slots free for our requests: the latest scrape's, less our first bytes since
+        it, plus our ends since it.
+
+        `own_share`: replicas sharing the engine (share_with) each take whole slots of the
+        scrape's free ones, and only their own first bytes and ends count against that share.
+        Below zero it is an overdraft: the engine gives slots in arrival order, so a replica
+        whose requests started in more slots than its share has pushed another replica's
+        requests into the queue, and counts them as its own queue. (Counted against the whole
+        engine's free slots, or clipped at zero, three replicas each put one more into a queue
+        already at the threshold; tests/state/test_redis_replicas.py saw 4 over 3.)"""
         if deployment.latest is None:
             return 0.0
-        free = max(0.0, MetricsGate._capacity(spec, deployment) - deployment.latest.running)
-        return max(0.0, free - len(deployment.first_bytes) + len(deployment.ends))
+        free = max(0.0, self._capacity(spec, deployment) - deployment.latest.running)
+        used = len(deployment.first_bytes) - len(deployment.ends)
+        if own_share and self._sharers > 1:
+            return float(int(free) // self._sharers) - used
+        return max(0.0, free - used)
 
     # ------------------------------------------------------------------ observation
 

@@ -669,6 +669,39 @@ async def test_shared_replicas_split_the_free_running_slots_too() -> None:
     await drain(scheduler)
 
 
+async def test_a_shared_gate_counts_its_first_bytes_against_its_share_of_the_free_slots() -> None:
+    """A replica's first bytes since the scrape fill slots of its own share, not of the whole
+    engine's, and beyond its share they push another replica's requests into the queue. With
+    4 slots free among three replicas (1 each, plus 1 of the threshold 3) a replica releases
+    2; once one started it has no slot left; once both did, it took another replica's slot
+    and counts that replica's request in the queue as its own. Before the fix it released a
+    third after each start, and three replicas took the engine's queue to 4 with a threshold
+    of 3 (tests/state/test_redis_replicas.py)."""
+    clock = FakeClock()
+    gate, _, _ = make_gate(clock)
+    scheduler = FairScheduler([INTERACTIVE, BATCH], gate, clock=clock)
+    gate.update("m", scrape(clock, waiting=0, running=4))  # learns 4 slots
+    clock.advance(0.1)
+    gate.update("m", scrape(clock, waiting=0, running=0))  # 4 free
+    gate.share_with(3)  # 4 // 3 = 1 free slot and 1 of the threshold: 2 released
+    tasks = [asyncio.create_task(scheduler.acquire(ticket(f"u{i}"))) for i in range(6)]
+    await settle()
+    granted = [task.result() for task in tasks if task.done()]
+    assert len(granted) == 2
+    granted[0].mark_started()  # took our free slot; the other one counts in the queue
+    await settle()
+    assert sum(task.done() for task in tasks) == 2
+    granted[1].mark_started()  # took another replica's slot: its request waits instead
+    await settle()
+    assert sum(task.done() for task in tasks) == 2
+    # The next scrape shows what the engine has: 2 of ours running, 2 free, no queue.
+    clock.advance(0.1)
+    gate.update("m", scrape(clock, waiting=0, running=2))
+    await settle()
+    assert sum(task.done() for task in tasks) == 3  # 2 // 3 = 0 slots, 1 of the queue
+    await drain(scheduler)
+
+
 async def test_a_shared_fallback_cap_is_at_least_one() -> None:
     clock = FakeClock()
     gate, _, _ = make_gate(clock)  # fallback cap 2, no scrape yet
