@@ -158,10 +158,13 @@ class QueueTuner:
         self._held_back = False
         self._completions = 0
         # Completions by the engine's own counter (vLLM's request_success_total) since the last
-        # decision, and the seconds between the scrapes that counted them; once an engine has
-        # counted, its count is the drain rate (our ends come back late and in bursts).
+        # decision, and the seconds between the scrapes that counted them; where the interval's
+        # scrapes counted, their count is the drain rate (our ends come back late and in bursts).
+        # Scrapes without the counter since the last decision: an engine that stopped exporting
+        # it (or was replaced by one without) is measured by our ends again.
         self._counted = 0.0
         self._counted_s = 0.0
+        self._uncounted_scrapes = 0
         self._engine_counts = False
         self._drain_rate: float | None = None
         self._latency: float | None = None
@@ -216,7 +219,9 @@ class QueueTuner:
         if waiting is not None:
             self._waiting_sum += waiting
             self._waiting_scrapes += 1
-        if finished is not None:
+        if finished is None:
+            self._uncounted_scrapes += 1
+        else:
             count, seconds = finished
             if count >= 0 and seconds > 0:  # a counter that went down: a restarted engine
                 self._counted += count
@@ -363,13 +368,16 @@ class QueueTuner:
         has one, else by the ends we saw. Behind a starved LiteLLM the ends came back in bursts
         seconds late; a rate from them fell to a fraction of the engine's and its drain ceiling
         cut a flood's queue from 29 to 2.8 with the engine completing 7 requests a second (issue
-        #17). An interval without a scrape keeps the last rate (scrapes took 2-3 s there)."""
+        #17). An interval without a scrape keeps the last rate (scrapes took 2-3 s there); one
+        whose scrapes had no counter, after an engine that counted, goes back to the ends."""
         completions, self._completions = self._completions, 0
-        if self._engine_counts:
-            if self._counted_s <= 0:
-                return
-            rate = self._counted / self._counted_s
-            self._counted = self._counted_s = 0.0
+        counted, counted_s, uncounted = self._counted, self._counted_s, self._uncounted_scrapes
+        self._counted = self._counted_s = 0.0
+        self._uncounted_scrapes = 0
+        if counted_s > 0:
+            rate = counted / counted_s
+        elif self._engine_counts and not uncounted:
+            return  # no scrape counted or failed to count: nothing new about the engine
         else:
             rate = completions / elapsed
         self._drain_rate = _smooth(self._drain_rate, rate, self._smoothing)

@@ -206,6 +206,24 @@ def test_the_engines_finished_counter_is_the_drain_rate_where_it_has_one() -> No
     assert counted.allowed == pytest.approx(3.2 * 2 - 1)
 
 
+def test_an_engine_that_stops_counting_is_measured_by_our_ends_again() -> None:
+    """The counter's rate holds only while scrapes bring it: an engine replaced behind the same
+    URL by one without `request_success_total` (SGLang, TGI) is measured by the ends we see
+    from the next interval on, not by the last count for ever. An interval without any scrape
+    still keeps the last rate."""
+    tuner = QueueTuner(minimum=1, maximum=32, ttft_target_s=4.0, initial=20, smoothing=1.0)
+    for second in (1, 2):
+        tuner.observe_engine(second - 0.1, None, None, waiting=6, finished=(7.0, 1.0))
+        tuner.tick(float(second))
+    assert tuner.allowed == 20  # 7/s: 3.2 s of the target holds 21 queued
+    tuner.tick(3.0)  # no scrape in this interval: the last rate stands
+    assert tuner.allowed == 20
+    tuner.observe_engine(3.9, None, None, waiting=6, finished=None)  # the counter is gone
+    tuner.observe_completion()  # one end a second reaches us
+    tuner.tick(4.0)
+    assert tuner.allowed == pytest.approx(3.2 * 1 - 1)
+
+
 # ---------------------------------------------------------------- the path, not the engine
 # Issue #17's real-vLLM result behind a CPU-starved LiteLLM: requests spend about a second on the
 # way to the engine and their first bytes and ends come back a second late, so our own time to
