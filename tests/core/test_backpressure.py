@@ -650,15 +650,21 @@ async def test_a_shared_gate_spends_only_its_share_of_the_threshold() -> None:
     await drain(scheduler)
 
 
-async def test_shared_replicas_split_the_free_running_slots_too() -> None:
-    """Three replicas each filling every free slot the scrape shows would put 3x the free
-    slots into one engine: a shared gate spends its share of them."""
+def _all_slots_free(slots: int) -> tuple[FakeClock, MetricsGate, FairScheduler]:
+    """A gate that has learned the engine's `slots` and whose latest scrape shows them all free."""
     clock = FakeClock()
     gate, _, _ = make_gate(clock)
     scheduler = FairScheduler([INTERACTIVE, BATCH], gate, clock=clock)
-    gate.update("m", scrape(clock, waiting=0, running=6))  # learns 6 slots
+    gate.update("m", scrape(clock, waiting=0, running=slots))
     clock.advance(0.1)
-    gate.update("m", scrape(clock, waiting=0, running=0))  # 6 free
+    gate.update("m", scrape(clock, waiting=0, running=0))
+    return clock, gate, scheduler
+
+
+async def test_shared_replicas_split_the_free_running_slots_too() -> None:
+    """Three replicas each filling every free slot the scrape shows would put 3x the free
+    slots into one engine: a shared gate spends its share of them."""
+    _, gate, scheduler = _all_slots_free(slots=6)
     gate.share_with(3)  # a third of the 6 free slots and of the threshold 3: 2 + 1 released
     tasks = [asyncio.create_task(scheduler.acquire(ticket(f"u{i}"))) for i in range(10)]
     await settle()
@@ -677,12 +683,7 @@ async def test_a_shared_gate_counts_its_first_bytes_against_its_share_of_the_fre
     and counts that replica's request in the queue as its own. Before the fix it released a
     third after each start, and three replicas took the engine's queue to 4 with a threshold
     of 3 (tests/state/test_redis_replicas.py)."""
-    clock = FakeClock()
-    gate, _, _ = make_gate(clock)
-    scheduler = FairScheduler([INTERACTIVE, BATCH], gate, clock=clock)
-    gate.update("m", scrape(clock, waiting=0, running=4))  # learns 4 slots
-    clock.advance(0.1)
-    gate.update("m", scrape(clock, waiting=0, running=0))  # 4 free
+    clock, gate, scheduler = _all_slots_free(slots=4)
     gate.share_with(3)  # 4 // 3 = 1 free slot and 1 of the threshold: 2 released
     tasks = [asyncio.create_task(scheduler.acquire(ticket(f"u{i}"))) for i in range(6)]
     await settle()
