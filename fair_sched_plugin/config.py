@@ -133,6 +133,10 @@ class TierSettings(_Frozen):
             return value
         if isinstance(value, str) and value.strip().isdigit():
             value = int(value)  # as the plain integer field accepted it
+        if isinstance(value, float):
+            if not value.is_integer():
+                raise ValueError(f"must be a whole number of requests (got {value})")
+            value = int(value)  # YAML's `3.0`
         if isinstance(value, int) and not isinstance(value, bool):
             if value < 0:
                 raise ValueError(f"must be 0 or more (got {value})")
@@ -144,7 +148,7 @@ class TierSettings(_Frozen):
                 first = exc.errors()[0]
                 where = ".".join(str(part) for part in first["loc"])
                 raise ValueError(f"{where}: {first['msg']}") from None
-        raise ValueError(f"must be a number, auto or {{auto: {{min, max}}}} (got {value!r})")
+        raise ValueError(f"must be a whole number, auto or {{auto: {{min, max}}}} (got {value!r})")
 
     @model_validator(mode="after")
     def _auto_ok(self) -> TierSettings:

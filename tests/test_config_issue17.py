@@ -31,6 +31,7 @@ def tier(**keys: Any) -> dict[str, Any]:
         ({"waiting_below": "auto", "waiting_below_min": 0, "ttft_target_ms": 800}, (0, 32), 3),
         ({"waiting_below": 3}, None, 3),
         ({"waiting_below": 0}, None, 0),
+        ({"waiting_below": 4.0}, None, 4),  # YAML `4.0`
     ],
 )
 def test_the_forms_of_waiting_below(
@@ -60,7 +61,9 @@ def test_the_forms_of_waiting_below(
             {"waiting_below": {"auto": {"min": -1}}, "ttft_target_ms": 1},
             "tiers[0].waiting_below.auto.min: Input should be greater than or equal to 0",
         ),
-        ({"waiting_below": "sometimes"}, "tiers[0].waiting_below: must be a number, auto or"),
+        ({"waiting_below": "sometimes"}, "tiers[0].waiting_below: must be a whole number, auto or"),
+        ({"waiting_below": 2.5}, "tiers[0].waiting_below: must be a whole number of requests (got 2.5)"),
+        ({"waiting_below": -1.0}, "tiers[0].waiting_below: must be 0 or more (got -1)"),
         ({"waiting_below": -1}, "tiers[0].waiting_below: must be 0 or more (got -1)"),
         (
             {"waiting_below": "auto", "waiting_below_min": -1, "ttft_target_ms": 1},
