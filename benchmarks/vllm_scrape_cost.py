@@ -3,8 +3,10 @@
 vLLM renders its Prometheus page in its API server process, the one that also takes requests in
 and streams tokens out. Starts the CPU build the real-vLLM stage uses (the cached virtualenv and
 tiny model; `scripts/vllm_env.sh` makes them), leaves it idle, and measures the CPU time of the
-engine's processes over `--seconds` without scrapes and at each scrape rate of `--rates`, then
-prints milliseconds of engine CPU per second and per scrape. Prints, asserts nothing.
+engine's processes over `--seconds` without scrapes and at each scrape rate of `--rates`, for the
+whole page and for the page filtered to the series the gate reads (`metrics_filter`, the
+default: `/metrics/?name[]=...`), then prints milliseconds of engine CPU per second and per
+scrape. Prints, asserts nothing.
 
     PYTHONPATH=$PWD .venv/bin/python benchmarks/vllm_scrape_cost.py [--rates 10 4 2] [--seconds 10]
 """
@@ -18,10 +20,13 @@ import time
 import httpx
 
 from fair_sched_plugin.bench.processes import group_cpu_seconds
+from fair_sched_plugin.metrics.profiles import VLLM_PROFILE, filtered_metrics_url
 from tests.vllm import conftest as vllm_stage
 
 
-def _measure(client: httpx.Client, url: str, group: int, rate: float, seconds: float) -> None:
+def _measure(
+    client: httpx.Client, url: str, group: int, rate: float, seconds: float, page: str
+) -> None:
     used_before, started, scrapes, size = group_cpu_seconds(group), time.monotonic(), 0, 0
     while time.monotonic() - started < seconds:
         if rate:
@@ -32,8 +37,12 @@ def _measure(client: httpx.Client, url: str, group: int, rate: float, seconds: f
             time.sleep(0.5)
     used_ms = 1000 * (group_cpu_seconds(group) - used_before)
     per_scrape = f"{used_ms / scrapes:5.1f} ms per scrape (idle share included)" if scrapes else ""
-    page = f", page {size} bytes" if scrapes else ""
-    print(f"{rate:4g} scrapes/s: engine CPU {used_ms / seconds:5.0f} ms/s {per_scrape}{page}")
+    what = page if rate else "idle"
+    size_note = f", page {size} bytes" if scrapes else ""
+    print(
+        f"{what:8s} {rate:4g} scrapes/s: engine CPU {used_ms / seconds:5.0f} ms/s "
+        f"{per_scrape}{size_note}"
+    )
 
 
 def main() -> None:
@@ -54,9 +63,13 @@ def main() -> None:
     try:
         group = os.getpgid(engine.process.pid)
         with httpx.Client() as client:
+            filtered = filtered_metrics_url(engine.metrics_url, VLLM_PROFILE)
+            assert filtered is not None
             client.get(engine.metrics_url)
-            for rate in [0.0, *args.rates]:
-                _measure(client, engine.metrics_url, group, rate, args.seconds)
+            _measure(client, engine.metrics_url, group, 0.0, args.seconds, "idle")
+            for rate in args.rates:
+                for page, url in (("whole", engine.metrics_url), ("filtered", filtered)):
+                    _measure(client, url, group, rate, args.seconds, page)
     finally:
         engine.stop()
 

@@ -346,6 +346,10 @@ class BackendSettings(_Frozen):
     # How far behind the engine's /metrics is (vLLM's can lag seconds under load): a scrape then
     # shows the engine as it was this long before it was sent.
     metrics_lag_ms: Annotated[float, Field(ge=0, le=60_000)] = 0.0
+    # Ask the engine for only the series the gate reads where it serves a page filtered by name
+    # (vLLM: /metrics/?name[]=...; 1-2 kB instead of 50 kB, rendered on the engine's own CPU).
+    # An engine that does not is read whole, as with false.
+    metrics_filter: bool = True
     on_metrics_unavailable: MetricsUnavailableSettings | None = None
     price: PriceSettings | None = None
 

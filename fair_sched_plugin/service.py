@@ -363,6 +363,7 @@ class SchedulingService:
                     on_snapshot=self._snapshot_listener(model),
                     client=self._http_client,
                     clock=self.clock.now,
+                    name_filter=backend.metrics_filter,
                 )
                 watcher.start()
                 self._watchers.setdefault(model, []).append(watcher)

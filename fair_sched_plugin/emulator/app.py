@@ -1,7 +1,8 @@
 """OpenAI-compatible HTTP routes in front of the emulated engine (a Starlette app).
 
 Routes: ``POST /v1/chat/completions``, ``POST /v1/completions``, ``GET /v1/models``,
-``GET /health``, ``GET /metrics``, and the test hooks ``GET|POST /emulator/faults`` and
+``GET /health``, ``GET /metrics`` (and ``GET /metrics/?name[]=...``, only the named samples, as
+vLLM serves them), and the test hooks ``GET|POST /emulator/faults`` and
 ``GET /emulator/stats`` (so a test driving a subprocess can flip faults and read the engine).
 """
 
@@ -411,6 +412,7 @@ class Emulator:
                 Route("/v1/models", self.list_models, methods=["GET"]),
                 Route("/health", self.health, methods=["GET"]),
                 Route("/metrics", self.render_metrics, methods=["GET"]),
+                Route("/metrics/", self.render_filtered_metrics, methods=["GET"]),
                 Route("/emulator/faults", self.faults_endpoint, methods=["GET", "POST"]),
                 Route("/emulator/stats", self.stats_endpoint, methods=["GET"]),
             ],
@@ -475,7 +477,14 @@ class Emulator:
     async def health(self, request: Request) -> Response:
         return Response(status_code=200)
 
-    async def render_metrics(self, request: Request) -> Response:
+    async def render_filtered_metrics(self, request: Request) -> Response:
+        """`/metrics/?name[]=...`: only the named samples, as vLLM 0.32 serves them there (its
+        `/metrics` ignores the query and renders the whole page, as ours does)."""
+        if not self.engine.faults.metrics_filter:
+            return PlainTextResponse("Not Found", status_code=404)
+        return await self.render_metrics(request, request.query_params.getlist("name[]"))
+
+    async def render_metrics(self, request: Request, names: list[str] | None = None) -> Response:
         faults = self.engine.faults
         if faults.metrics_delay_s > 0:
             await asyncio.sleep(faults.metrics_delay_s)
@@ -485,7 +494,7 @@ class Emulator:
             return PlainTextResponse("Not Found", status_code=404)
         if faults.metrics_mode == "garbage":
             return Response(GARBAGE_METRICS, media_type="text/plain; version=0.0.4")
-        body = self.metrics.render(self.engine)
+        body = self.metrics.render(self.engine, names)
         return Response(body, media_type="text/plain; version=0.0.4; charset=utf-8")
 
     async def faults_endpoint(self, request: Request) -> JSONResponse:

@@ -46,6 +46,9 @@ class FaultSwitches:
     slow: float = 1.0
     """Every engine step takes this many times longer (a change of speed: 3.0 is 3x slower);
     on top of the instance's own ``EmulatorConfig.speed``."""
+    metrics_filter: bool = True
+    """``GET /metrics/?name[]=...`` answers with only the named samples (as vLLM 0.32 does);
+    False: it answers 404, as an engine or a reverse proxy that serves only ``/metrics``."""
 
     def update(self, changes: dict[str, object]) -> None:
         """Apply a partial update, validating names and types (used by the admin endpoint)."""
@@ -70,6 +73,8 @@ class FaultSwitches:
             raise ValueError(
                 f"metrics_mode must be one of {METRICS_MODES}, got {self.metrics_mode!r}"
             )
+        if not isinstance(self.metrics_filter, bool):
+            raise ValueError(f"metrics_filter must be true or false, got {self.metrics_filter!r}")
         nth = self.fail_every_nth_completion
         if isinstance(nth, bool) or not isinstance(nth, int) or nth < 0:
             raise ValueError(f"fail_every_nth_completion must be an int >= 0, got {nth!r}")

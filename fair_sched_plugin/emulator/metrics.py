@@ -269,8 +269,9 @@ class EngineMetrics(EngineObserver):
 
     # ------------------------------------------------------------ rendering
 
-    def render(self, engine: EmulatedEngine) -> bytes:
-        """Prometheus text exposition, with gauges read from the engine right now."""
+    def render(self, engine: EmulatedEngine, names: list[str] | None = None) -> bytes:
+        """Prometheus text exposition, with gauges read from the engine right now; with `names`,
+        only those samples (prometheus_client's `name[]` filter, as vLLM serves it)."""
         waiting = engine.waiting_by_model()
         running = engine.running_by_model()
         kv_tokens = engine.kv_tokens_by_model()
@@ -282,4 +283,6 @@ class EngineMetrics(EngineObserver):
             if series.kv_usage is not None:
                 usage = min(kv_tokens[model] / self._kv_capacity, 1.0)
                 series.kv_usage.set(usage)
+        if names:
+            return generate_latest(self.registry.restricted_registry(names))
         return generate_latest(self.registry)

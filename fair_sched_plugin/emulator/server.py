@@ -121,6 +121,7 @@ def config_to_argv(config: EmulatorConfig) -> list[str]:
     argv += ["--fail-every-nth-completion", str(faults.fail_every_nth_completion)]
     argv += ["--first-byte-delay-s", repr(faults.first_byte_delay_s)]
     argv += ["--slow", repr(faults.slow)]
+    argv += ["--metrics-filter" if faults.metrics_filter else "--no-metrics-filter"]
     return argv
 
 
@@ -211,6 +212,12 @@ def _add_arguments(parser: argparse.ArgumentParser) -> None:
     faults.add_argument(
         "--slow", type=float, default=1.0, help="every step takes this many times longer"
     )
+    faults.add_argument(
+        "--metrics-filter",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="serve /metrics/?name[]=... filtered by sample name, as vLLM does (else 404)",
+    )
 
 
 def config_from_args(args: argparse.Namespace) -> EmulatorConfig:
@@ -233,6 +240,7 @@ def config_from_args(args: argparse.Namespace) -> EmulatorConfig:
             fail_every_nth_completion=args.fail_every_nth_completion,
             first_byte_delay_s=args.first_byte_delay_s,
             slow=args.slow,
+            metrics_filter=args.metrics_filter,
         ),
     )
 

@@ -2,6 +2,11 @@
 
 Every cycle produces exactly one `BackendSnapshot`: ok with the parsed signals, or failed with a
 short reason. Failures are translated here, at the boundary; no httpx exception leaves this module.
+
+Where the engine serves its page filtered by series name (vLLM: `/metrics/?name[]=...`, see
+`filtered_metrics_url`), only the series the parser reads are asked for. An engine that answers
+that request with anything but a page it can read (a 404, a redirect, no queue counts) is asked
+for the whole page at once, in the same scrape, and from then on: one line at INFO says so.
 """
 
 from __future__ import annotations
@@ -23,7 +28,7 @@ from .parser import (
     recent_prefix_cache_hit_rate,
     recent_tpot,
 )
-from .profiles import MetricProfile
+from .profiles import MetricProfile, filtered_metrics_url
 
 __all__ = ["DEFAULT_MAX_BODY_BYTES", "MetricsWatcher"]
 
@@ -46,6 +51,11 @@ class _ScrapeFailed(Exception):
 
 class _TimedOut(_ScrapeFailed):
     """Internal: one scrape took longer than its deadline."""
+
+
+class _BadAnswer(_ScrapeFailed):
+    """Internal: the server answered, with something that is not a page we read (status, size,
+    encoding); not a network failure."""
 
 
 class MetricsWatcher:
@@ -71,6 +81,7 @@ class MetricsWatcher:
         min_gap_s: float | None = None,
         max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
         longest_timeout_s: float | None = None,
+        name_filter: bool = True,
     ) -> None:
         if interval_s <= 0 or timeout_s <= 0:
             raise ValueError("interval_s and timeout_s must be greater than 0")
@@ -78,6 +89,8 @@ class MetricsWatcher:
             raise ValueError("min_gap_s must not be negative")
         self.url = url
         self._profile = profile
+        # The page with only our series where the engine serves one (`name_filter` off: never).
+        self._filtered_url = filtered_metrics_url(url, profile) if name_filter else None
         self._model_name = model_name
         self._interval_s = interval_s
         self._timeout_s = timeout_s
@@ -184,6 +197,11 @@ class MetricsWatcher:
         return self._failures_total
 
     @property
+    def filtering(self) -> bool:
+        """Whether scrapes ask for the engine's page filtered to our series (see the module)."""
+        return self._filtered_url is not None
+
+    @property
     def is_running(self) -> bool:
         return self._task is not None and not self._task.done()
 
@@ -232,9 +250,8 @@ class MetricsWatcher:
         started_at = self._now()  # before the GET: anything released earlier may be counted
         began = asyncio.get_running_loop().time()
         try:
-            text = await self._fetch()
+            parsed = await self._read()
             self._took(asyncio.get_running_loop().time() - began)
-            parsed = parse_metrics(text, self._profile, self._model_name)
         except _TimedOut as exc:
             self._deadline_s = min(self._longest_timeout_s, 2 * self._deadline_s)
             return self._failed(started_at, str(exc))
@@ -272,35 +289,52 @@ class MetricsWatcher:
             requests_finished=parsed.requests_finished,
         )
 
-    async def _fetch(self) -> str:
+    async def _read(self) -> ParsedMetrics:
+        """One page, parsed: the filtered one while the engine serves it, else the whole."""
+        filtered = self._filtered_url
+        if filtered is not None:
+            try:
+                return parse_metrics(await self._fetch(filtered), self._profile, self._model_name)
+            except (_BadAnswer, MetricsParseError) as exc:
+                # Timeouts and network errors say nothing about the filter: they propagate.
+                self._filtered_url = None
+                logger.info(
+                    "metrics of %s: the engine does not serve its page filtered by series name "
+                    "(%s); reading the whole page from now on",
+                    self.url,
+                    exc,
+                )
+        return parse_metrics(await self._fetch(self.url), self._profile, self._model_name)
+
+    async def _fetch(self, url: str) -> str:
         client = self._client
         assert client is not None  # set by start()
         deadline = self._deadline_s
         try:
             # httpx's timeout bounds each phase; wait_for bounds the whole exchange, so a server
             # that trickles bytes cannot stall the loop either.
-            return await asyncio.wait_for(self._fetch_text(client, deadline), timeout=deadline)
+            return await asyncio.wait_for(self._fetch_text(client, url, deadline), timeout=deadline)
         except (asyncio.TimeoutError, httpx.TimeoutException):
             raise _TimedOut(f"timed out after {deadline:g}s") from None
         except httpx.HTTPError as exc:
             raise _ScrapeFailed(f"{type(exc).__name__}: {exc}") from None
 
-    async def _fetch_text(self, client: httpx.AsyncClient, deadline: float) -> str:
-        async with client.stream("GET", self.url, timeout=deadline) as response:
+    async def _fetch_text(self, client: httpx.AsyncClient, url: str, deadline: float) -> str:
+        async with client.stream("GET", url, timeout=deadline) as response:
             if response.status_code != 200:
-                raise _ScrapeFailed(f"HTTP {response.status_code}")
+                raise _BadAnswer(f"HTTP {response.status_code}")
             declared = response.headers.get("content-length", "")
             if declared.isdigit() and int(declared) > self._max_body_bytes:
-                raise _ScrapeFailed(f"body larger than {self._max_body_bytes} bytes")
+                raise _BadAnswer(f"body larger than {self._max_body_bytes} bytes")
             body = bytearray()
             async for chunk in response.aiter_bytes():
                 body += chunk
                 if len(body) > self._max_body_bytes:
-                    raise _ScrapeFailed(f"body larger than {self._max_body_bytes} bytes")
+                    raise _BadAnswer(f"body larger than {self._max_body_bytes} bytes")
         try:
             return body.decode("utf-8")
         except UnicodeDecodeError:
-            raise _ScrapeFailed("body is not UTF-8 text") from None
+            raise _BadAnswer("body is not UTF-8 text") from None
 
     def _failed(self, started_at: float, reason: str) -> BackendSnapshot:
         # DEBUG only: at 10 scrapes a second a dead engine would flood WARNING; the gate logs the

@@ -189,3 +189,35 @@ async def test_emulators_in_one_process_keep_separate_registries(emu: RunningEmu
         assert (await scrape(http))["vllm:generation_tokens_total"] == 5
     async with open_client(emu) as http:
         assert (await scrape(http))["vllm:generation_tokens_total"] == 0
+
+
+async def test_the_filtered_page_has_only_the_named_samples_and_plain_metrics_ignores_it(
+    emu: RunningEmulator,
+) -> None:
+    """As vLLM 0.32: `/metrics/?name[]=...` renders only those samples (a histogram's `_sum`
+    and `_count` without its buckets); `/metrics` renders the whole page whatever the query."""
+    names = [
+        "vllm:num_requests_waiting",
+        "vllm:time_to_first_token_seconds_sum",
+        "vllm:time_to_first_token_seconds_count",
+    ]
+    query = [("name[]", name) for name in names]
+    async with open_client(emu) as http:
+        await http.post("/v1/chat/completions", json=chat_body(max_tokens=5))
+        whole = await http.get("/metrics")
+        filtered = await http.get("/metrics/", params=query)
+        ignored = await http.get("/metrics", params=query)
+    assert filtered.status_code == 200
+    assert set(parse_samples(filtered.text)) == set(names)
+    assert "_bucket" not in filtered.text
+    assert len(filtered.content) * 10 < len(whole.content)
+    assert set(parse_samples(ignored.text)) == set(parse_samples(whole.text))
+
+
+async def test_the_filtered_page_can_be_switched_off(emu: RunningEmulator) -> None:
+    emu.engine.faults.update({"metrics_filter": False})
+    async with open_client(emu) as http:
+        refused = await http.get("/metrics/", params={"name[]": "vllm:num_requests_waiting"})
+        whole = await http.get("/metrics")
+    assert refused.status_code == 404
+    assert whole.status_code == 200

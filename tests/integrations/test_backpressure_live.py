@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 from typing import Any
 
 import httpx
+import pytest
 
 from fair_sched_plugin.core import BackendSnapshot
 from fair_sched_plugin.emulator.server import RunningEmulator, run_emulator
@@ -40,17 +42,22 @@ async def _forward(
         admission.lease.release()
 
 
+def _fast_watcher(emu: RunningEmulator, seen: list[BackendSnapshot]) -> MetricsWatcher:
+    """The emulator's /metrics read every 20 ms as vLLM's, every snapshot appended to `seen`."""
+    return MetricsWatcher(
+        f"{emu.base_url}/metrics",
+        engine_profile("vllm"),
+        model_name=None,
+        interval_s=0.02,
+        timeout_s=1.0,
+        on_snapshot=seen.append,
+    )
+
+
 async def test_watcher_reads_the_live_engine_rising_and_falling() -> None:
     async with emulator(max_num_seqs=2, base_step_ms=5.0) as emu:
         seen: list[BackendSnapshot] = []
-        watcher = MetricsWatcher(
-            f"{emu.base_url}/metrics",
-            engine_profile("vllm"),
-            model_name=None,
-            interval_s=0.02,
-            timeout_s=1.0,
-            on_snapshot=seen.append,
-        )
+        watcher = _fast_watcher(emu, seen)
         async with watcher, httpx.AsyncClient(base_url=emu.base_url, timeout=30) as client:
             burst = [
                 asyncio.ensure_future(
@@ -69,6 +76,46 @@ async def test_watcher_reads_the_live_engine_rising_and_falling() -> None:
         assert max(waiting) > 0 and max(running) == 2
         assert waiting[-1] == 0 and running[-1] == 0
         assert any(snapshot.tpot_s is not None for snapshot in seen)
+
+
+async def test_watcher_reads_the_filtered_page_with_every_signal() -> None:
+    """`metrics_filter` (the default): the emulator serves `/metrics/?name[]=...` as vLLM does,
+    and every signal the whole page gives comes from it, the histograms' means included."""
+    async with emulator(max_num_seqs=2, base_step_ms=5.0) as emu:
+        seen: list[BackendSnapshot] = []
+        watcher = _fast_watcher(emu, seen)
+        async with watcher, httpx.AsyncClient(base_url=emu.base_url, timeout=30) as client:
+            body = completion_body(max_tokens=20)
+            burst = (client.post("/v1/completions", json=body) for _ in range(6))
+            await asyncio.wait_for(asyncio.gather(*burst), timeout=30)
+            await wait_until(lambda: bool(seen) and seen[-1].ok and seen[-1].running == 0)
+            assert watcher.filtering
+        assert all(snapshot.ok for snapshot in seen)
+        assert max(snapshot.waiting for snapshot in seen) > 0
+        assert any(snapshot.tpot_s is not None for snapshot in seen)
+        assert any(snapshot.ttft_s is not None for snapshot in seen)
+        assert seen[-1].requests_finished == 6
+        assert seen[-1].kv_usage is not None
+
+
+async def test_an_engine_without_the_filtered_page_is_read_whole_at_once(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """The filtered page answers 404 (an engine or reverse proxy that serves only /metrics):
+    the first scrape reads the whole page instead, no scrape fails, and one INFO line says so."""
+    async with emulator(max_num_seqs=2, base_step_ms=5.0) as emu:
+        emu.engine.faults.update({"metrics_filter": False})
+        seen: list[BackendSnapshot] = []
+        watcher = _fast_watcher(emu, seen)
+        with caplog.at_level(logging.INFO, logger="fair_sched_plugin.metrics.watcher"):
+            async with watcher:
+                assert watcher.filtering
+                await wait_until(lambda: len(seen) >= 5)
+                assert not watcher.filtering
+        assert all(snapshot.ok for snapshot in seen)
+        said = [r for r in caplog.records if "filtered by series name" in r.getMessage()]
+        assert len(said) == 1 and said[0].levelno == logging.INFO
+        assert "HTTP 404" in said[0].getMessage()
 
 
 async def test_burst_of_1000_parked_requests_never_floods_the_engine_queue() -> None:

@@ -35,7 +35,7 @@ from starlette.responses import Response
 from starlette.routing import Route
 
 from fair_sched_plugin.core import BackendSnapshot
-from fair_sched_plugin.metrics.profiles import engine_profile
+from fair_sched_plugin.metrics.profiles import VLLM_PROFILE, engine_profile, filtered_metrics_url
 from fair_sched_plugin.metrics.watcher import MetricsWatcher
 from fair_sched_plugin.proxy import build_proxy_app
 
@@ -455,6 +455,14 @@ async def test_watcher_sees_live_engine_queue_rise_and_fall(priority_engine: Vll
         while not (seen[-1].ok and seen[-1].waiting == 0 and seen[-1].running == 0):
             assert loop.time() < give_up_at, f"the engine never looked idle again: {seen[-1]}"
             await asyncio.sleep(0.05)
+        # vLLM 0.32 serves its page filtered by series name (`metrics_filter`, the default):
+        # the watcher read it all along, and it is a fraction of the whole page.
+        assert watcher.filtering
+        filtered_url = filtered_metrics_url(priority_engine.metrics_url, VLLM_PROFILE)
+        assert filtered_url is not None
+        whole = len((await client.get(priority_engine.metrics_url)).content)
+        filtered = len((await client.get(filtered_url)).content)
+    assert filtered * 10 < whole, f"filtered page {filtered} bytes, whole page {whole} bytes"
     ok = [s for s in seen if s.ok]
     assert before.waiting == 0 and before.running == 0
     # 24 requests on 8 slots: the watcher sees a full batch and a queue behind it ...
@@ -465,7 +473,8 @@ async def test_watcher_sees_live_engine_queue_rise_and_fall(priority_engine: Vll
     assert any(s.tpot_s is not None and s.tpot_s > 0 for s in ok)
     print(
         f"\n[vllm watcher] {len(ok)} scrapes: waiting max {max(s.waiting for s in ok):.0f}, "
-        f"running max {max(s.running for s in ok):.0f}"
+        f"running max {max(s.running for s in ok):.0f}; page {filtered} bytes filtered, "
+        f"{whole} whole"
     )
 
 
