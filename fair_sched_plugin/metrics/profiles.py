@@ -131,8 +131,9 @@ def filtered_metrics_url(url: str, profile: MetricProfile) -> str | None:
     """`http://host:8000/metrics` -> `http://host:8000/metrics/?name[]=...` with the profile's
     series: 2.3 kB instead of vLLM 0.32's 47.5 kB, which its API server renders on the CPU that
     also feeds the engine (at ten scrapes a second its processes spent 26 ms of CPU a second
-    instead of 72, 14 of them idle: benchmarks/vllm_scrape_cost.py). None where the engine serves no such filter, or the URL is not a plain path ending
-    in /metrics (a query or another path is the operator's own, and is left as given)."""
+    instead of 72, 14 of them idle: benchmarks/vllm_scrape_cost.py). None where the engine
+    serves no such filter, or the URL is not a plain path ending in /metrics (a query or another
+    path is the operator's own, and is left as given)."""
     if not profile.name_filter:
         return None
     parts = urlsplit(url)
