@@ -5,8 +5,9 @@ short reason. Failures are translated here, at the boundary; no httpx exception 
 
 Where the engine serves its page filtered by series name (vLLM: `/metrics/?name[]=...`, see
 `filtered_metrics_url`), only the series the parser reads are asked for. An engine that answers
-that request with anything but a page it can read (a 404, a redirect, no queue counts) is asked
-for the whole page at once, in the same scrape, and from then on: one line at INFO says so.
+that request with anything but a page it can read (a 404, a redirect, no queue counts; not a
+server error, which fails the scrape as on the whole page) is asked for the whole page at once,
+in the same scrape, and from then on: one line at INFO says so.
 """
 
 from __future__ import annotations
@@ -56,6 +57,10 @@ class _TimedOut(_ScrapeFailed):
 class _BadAnswer(_ScrapeFailed):
     """Internal: the server answered, with something that is not a page we read (status, size,
     encoding); not a network failure."""
+
+    def __init__(self, reason: str, status: int | None = None) -> None:
+        super().__init__(reason)
+        self.status = status
 
 
 class MetricsWatcher:
@@ -296,7 +301,10 @@ class MetricsWatcher:
             try:
                 return parse_metrics(await self._fetch(filtered), self._profile, self._model_name)
             except (_BadAnswer, MetricsParseError) as exc:
-                # Timeouts and network errors say nothing about the filter: they propagate.
+                # Timeouts, network errors and server errors (a restarting engine behind a
+                # reverse proxy answers 502) say nothing about the filter: they propagate.
+                if isinstance(exc, _BadAnswer) and (exc.status or 0) >= 500:
+                    raise
                 self._filtered_url = None
                 logger.info(
                     "metrics of %s: the engine does not serve its page filtered by series name "
@@ -322,7 +330,7 @@ class MetricsWatcher:
     async def _fetch_text(self, client: httpx.AsyncClient, url: str, deadline: float) -> str:
         async with client.stream("GET", url, timeout=deadline) as response:
             if response.status_code != 200:
-                raise _BadAnswer(f"HTTP {response.status_code}")
+                raise _BadAnswer(f"HTTP {response.status_code}", response.status_code)
             declared = response.headers.get("content-length", "")
             if declared.isdigit() and int(declared) > self._max_body_bytes:
                 raise _BadAnswer(f"body larger than {self._max_body_bytes} bytes")

@@ -118,6 +118,20 @@ async def test_an_engine_without_the_filtered_page_is_read_whole_at_once(
         assert "HTTP 404" in said[0].getMessage()
 
 
+async def test_a_server_error_fails_the_scrape_and_keeps_the_filter() -> None:
+    """HTTP 500 says nothing about the filter (a restarting engine behind a reverse proxy):
+    those scrapes fail as on the whole page, and the filtered page is read again after."""
+    async with emulator(max_num_seqs=2, base_step_ms=5.0) as emu:
+        seen: list[BackendSnapshot] = []
+        emu.engine.faults.update({"metrics_mode": "error"})
+        async with _fast_watcher(emu, seen) as watcher:
+            await wait_until(lambda: len(seen) >= 3)
+            assert not any(snapshot.ok for snapshot in seen) and watcher.filtering
+            emu.engine.faults.update({"metrics_mode": "ok"})
+            await wait_until(lambda: seen[-1].ok)
+            assert watcher.filtering
+
+
 async def test_burst_of_1000_parked_requests_never_floods_the_engine_queue() -> None:
     """1,000 requests from 10 users wait in our queues; the engine's waiting queue stays within
     the threshold (the scrape lag is covered by the pending credits)."""
