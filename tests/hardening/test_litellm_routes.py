@@ -68,13 +68,19 @@ HOSTED_ONLY = re.compile(
 )
 # Routes that only count tokens (see the walk's assertion).
 TOKEN_COUNTING = re.compile(r"count_tokens|countTokens|input_tokens|token_counter")
-# Engine paths the emulator serves; the relay records everything and forwards only these.
+# Engine paths the emulator serves; the relay records every request but GETs (see Relay) and
+# forwards only these.
 ENGINE_PATHS = ("/v1/chat/completions", "/v1/completions")
 
 
 @dataclass
 class Relay:
-    """What reached the engine: (path, raw body) per request, in order."""
+    """What reached the engine: (path, raw body) per request, in order; GETs are not recorded.
+
+    LiteLLM lists the api_base's `/v1/models` at start-up (twice), at a time of its own: a CI
+    run failed the walk on its first route, `/assistants`, which LiteLLM refuses without calling
+    anything, so something else had arrived in its window, and those GETs are the only other
+    traffic the relay sees (locally they came before the walk). A GET generates nothing."""
 
     records: list[tuple[str, bytes]] = field(default_factory=list)
 
@@ -83,7 +89,8 @@ def relay_app(emu: RunningEmulator, relay: Relay) -> Starlette:
     async def anything(request: Request) -> Response:
         body = await request.body()
         path = request.url.path
-        relay.records.append((path, body))
+        if request.method != "GET":
+            relay.records.append((path, body))
         if request.method == "POST" and path in ENGINE_PATHS:
             client: httpx.AsyncClient = request.app.state.http
             return await relay_upstream(client, emu.base_url + path, body)
