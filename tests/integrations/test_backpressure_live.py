@@ -132,6 +132,18 @@ async def test_a_server_error_fails_the_scrape_and_keeps_the_filter() -> None:
             assert watcher.filtering
 
 
+@pytest.mark.parametrize("metrics_filter", [True, False])
+async def test_the_services_watchers_follow_backends_metrics_filter(metrics_filter: bool) -> None:
+    """`backends.<model>.metrics_filter` reaches the watcher: on (the default), the service
+    reads the filtered page; off, the whole page. The gate gets fresh metrics either way."""
+    async with emulator(max_num_seqs=2, base_step_ms=5.0) as emu:
+        backend = {} if metrics_filter else {"metrics_filter": False}
+        async with SchedulingService(fair_config(emu, backend=backend)) as service:
+            await wait_until(lambda: service.gate.status()[0].mode == "metrics")
+            (watcher,) = service.watchers()[MODEL]
+            assert watcher.filtering is metrics_filter
+
+
 async def test_burst_of_1000_parked_requests_never_floods_the_engine_queue() -> None:
     """1,000 requests from 10 users wait in our queues; the engine's waiting queue stays within
     the threshold (the scrape lag is covered by the pending credits)."""
