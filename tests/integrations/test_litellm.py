@@ -19,7 +19,7 @@ import asyncio
 import contextlib
 import statistics
 import time
-from collections.abc import AsyncIterator, Mapping
+from collections.abc import AsyncIterator, Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -197,6 +197,13 @@ def received_with(emu: RunningEmulator, max_tokens: int) -> list[Any]:
     return [request for request in emu.engine.received if request.max_tokens == max_tokens]
 
 
+def hogs_arrived_since_now(emu: RunningEmulator) -> Callable[[], int]:
+    """How many HOG_TOKENS requests reached `emu` since this call. The engine remembers earlier
+    tests' hogs, so a wait on the total alone can pass before this test's hog holds its slot."""
+    before = len(received_with(emu, HOG_TOKENS))
+    return lambda: len(received_with(emu, HOG_TOKENS)) - before
+
+
 async def engine_idle(emu: RunningEmulator, timeout_s: float = 10.0) -> None:
     def idle() -> bool:
         stats = emu.engine.statistics()
@@ -309,8 +316,9 @@ async def test_body_user_and_headers_do_not_change_the_callers_queue(stack: Stac
         open_client(stack.strict.base_url, "sk-a") as alice,
         open_client(stack.strict.base_url, "sk-c") as carol,
     ):
+        hogs_arrived = hogs_arrived_since_now(stack.fcfs)
         hog = asyncio.create_task(drain(hog_client, body(HOG_TOKENS, "tiny-capped", stream=True)))
-        await wait_until(lambda: bool(received_with(stack.fcfs, HOG_TOKENS)))
+        await wait_until(lambda: hogs_arrived() >= 1)
         parked = []
         for tag in (51, 52):
             parked.append(asyncio.create_task(alice.post(CHAT, json=body(tag, "tiny-capped"))))
@@ -342,8 +350,9 @@ async def test_queue_cap_is_429_with_retry_after(stack: Stack) -> None:
         open_client(stack.strict.base_url, "sk-b") as hog_client,
         open_client(stack.strict.base_url, "sk-c") as carol,
     ):
+        hogs_arrived = hogs_arrived_since_now(stack.fcfs)
         hog = asyncio.create_task(drain(hog_client, body(HOG_TOKENS, "tiny-capped", stream=True)))
-        await wait_until(lambda: len(received_with(stack.fcfs, HOG_TOKENS)) >= 1)
+        await wait_until(lambda: hogs_arrived() >= 1)
         parked = []
         for tag in (55, 56):
             parked.append(asyncio.create_task(carol.post(CHAT, json=body(tag, "tiny-capped"))))
@@ -438,11 +447,12 @@ async def test_disconnect_while_parked_never_reaches_the_engine(stack: Stack) ->
         open_client(stack.main.base_url, "sk-c") as carol,
         open_client(stack.main.base_url, "sk-c") as carol_again,
     ):
+        hogs_arrived = hogs_arrived_since_now(stack.emu)
         hogs = [
             asyncio.create_task(drain(bob, body(HOG_TOKENS, stream=True))) for _ in range(hog_count)
         ]
         try:
-            await wait_until(lambda: len(received_with(stack.emu, HOG_TOKENS)) >= hog_count)
+            await wait_until(lambda: hogs_arrived() >= hog_count)
             leaving = asyncio.create_task(drain(carol, body(61, stream=True)))
             await asyncio.sleep(SETTLE_S)
             staying = asyncio.create_task(carol_again.post(CHAT, json=body(62)))
