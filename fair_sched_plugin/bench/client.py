@@ -11,6 +11,8 @@ from typing import Any
 
 import httpx
 
+from .._http import sse_lines
+
 MODEL = "tiny"
 PROMPT = "Write a short story about a lighthouse keeper."
 # A stream silent this long is a failure, not a slow request; keeps every run bounded.
@@ -107,7 +109,7 @@ async def stream_one(
                 body = (await response.aread())[:200].decode(errors="replace")
                 record.error = f"HTTP {response.status_code}: {body}"
             else:
-                async for line in response.aiter_lines():
+                async for line in sse_lines(response.aiter_text()):
                     if _has_content(line):
                         if record.first_token is None:
                             record.first_token = time.perf_counter() - clock_zero

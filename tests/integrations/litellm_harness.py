@@ -27,6 +27,8 @@ import httpx
 import pytest
 import yaml
 
+from fair_sched_plugin._http import sse_lines
+
 from ..processes import own_process_group
 
 LOOPBACK = "127.0.0.1"
@@ -310,7 +312,7 @@ async def stream_chat(
             result.error = (await response.aread()).decode(errors="replace")
             result.done_at = time.perf_counter()
             return result
-        async for line in response.aiter_lines():
+        async for line in sse_lines(response.aiter_text()):
             if not line.startswith("data: ") or line == "data: [DONE]":
                 continue
             chunk = json.loads(line[6:])

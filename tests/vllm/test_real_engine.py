@@ -34,6 +34,7 @@ from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import Route
 
+from fair_sched_plugin._http import sse_lines
 from fair_sched_plugin.core import BackendSnapshot
 from fair_sched_plugin.metrics.profiles import VLLM_PROFILE, engine_profile, filtered_metrics_url
 from fair_sched_plugin.metrics.watcher import MetricsWatcher
@@ -169,7 +170,7 @@ async def stream_chat(
                 record.error = (await response.aread()).decode(errors="replace")[:500]
                 return record
             chunks = 0
-            async for line in response.aiter_lines():
+            async for line in sse_lines(response.aiter_text()):
                 if not line.startswith("data: ") or line == "data: [DONE]":
                     continue
                 chunk = json.loads(line[6:])
