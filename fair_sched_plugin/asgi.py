@@ -56,6 +56,9 @@ DEFAULT_PATHS = (
 MAX_BODY_BYTES = 8 * 1024 * 1024
 # A copy of a non-streamed response body is kept up to this size to read its `usage`.
 USAGE_SNIFF_BYTES = 256 * 1024
+# The longest event-stream line kept while it waits for its line end (a `usage` event is a few
+# hundred bytes).
+SSE_LINE_LIMIT_BYTES = 64 * 1024
 
 # Key in the ASGI scope's "state" (Starlette's `request.state.fair_sched_deployment`): the
 # deployment the request is bound to, None where the gate knows no deployment of its model.
@@ -244,6 +247,7 @@ class _ScheduledRequest:
         self.watch = watch
         self.response_is_stream = False
         self.stream_chunks = 0
+        self.sse_tail = b""  # an event stream's last line until its line end arrives
         self.sniffed = bytearray()
         self.usage: Usage | None = None
 
@@ -354,15 +358,27 @@ class _ScheduledRequest:
 
     def _observe(self, chunk: bytes) -> None:
         if self.response_is_stream:
-            self.stream_chunks += chunk.count(b"data: ")
-            if b'"usage"' in chunk:
-                self.usage = _usage_from_sse(chunk) or self.usage
+            # A relayed stream's chunks are network reads (`fair-sched proxy` relays them as
+            # they come), so an event can straddle two: only whole lines are read, the rest
+            # waits for the next chunk (bounded: a line that long is no `usage` we read).
+            lines = self.sse_tail + chunk if self.sse_tail else chunk
+            whole = lines.rfind(b"\n") + 1
+            self.sse_tail = lines[whole:] if len(lines) - whole <= SSE_LINE_LIMIT_BYTES else b""
+            self._observe_sse_lines(lines[:whole])
         elif len(self.sniffed) < USAGE_SNIFF_BYTES:
             self.sniffed += chunk[: USAGE_SNIFF_BYTES - len(self.sniffed)]
+
+    def _observe_sse_lines(self, lines: bytes) -> None:
+        self.stream_chunks += lines.count(b"data: ")
+        if b'"usage"' in lines:
+            self.usage = _usage_from_sse(lines) or self.usage
 
     def _release(self, lease: Lease) -> None:
         """End the lease with the response's `usage`; without one, a stream is charged a token
         per chunk it carried."""
+        if self.sse_tail:  # a last line without its line end
+            self._observe_sse_lines(self.sse_tail)
+            self.sse_tail = b""
         usage = self.usage
         if usage is None and self.sniffed:
             with contextlib.suppress(ValueError, TypeError, AttributeError):

@@ -17,6 +17,7 @@ from starlette.responses import PlainTextResponse, Response
 from starlette.routing import Route
 
 from fair_sched_plugin.asgi import FairSchedulerMiddleware
+from fair_sched_plugin.core import Lease
 from fair_sched_plugin.emulator.server import RunningEmulator
 from fair_sched_plugin.service import SchedulingService
 
@@ -303,3 +304,62 @@ async def test_failed_startup_still_closes_the_service() -> None:
     assert [m["type"] for m in sent] == ["lifespan.startup.failed"]
     with pytest.raises(RuntimeError):
         service.start()
+
+
+# ----------------------------------------------------------------------------- split events
+
+SPLIT_USAGE = {"prompt_tokens": 30, "completion_tokens": 3, "total_tokens": 33}
+SPLIT_STREAM = (
+    b"".join(
+        b"data: " + json.dumps(event).encode() + b"\n\n"
+        for event in (
+            *({"choices": [{"delta": {"content": f"t{n}"}}]} for n in range(3)),
+            {"choices": [], "usage": SPLIT_USAGE},
+        )
+    )
+    + b"data: [DONE]\n\n"
+)
+
+
+def split_stream_app(cut: int) -> Starlette:
+    """A chat route whose event stream reaches the middleware in two body messages, cut at
+    byte `cut`: as a relay's network reads may cut it (`fair-sched proxy` relays raw reads)."""
+
+    async def chat(request: Request) -> Response:
+        await request.body()
+
+        async def app(scope: Any, receive: Any, send: Any) -> None:
+            headers = [(b"content-type", b"text/event-stream")]
+            await send({"type": "http.response.start", "status": 200, "headers": headers})
+            await send(
+                {"type": "http.response.body", "body": SPLIT_STREAM[:cut], "more_body": True}
+            )
+            await send({"type": "http.response.body", "body": SPLIT_STREAM[cut:]})
+
+        return app  # type: ignore[return-value]
+
+    return Starlette(routes=[Route("/v1/chat/completions", chat, methods=["POST"])])
+
+
+async def test_a_streams_usage_is_read_wherever_its_chunks_are_cut() -> None:
+    """The `tokens` policy charges the stream's `usage` (prompt + completion), also when the
+    usage event or its `data: ` arrives in two pieces; before, such a cut lost the usage and
+    the stream was charged one token per chunk."""
+    usage_at = SPLIT_STREAM.index(b'data: {"choices": [], "usage"')
+    cuts = [*range(usage_at - 2, usage_at + 12), len(SPLIT_STREAM) - 30, usage_at + 60]
+    async with emulator() as emu:
+        for cut in cuts:
+            served = FairSchedulerMiddleware(
+                split_stream_app(cut), config=fair_config(emu, fairness="tokens")
+            )
+            charged: list[int | None] = []
+
+            def record(lease: Lease, abandoned: bool, charged: list[int | None] = charged) -> None:
+                charged.append(lease.tokens_used)
+
+            async with serve(served) as url, open_client(url, key="sk-a") as client:
+                served.service.scheduler.add_end_listener(record)
+                response = await client.post("/v1/chat/completions", json=chat_body(stream=True))
+                assert response.status_code == 200
+                assert response.content == SPLIT_STREAM
+            assert charged == [33], cut
