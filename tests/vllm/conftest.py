@@ -24,6 +24,7 @@ import math
 import os
 import signal
 import socket
+import statistics
 import subprocess
 import sys
 import time
@@ -132,6 +133,34 @@ def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
         if name in FLOOD_REPORT and baseline in FLOOD_REPORT:
             ratio = FLOOD_REPORT[name]["tokens_per_s"] / FLOOD_REPORT[baseline]["tokens_per_s"]
             terminalreporter.write_line(f"throughput {name} / {baseline}: {ratio:.2f}")
+    for kind, ratios in bracketed_ratios(PAIRED_ROUNDS).items():
+        terminalreporter.write_line(
+            f"paired rounds, {kind} / LiteLLM alone on either side: median "
+            f"{statistics.median(ratios):.2f} of {len(ratios)} ("
+            + " ".join(f"{ratio:.2f}" for ratio in sorted(ratios))
+            + ")"
+        )
+
+
+# Paired rounds (test_paired_rounds.py): (what ran, tokens/s) in the order they ran; "plain" is
+# LiteLLM alone, anything else the plugin.
+PAIRED_ROUNDS: list[tuple[str, float]] = []
+
+
+def bracketed_ratios(rounds: list[tuple[str, float]]) -> dict[str, list[float]]:
+    """Each plugin round's tokens/s against the mean of the LiteLLM-alone rounds next to it
+    (before and after; one where it is first or last): the machine's speed drifts by more than
+    the differences measured, and a baseline on both sides cancels a steady drift."""
+    plain = [(index, rate) for index, (kind, rate) in enumerate(rounds) if kind == "plain"]
+    ratios: dict[str, list[float]] = {}
+    for index, (kind, rate) in enumerate(rounds):
+        if kind == "plain":
+            continue
+        before = [base for at, base in plain if at < index][-1:]
+        after = [base for at, base in plain if at > index][:1]
+        if before or after:
+            ratios.setdefault(kind, []).append(rate / statistics.mean(before + after))
+    return ratios
 
 
 DIRECT_FLOOD = "direct to vLLM (FIFO)"

@@ -84,6 +84,7 @@ def fair_section(
     api_base: str | None = None,
     priority_scheduling: bool = True,
     auto: bool = False,
+    waiting_below: int = 3,
 ) -> dict[str, Any]:
     backend: dict[str, Any] = {
         "metrics_url": engine.metrics_url,
@@ -100,7 +101,7 @@ def fair_section(
         backend["api_base"] = api_base
     interactive: dict[str, Any] = {
         "name": "interactive",
-        "waiting_below": 3,
+        "waiting_below": waiting_below,
         "vllm_priority": INTERACTIVE_PRIORITY,
     }
     if auto:  # issue #17: the queue tuned to a TTFT target instead of a fixed 3
@@ -531,13 +532,15 @@ async def litellm_flood(
     heavy_key: str,
     light_keys: tuple[str, ...],
     auto: bool = False,
+    waiting_below: int = 3,
 ) -> Flood:
-    """The power-user flood through a LiteLLM proxy subprocess, with or without the plugin."""
+    """The power-user flood through a LiteLLM proxy subprocess, with or without the plugin
+    (the interactive tier's `waiting_below` fixed, or `auto`)."""
     from ..integrations.litellm_harness import litellm_proxy, model_entry, proxy_config
 
     config = proxy_config(
         [model_entry(SERVED_MODEL, engine.api_base, engine_model=SERVED_MODEL)],
-        fair_section(engine, auto=auto) if plugin else None,
+        fair_section(engine, auto=auto, waiting_below=waiting_below) if plugin else None,
         plugin=plugin,
         custom_auth=plugin,
     )

@@ -1,0 +1,71 @@
+"""Issue #17's throughput ratio measured in paired rounds, on demand (never in CI).
+
+One flood's tokens/s on this kind of machine moves by more than the differences asked about
+(LiteLLM alone read 611-1214 tokens/s for the same flood on one machine within an hour), so a
+ratio of two runs says little. `FAIR_SCHED_VLLM_ROUNDS` names floods to run in that order in one
+engine session, all through a LiteLLM proxy: `plain` (no plugin), `auto` (the plugin with
+`waiting_below: auto`) or a whole number (the plugin with that fixed `waiting_below`), e.g.
+
+    FAIR_SCHED_VLLM_ROUNDS=plain,auto,3,plain,auto,3,plain FAIR_SCHED_VLLM_FLOOD=100x128 \\
+        pytest -s tests/vllm/test_paired_rounds.py
+
+The session summary gives each plugin round against the mean of the `plain` rounds on either side
+of it, and their median per kind (docs/real-vllm.md). With the plugin, light users must still
+finish before the power user's median request in every round.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+from ..integrations.litellm_harness import MASTER_KEY
+from .conftest import PAIRED_ROUNDS, VllmEngine
+from .test_real_engine import LIGHT_KEYS, POWER_KEY, _done, litellm_flood
+
+
+def rounds() -> list[str]:
+    named = os.environ.get("FAIR_SCHED_VLLM_ROUNDS", "").strip()
+    kinds = [kind.strip() for kind in named.split(",")] if named else []
+    for kind in kinds:
+        if kind not in ("plain", "auto") and not (kind.isdigit() and int(kind) >= 1):
+            raise pytest.UsageError(
+                f"FAIR_SCHED_VLLM_ROUNDS: {kind!r} is not plain, auto or a whole number >= 1"
+            )
+    return kinds
+
+
+ROUNDS = rounds()
+
+
+@pytest.mark.skipif(not ROUNDS, reason="FAIR_SCHED_VLLM_ROUNDS is not set (on demand only)")
+@pytest.mark.parametrize("step", range(len(ROUNDS)) or [0])
+async def test_round(step: int, priority_engine: VllmEngine, tmp_path: Path) -> None:
+    kind = ROUNDS[step]
+    if kind == "plain":
+        flood = await litellm_flood(
+            f"round {step}: LiteLLM alone",
+            priority_engine,
+            tmp_path,
+            plugin=False,
+            heavy_key=MASTER_KEY,
+            light_keys=(MASTER_KEY, MASTER_KEY),
+        )
+    else:
+        flood = await litellm_flood(
+            f"round {step}: LiteLLM + plugin, waiting_below {kind}",
+            priority_engine,
+            tmp_path,
+            plugin=True,
+            heavy_key=POWER_KEY,
+            light_keys=LIGHT_KEYS,
+            auto=kind == "auto",
+            waiting_below=3 if kind == "auto" else int(kind),
+        )
+    label = "plain" if kind == "plain" else f"waiting_below {kind}"
+    PAIRED_ROUNDS.append((label, flood.numbers()["tokens_per_s"]))
+    if kind != "plain":
+        median = flood.heavy_median_done()
+        assert all(_done(s) < median for s in flood.light), flood.numbers()
