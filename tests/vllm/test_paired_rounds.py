@@ -21,9 +21,8 @@ from pathlib import Path
 
 import pytest
 
-from ..integrations.litellm_harness import MASTER_KEY
 from .conftest import PAIRED_ROUNDS, VllmEngine
-from .test_real_engine import LIGHT_KEYS, POWER_KEY, _done, litellm_flood
+from .test_real_engine import litellm_flood
 
 
 def rounds() -> list[str]:
@@ -44,28 +43,19 @@ ROUNDS = rounds()
 @pytest.mark.parametrize("step", range(len(ROUNDS)) or [0])
 async def test_round(step: int, priority_engine: VllmEngine, tmp_path: Path) -> None:
     kind = ROUNDS[step]
-    if kind == "plain":
-        flood = await litellm_flood(
-            f"round {step}: LiteLLM alone",
-            priority_engine,
-            tmp_path,
-            plugin=False,
-            heavy_key=MASTER_KEY,
-            light_keys=(MASTER_KEY, MASTER_KEY),
-        )
-    else:
-        flood = await litellm_flood(
-            f"round {step}: LiteLLM + plugin, waiting_below {kind}",
-            priority_engine,
-            tmp_path,
-            plugin=True,
-            heavy_key=POWER_KEY,
-            light_keys=LIGHT_KEYS,
-            auto=kind == "auto",
-            waiting_below=3 if kind == "auto" else int(kind),
-        )
-    label = "plain" if kind == "plain" else f"waiting_below {kind}"
-    PAIRED_ROUNDS.append((label, flood.numbers()["tokens_per_s"]))
-    if kind != "plain":
-        median = flood.heavy_median_done()
-        assert all(_done(s) < median for s in flood.light), flood.numbers()
+    plugin = kind != "plain"
+    flood = await litellm_flood(
+        f"round {step}: LiteLLM + plugin, waiting_below {kind}"
+        if plugin
+        else f"round {step}: LiteLLM alone",
+        priority_engine,
+        tmp_path,
+        plugin=plugin,
+        auto=kind == "auto",
+        **({"waiting_below": int(kind)} if kind.isdigit() else {}),
+    )
+    PAIRED_ROUNDS.append(
+        (f"waiting_below {kind}" if plugin else "plain", flood.numbers()["tokens_per_s"])
+    )
+    if plugin:
+        assert flood.light_done_before_heavy_median(), flood.numbers()

@@ -256,6 +256,11 @@ class Flood:
     def heavy_median_done(self) -> float:
         return statistics.median(_done(s) for s in self.heavy)
 
+    def light_done_before_heavy_median(self) -> bool:
+        """Every light user finished before the power user's median request."""
+        median = self.heavy_median_done()
+        return all(_done(s) < median for s in self.light)
+
     def numbers(self) -> dict[str, float]:
         everything = self.heavy + self.light
         makespan = max(_done(s) for s in everything) - self.started_at
@@ -518,8 +523,7 @@ async def test_fair_proxy_light_users_finish_before_power_median(
         )
         stats = app.state.fair_sched.scheduler.statistics()
     record_flood(flood)
-    median = flood.heavy_median_done()
-    assert all(_done(s) < median for s in flood.light), flood.numbers()
+    assert flood.light_done_before_heavy_median(), flood.numbers()
     assert stats.released_total == POWER_REQUESTS + len(LIGHT_KEYS)
 
 
@@ -529,14 +533,20 @@ async def litellm_flood(
     tmp_path: Path,
     *,
     plugin: bool,
-    heavy_key: str,
-    light_keys: tuple[str, ...],
     auto: bool = False,
     waiting_below: int = 3,
 ) -> Flood:
     """The power-user flood through a LiteLLM proxy subprocess, with or without the plugin
-    (the interactive tier's `waiting_below` fixed, or `auto`)."""
-    from ..integrations.litellm_harness import litellm_proxy, model_entry, proxy_config
+    (the interactive tier's `waiting_below` fixed, or `auto`). Without the plugin every caller
+    uses LiteLLM's master key (no custom auth); with it, the principals' own keys."""
+    from ..integrations.litellm_harness import (
+        MASTER_KEY,
+        litellm_proxy,
+        model_entry,
+        proxy_config,
+    )
+
+    heavy_key, light_keys = (POWER_KEY, LIGHT_KEYS) if plugin else (MASTER_KEY, (MASTER_KEY,) * 2)
 
     config = proxy_config(
         [model_entry(SERVED_MODEL, engine.api_base, engine_model=SERVED_MODEL)],
@@ -571,15 +581,11 @@ async def test_plain_litellm_proxy_light_users_wait_behind_the_flood(
 ) -> None:
     """The same flood through LiteLLM without the plugin: FIFO, as direct. Its throughput is the
     baseline for the plugin's (LiteLLM's own per-chunk cost on two cores is not the plugin's)."""
-    from ..integrations.litellm_harness import MASTER_KEY
-
     flood = await litellm_flood(
         PLAIN_LITELLM_FLOOD,
         priority_engine,
         tmp_path,
         plugin=False,
-        heavy_key=MASTER_KEY,
-        light_keys=(MASTER_KEY, MASTER_KEY),
     )
     # LiteLLM, not the engine, is the bottleneck here (CPU per relayed chunk on two cores), so
     # the power requests end close together: the light users are checked against the first
@@ -596,11 +602,8 @@ async def test_litellm_proxy_with_plugin_light_users_finish_before_power_median(
         priority_engine,
         tmp_path,
         plugin=True,
-        heavy_key=POWER_KEY,
-        light_keys=LIGHT_KEYS,
     )
-    median = flood.heavy_median_done()
-    assert all(_done(s) < median for s in flood.light), flood.numbers()
+    assert flood.light_done_before_heavy_median(), flood.numbers()
 
 
 async def test_litellm_proxy_with_plugin_auto_light_users_finish_before_power_median(
@@ -615,12 +618,9 @@ async def test_litellm_proxy_with_plugin_auto_light_users_finish_before_power_me
         priority_engine,
         tmp_path,
         plugin=True,
-        heavy_key=POWER_KEY,
-        light_keys=LIGHT_KEYS,
         auto=True,
     )
-    median = flood.heavy_median_done()
-    assert all(_done(s) < median for s in flood.light), flood.numbers()
+    assert flood.light_done_before_heavy_median(), flood.numbers()
 
 
 async def test_tiers_interactive_overtakes_batch_flood_with_its_priority(
@@ -642,7 +642,7 @@ async def test_tiers_interactive_overtakes_batch_flood_with_its_priority(
                 light_body=lambda i: stream_body("interactive"),
                 heavy_count=48,
             )
-    assert all(_done(s) < flood.heavy_median_done() for s in flood.light)
+    assert flood.light_done_before_heavy_median(), flood.numbers()
     assert priorities_of(bodies, "interactive") == [INTERACTIVE_PRIORITY]
     batch = priorities_of(bodies, "batch ")
     assert len(batch) == 48 and set(batch) == {BATCH_PRIORITY}
