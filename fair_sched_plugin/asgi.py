@@ -247,7 +247,7 @@ class _ScheduledRequest:
         self.watch = watch
         self.response_is_stream = False
         self.stream_chunks = 0
-        self.sse_tail = b""  # an event stream's last line until its line end arrives
+        self.sse_tail = bytearray()  # an event stream's last line until its line end arrives
         self.sniffed = bytearray()
         self.usage: Usage | None = None
 
@@ -359,12 +359,19 @@ class _ScheduledRequest:
     def _observe(self, chunk: bytes) -> None:
         if self.response_is_stream:
             # A relayed stream's chunks are network reads (`fair-sched proxy` relays them as
-            # they come), so an event can straddle two: only whole lines are read, the rest
-            # waits for the next chunk (bounded: a line that long is no `usage` we read).
-            lines = self.sse_tail + chunk if self.sse_tail else chunk
-            whole = lines.rfind(b"\n") + 1
-            self.sse_tail = lines[whole:] if len(lines) - whole <= SSE_LINE_LIMIT_BYTES else b""
-            self._observe_sse_lines(lines[:whole])
+            # they come), so an event can straddle two: only whole lines are read, and a cut
+            # line is kept until its end arrives (appended in place; bounded: a line that long
+            # is no `usage` we read, and is dropped).
+            whole = chunk.rfind(b"\n") + 1
+            if whole:
+                # Nearly always the chunk ends a line and nothing was kept: read it as it is.
+                lines = bytes(self.sse_tail) + chunk[:whole] if self.sse_tail else chunk[:whole]
+                self._observe_sse_lines(lines)
+                self.sse_tail.clear()
+            if len(self.sse_tail) + len(chunk) - whole <= SSE_LINE_LIMIT_BYTES:
+                self.sse_tail += chunk[whole:]
+            else:
+                self.sse_tail.clear()
         elif len(self.sniffed) < USAGE_SNIFF_BYTES:
             self.sniffed += chunk[: USAGE_SNIFF_BYTES - len(self.sniffed)]
 
@@ -377,8 +384,8 @@ class _ScheduledRequest:
         """End the lease with the response's `usage`; without one, a stream is charged a token
         per chunk it carried."""
         if self.sse_tail:  # a last line without its line end
-            self._observe_sse_lines(self.sse_tail)
-            self.sse_tail = b""
+            self._observe_sse_lines(bytes(self.sse_tail))
+            self.sse_tail.clear()
         usage = self.usage
         if usage is None and self.sniffed:
             with contextlib.suppress(ValueError, TypeError, AttributeError):

@@ -321,9 +321,9 @@ SPLIT_STREAM = (
 )
 
 
-def split_stream_app(cut: int) -> Starlette:
-    """A chat route whose event stream reaches the middleware in two body messages, cut at
-    byte `cut`: as a relay's network reads may cut it (`fair-sched proxy` relays raw reads)."""
+def split_stream_app(pieces: list[bytes]) -> Starlette:
+    """A chat route whose event stream reaches the middleware in these body messages: as a
+    relay's network reads may cut it (`fair-sched proxy` relays raw reads)."""
 
     async def chat(request: Request) -> Response:
         await request.body()
@@ -331,10 +331,9 @@ def split_stream_app(cut: int) -> Starlette:
         async def app(scope: Any, receive: Any, send: Any) -> None:
             headers = [(b"content-type", b"text/event-stream")]
             await send({"type": "http.response.start", "status": 200, "headers": headers})
-            await send(
-                {"type": "http.response.body", "body": SPLIT_STREAM[:cut], "more_body": True}
-            )
-            await send({"type": "http.response.body", "body": SPLIT_STREAM[cut:]})
+            for piece in pieces:
+                await send({"type": "http.response.body", "body": piece, "more_body": True})
+            await send({"type": "http.response.body", "body": b""})
 
         return app  # type: ignore[return-value]
 
@@ -343,14 +342,16 @@ def split_stream_app(cut: int) -> Starlette:
 
 async def test_a_streams_usage_is_read_wherever_its_chunks_are_cut() -> None:
     """The `tokens` policy charges the stream's `usage` (prompt + completion), also when the
-    usage event or its `data: ` arrives in two pieces; before, such a cut lost the usage and
-    the stream was charged one token per chunk."""
+    usage event or its `data: ` arrives in two pieces, or the stream one byte at a time; before,
+    such a cut lost the usage and the stream was charged one token per chunk."""
     usage_at = SPLIT_STREAM.index(b'data: {"choices": [], "usage"')
     cuts = [*range(usage_at - 2, usage_at + 12), len(SPLIT_STREAM) - 30, usage_at + 60]
+    ways = [[SPLIT_STREAM[:cut], SPLIT_STREAM[cut:]] for cut in cuts]
+    ways.append([SPLIT_STREAM[at : at + 1] for at in range(len(SPLIT_STREAM))])
     async with emulator() as emu:
-        for cut in cuts:
+        for pieces in ways:
             served = FairSchedulerMiddleware(
-                split_stream_app(cut), config=fair_config(emu, fairness="tokens")
+                split_stream_app(pieces), config=fair_config(emu, fairness="tokens")
             )
             charged: list[int | None] = []
 
@@ -362,4 +363,4 @@ async def test_a_streams_usage_is_read_wherever_its_chunks_are_cut() -> None:
                 response = await client.post("/v1/chat/completions", json=chat_body(stream=True))
                 assert response.status_code == 200
                 assert response.content == SPLIT_STREAM
-            assert charged == [33], cut
+            assert charged == [33], [len(piece) for piece in pieces]
