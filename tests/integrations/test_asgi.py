@@ -348,6 +348,11 @@ async def test_a_streams_usage_is_read_wherever_its_chunks_are_cut() -> None:
     cuts = [*range(usage_at - 2, usage_at + 12), len(SPLIT_STREAM) - 30, usage_at + 60]
     ways = [[SPLIT_STREAM[:cut], SPLIT_STREAM[cut:]] for cut in cuts]
     ways.append([SPLIT_STREAM[at : at + 1] for at in range(len(SPLIT_STREAM))])
+    # A line longer than the middleware keeps (100 kB, in 1 kB reads) is dropped, not the
+    # lines after it.
+    long_line = "data: " + json.dumps({"choices": [{"delta": {"content": "x" * 100_000}}]})
+    longer = long_line.encode() + b"\n\n" + SPLIT_STREAM
+    ways.append([longer[at : at + 1000] for at in range(0, len(longer), 1000)])
     async with emulator() as emu:
         for pieces in ways:
             served = FairSchedulerMiddleware(
@@ -362,5 +367,5 @@ async def test_a_streams_usage_is_read_wherever_its_chunks_are_cut() -> None:
                 served.service.scheduler.add_end_listener(record)
                 response = await client.post("/v1/chat/completions", json=chat_body(stream=True))
                 assert response.status_code == 200
-                assert response.content == SPLIT_STREAM
+                assert response.content == b"".join(pieces)
             assert charged == [33], [len(piece) for piece in pieces]
