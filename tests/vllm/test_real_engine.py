@@ -248,6 +248,8 @@ class Flood:
     engine_load: list[tuple[float, float]] = field(default_factory=list)
     # CPU seconds the LiteLLM proxy process spent on the flood (NaN: no LiteLLM in the path).
     proxy_cpu_s: float = float("nan")
+    # CPU seconds the engine's processes spent on it (from the engine idle to the last end).
+    engine_cpu_s: float = float("nan")
 
     def check_all_ok(self) -> None:
         bad = [s for s in self.heavy + self.light if not s.ok or s.finish_reason != "length"]
@@ -286,6 +288,9 @@ class Flood:
             "engine_waiting_mean": _mean_or_nan(waiting for waiting, _ in self.engine_load),
             # What relaying costs the proxy per token (the plugin's own share shows here).
             "proxy_cpu_ms_per_token": 1000 * self.proxy_cpu_s / tokens,
+            # The CPU build's engine costs about the same per step at any batch size: a flood
+            # it runs in small batches costs it more CPU per token (issue #17's sessions layout).
+            "engine_cpu_ms_per_token": 1000 * self.engine_cpu_s / tokens,
         }
 
 
@@ -314,6 +319,7 @@ async def run_flood(
     """The heavy user's requests all at once; once the first of them streams, one request per
     light key (no key: two anonymous ones). Returns when every request has ended."""
     await wait_engine_idle(engine)
+    engine_cpu_before = engine.cpu_seconds()
     flood = Flood(name, time.perf_counter())
     heavy_progress: list[Stream] = []
     light_progress: list[Stream] = []
@@ -351,6 +357,7 @@ async def run_flood(
             for task in heavy + light:
                 task.cancel()
             await asyncio.gather(*heavy, *light, return_exceptions=True)
+    flood.engine_cpu_s = engine.cpu_seconds() - engine_cpu_before
     flood.heavy = list(done[:heavy_count])
     flood.light = list(done[heavy_count:])
     flood.check_all_ok()
