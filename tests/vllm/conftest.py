@@ -318,8 +318,8 @@ class VllmEngine:
 
     def cpu_seconds(self) -> float:
         """User + system CPU time so far of every live process in the engine's process group:
-        the API server, its engine core and workers (issue #17: on this CPU build the engine
-        core's steps cost about the same CPU at any batch size)."""
+        the API server, its engine core and workers (issue #17: on this CPU build a token made
+        in a small batch costs the engine several times the CPU of one made in a full batch)."""
         total = 0.0
         for stat in Path("/proc").glob("[0-9]*/stat"):
             with contextlib.suppress(OSError, IndexError, ValueError):

@@ -288,8 +288,8 @@ class Flood:
             "engine_waiting_mean": _mean_or_nan(waiting for waiting, _ in self.engine_load),
             # What relaying costs the proxy per token (the plugin's own share shows here).
             "proxy_cpu_ms_per_token": 1000 * self.proxy_cpu_s / tokens,
-            # The CPU build's engine costs about the same per step at any batch size: a flood
-            # it runs in small batches costs it more CPU per token (issue #17's sessions layout).
+            # Much of the CPU build's cost is per step, whatever the batch: a flood it runs in
+            # small batches costs it more CPU per token (issue #17's sessions layout).
             "engine_cpu_ms_per_token": 1000 * self.engine_cpu_s / tokens,
         }
 
