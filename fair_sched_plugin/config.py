@@ -332,6 +332,10 @@ class BackendSettings(_Frozen):
     priority_scheduling: bool = False
     # SGLang only: the engine was started with --schedule-low-priority-values-first.
     priority_low_values_first: bool = False
+    # The engine's own queue serves users in turn too (needs priority_scheduling): a request's
+    # priority also counts its user's requests released to that model and not yet streaming, and
+    # a user with none may go past the tier's waiting_below by up to the engine's running slots.
+    fair_engine_queue: bool = False
     # Metric names that replace the engine profile's, e.g. {"waiting": "my:queue_len"}.
     metric_names: dict[str, str] = Field(default_factory=dict)
     # The engine's `model_name` label to filter on; defaults to none (all series are summed).
@@ -387,6 +391,15 @@ class BackendSettings(_Frozen):
     @model_validator(mode="after")
     def _deployments_pair(self) -> BackendSettings:
         self.deployments()
+        return self
+
+    @model_validator(mode="after")
+    def _fair_engine_queue_ok(self) -> BackendSettings:
+        if self.fair_engine_queue and (not self.priority_scheduling or self.engine == "tgi"):
+            raise ValueError(
+                "fair_engine_queue: needs priority_scheduling: true on a vllm or sglang engine "
+                "(the engine orders its queue by the priority we send)"
+            )
         return self
 
     def with_api_bases(self, api_bases: tuple[str, ...], *, model: str) -> BackendSettings:

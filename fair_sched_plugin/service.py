@@ -84,6 +84,8 @@ DEFAULT_MAX_TOKENS = 256
 # queue, one in-flight cap (`unknown_model_max_inflight`) and one set of counters, however many
 # names clients make up. Parentheses and spaces keep it apart from any real model name.
 UNKNOWN_MODELS = "(unknown models)"
+# `fair_engine_queue`: engine priorities per tier (a tier's band for its users' ranks).
+ENGINE_RANKS = 1000
 # Longer names are refused before anything is queued (LiteLLM's own names are far shorter).
 MAX_MODEL_NAME_CHARS = 256
 # Deeper request bodies are refused with a 400 before any work (real ones nest < 20 levels).
@@ -249,6 +251,7 @@ class SchedulingService:
                 arrival_grace_s=backend.arrival_grace_ms / 1000,
                 max_num_seqs=backend.max_num_seqs,
                 metrics_lag_s=backend.metrics_lag_ms / 1000,
+                fair_engine_queue=backend.fair_engine_queue,
                 fallback_max_inflight=(
                     backend.on_metrics_unavailable or self.settings.on_metrics_unavailable
                 ).max_inflight,
@@ -568,7 +571,9 @@ class SchedulingService:
             self._rejected(principal, ticket, exc)
             raise
         self.drain.record(scheduled_as, self.clock.now())
-        admission = Admission(lease, principal, self.engine_priority(scheduled_as, ticket.tier))
+        admission = Admission(
+            lease, principal, self.engine_priority(scheduled_as, ticket.tier, lease.engine_rank)
+        )
         if lease.active:
             self._running[lease] = (lease.ticket.model, lease.ticket.tier, lease.ticket.user)
             if waiting is not None:
@@ -733,12 +738,18 @@ class SchedulingService:
             document["principal"] = principal.name
         return document
 
-    def engine_priority(self, model: str, tier_name: str) -> int | None:
-        """The `priority` to send for this tier, or None where the backend does not support it."""
+    def engine_priority(self, model: str, tier_name: str, engine_rank: int = 0) -> int | None:
+        """The `priority` to send for this tier, or None where the backend does not support it.
+        With `fair_engine_queue` it also orders users inside the engine's queue: the tier's
+        priority x 1000 plus the request's `engine_rank` (its user's requests released before
+        it and not yet streaming, at most 999), so a user's first request there goes before
+        the second of everyone else in its tier, and tiers stay apart."""
         backend = self.backends.get(model)
         if backend is None or not backend.priority_scheduling or backend.engine == "tgi":
             return None
         priority = self._tiers[tier_name].vllm_priority
+        if backend.fair_engine_queue:
+            priority = priority * ENGINE_RANKS + min(engine_rank, ENGINE_RANKS - 1)
         # vLLM serves lower values first; SGLang higher first unless started otherwise.
         if backend.engine == "sglang" and not backend.priority_low_values_first:
             return -priority

@@ -70,12 +70,16 @@ class FakeClock:
 
 class ManualGate:
     """An `AdmissionGate` opened and closed by hand; `allow(n)` lets exactly n more through.
-    `binds_to` is the deployment every released ticket is bound to (None: it places none)."""
+    `binds_to` is the deployment every released ticket is bound to (None: it places none);
+    `newcomers` whether a user with nothing waiting in the engine may go while it is closed."""
 
-    def __init__(self, *, is_open: bool = False, binds_to: str | None = None) -> None:
+    def __init__(
+        self, *, is_open: bool = False, binds_to: str | None = None, newcomers: bool = False
+    ) -> None:
         self._listener: CapacityListener | None = None
         self._open = is_open
         self.binds_to = binds_to
+        self.newcomers = newcomers
         self._budget = 0
         self.released: list[Lease] = []
         self.ended: list[Lease] = []
@@ -101,6 +105,12 @@ class ManualGate:
     def may_release(self, model: str, tier: TierLimits) -> bool:
         return self._open or self._budget > 0
 
+    def orders_engine_queue(self, model: str) -> bool:
+        return self.newcomers
+
+    def may_release_newcomer(self, model: str, tier: TierLimits) -> bool:
+        return self.newcomers
+
     def place(self, ticket: Ticket, tier: TierLimits) -> str | None:
         return self.binds_to
 
@@ -111,7 +121,7 @@ class ManualGate:
         return False
 
     def on_released(self, lease: Lease) -> None:
-        if not self._open:
+        if not self._open and self._budget > 0:  # a newcomer's release spends none
             self._budget -= 1
         self.released.append(lease)
 

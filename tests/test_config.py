@@ -75,6 +75,20 @@ BAD_CONFIGS: list[tuple[str, Any, str]] = [
     ),
     ("unknown engine", {"backends": {"m": {"engine": "triton"}}}, "fair_sched.backends.m.engine"),
     (
+        "engine queue in user order without priority scheduling",
+        {"backends": {"m": {"fair_engine_queue": True}}},
+        "fair_sched.backends.m.fair_engine_queue: needs priority_scheduling: true",
+    ),
+    (
+        "engine queue in user order on TGI",
+        {
+            "backends": {
+                "m": {"engine": "tgi", "priority_scheduling": True, "fair_engine_queue": True}
+            }
+        },
+        "fair_sched.backends.m.fair_engine_queue: needs priority_scheduling: true on a vllm or sglang",
+    ),
+    (
         "metrics urls do not pair with api_bases",
         {
             "backends": {

@@ -119,6 +119,25 @@ def test_engine_priority_follows_the_backend() -> None:
     assert svc.engine_priority("s", "batch") == -10
     assert svc.engine_priority("t", "batch") is None
     assert svc.engine_priority("unknown", "batch") is None
+    assert svc.engine_priority("v", "batch", engine_rank=5) == 10  # not in user order
+
+
+def test_engine_priority_in_user_order_keeps_the_tiers_apart() -> None:
+    backend = {"metrics_url": "http://127.0.0.1:1/metrics", "priority_scheduling": True}
+    svc = SchedulingService(
+        {
+            "backends": {
+                "v": {**backend, "fair_engine_queue": True},
+                "s": {**backend, "engine": "sglang", "fair_engine_queue": True},
+            }
+        }
+    )
+    # The default tiers: interactive priority 0, batch 10 (vLLM serves lower values first).
+    assert svc.engine_priority("v", "interactive") == 0
+    assert svc.engine_priority("v", "interactive", engine_rank=3) == 3
+    assert svc.engine_priority("v", "interactive", engine_rank=5000) == 999  # its band's last
+    assert svc.engine_priority("v", "batch", engine_rank=3) == 10_003
+    assert svc.engine_priority("s", "batch", engine_rank=3) == -10_003  # SGLang: higher first
 
 
 @pytest.mark.parametrize("via_extra_body", [True, False])

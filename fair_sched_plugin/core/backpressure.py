@@ -54,6 +54,15 @@ slots puts one request in its queue until a slot frees, so with such a tier `max
 (the probes' ceiling) should be given: without it the engine holds a queue of about one while
 saturated, which is what the tier exists to avoid.
 
+The engine's queue in user order (`fair_engine_queue`): the priority each request carries
+counts its user's requests not yet streaming (`Lease.engine_rank`, the scheduler's count), so the
+engine serves a user's first request before anyone's second. A user with none there then waits
+in the engine for a slot, not behind its queue: `may_release_newcomer` lets its request go past
+the tier's threshold by up to the deployment's running slots (placement then counts that room
+too), and the tier's tuner measures only such requests (the others wait for their own user's,
+by design) with neither the engine's TTFT (all of its queue) nor the drain ceiling (Little's law
+on the whole queue is no newcomer's wait).
+
 A tier with `waiting_below: auto` has its threshold set by a `QueueTuner` (core/tuning.py) that
 the gate owns per deployment and tier, and feeds with that tier's release-to-first-byte times of
 the requests bound there, that engine's TTFT and TPOT, and whether its queue held requests back.
@@ -125,6 +134,10 @@ class BackendGroup:
     # Placement among the deployments (core/placement.py): prefix affinity with bounded load.
     prefix_affinity: bool = True
     load_bound: float = 1.25
+    # The engine orders its own queue by user too (the priority sent counts the user's requests
+    # not yet started): a user with none there may go past the threshold by the running slots
+    # (`may_release_newcomer`), and `auto` measures its latency on such users' requests only.
+    fair_engine_queue: bool = False
 
     @property
     def metrics_urls(self) -> tuple[str, ...]:
@@ -369,10 +382,11 @@ class MetricsGate:
                 if finished is None or previous is None
                 else (finished, snapshot.started_at - previous.started_at)
             )
+            # With the engine's queue in user order its mean TTFT is the backlogged users' wait,
+            # not what a newcomer sees: `auto` then goes by our newcomers' first bytes alone.
+            engine_ttft = None if state.spec.fair_engine_queue else snapshot.ttft_s
             for tuner in deployment.tuners.values():
-                tuner.observe_engine(
-                    now, snapshot.ttft_s, snapshot.tpot_s, snapshot.waiting, counted
-                )
+                tuner.observe_engine(now, engine_ttft, snapshot.tpot_s, snapshot.waiting, counted)
                 tuner.tick(now)
         else:
             deployment.last_error = snapshot.error or "scrape failed"
@@ -395,7 +409,7 @@ class MetricsGate:
         state.counted[lease.lease_id] = deployment
         deployment.in_flight += 1
         tuner = deployment.tuners.get(lease.ticket.tier)
-        if tuner is not None:
+        if tuner is not None and _measures(state.spec, lease):
             tuner.observe_released(lease.lease_id, lease.released_at)
         deployment.pending.append(lease)
         deployment.pending_ids.add(lease.lease_id)
@@ -408,7 +422,7 @@ class MetricsGate:
             return
         now = self._clock.now()
         tuner = deployment.tuners.get(lease.ticket.tier)
-        if tuner is not None:
+        if tuner is not None and _measures(state.spec, lease):
             tuner.observe_first_byte(lease.lease_id, lease.released_at, now - lease.released_at)
         if self._settle(deployment, lease):
             deployment.settled_since_scrape += 1
@@ -467,7 +481,7 @@ class MetricsGate:
                 continue
             # Held back for this engine's queue: demand its tuner and probing look for.
             deployment.held_back = True
-            if self._waiting_below(deployment, tier) < 1:
+            if self._waiting_below(state.spec, deployment, tier) < 1:
                 deployment.held_back_for_a_slot = True
             tuner = deployment.tuners.get(tier.name)
             if tuner is not None:
@@ -483,6 +497,24 @@ class MetricsGate:
             self._request_scrape(model)
         return False
 
+    def orders_engine_queue(self, model: str) -> bool:
+        state = self._groups.get(model)
+        return state is not None and state.spec.fair_engine_queue
+
+    def may_release_newcomer(self, model: str, tier: TierLimits) -> bool:
+        """With `fair_engine_queue`: some deployment has room for the tier with its threshold
+        raised by its running slots (the engine serves this user's request before the queued
+        ones of users who have some there, so a queue up to a round of slots deeper delays it
+        no more than a slot's turnover). Never without fresh metrics."""
+        state = self._groups.get(model)
+        if state is None or not state.spec.fair_engine_queue:
+            return False
+        for deployment in state.deployments.values():
+            self._refresh_mode(state, deployment)
+            if self._blocked_reason(state.spec, deployment, tier, newcomer=True) is None:
+                return True
+        return False
+
     def place(self, ticket: Ticket, tier: TierLimits) -> str | None:
         """Bind the ticket to a deployment with room: prefix affinity within the load bound,
         else the least loaded (core/placement.py)."""
@@ -490,6 +522,9 @@ class MetricsGate:
         if state is None:
             return None
         candidates = self._candidates(state, tier)
+        if state.spec.fair_engine_queue and not any(c.has_room for c in candidates):
+            # Released by `may_release_newcomer`: the deployments with room for a newcomer.
+            candidates = self._candidates(state, tier, newcomer=True)
         placement = state.placer.choose(ticket.prefix, candidates)
         if placement is None:
             return None  # may_release said otherwise a moment ago; on_released then decides
@@ -520,7 +555,9 @@ class MetricsGate:
             return None
         return state
 
-    def _candidates(self, state: _GroupState, tier: TierLimits) -> list[Candidate]:
+    def _candidates(
+        self, state: _GroupState, tier: TierLimits, *, newcomer: bool = False
+    ) -> list[Candidate]:
         """The deployments placement chooses among: those with fresh metrics while one of them
         has room for the tier, else all. A deployment without fresh metrics may be down, and
         one that refuses connections ends each request at once: counted only by its in-flight
@@ -535,7 +572,7 @@ class MetricsGate:
                 deployment.spec.key,
                 self._load(deployment),
                 self._slots(state.spec, deployment),
-                self._blocked_reason(state.spec, deployment, tier) is None,
+                self._blocked_reason(state.spec, deployment, tier, newcomer=newcomer) is None,
             )
             candidates.append(candidate)
             if deployment.mode == "metrics":
@@ -575,7 +612,12 @@ class MetricsGate:
         return pending[0].released_at + spec.arrival_grace_s <= self._clock.now()
 
     def _blocked_reason(
-        self, spec: BackendGroup, deployment: _DeploymentState, tier: TierLimits
+        self,
+        spec: BackendGroup,
+        deployment: _DeploymentState,
+        tier: TierLimits,
+        *,
+        newcomer: bool = False,
     ) -> str | None:
         snapshot = deployment.latest
         if deployment.mode != "metrics" or snapshot is None:
@@ -585,7 +627,9 @@ class MetricsGate:
         # Free running slots are capacity too: replicas sharing one engine split them as well
         # (whole slots, so the shares never add up to more than the engine has).
         free_slots = self._free_slots(spec, deployment, own_share=True)
-        allowed = self._waiting_below(deployment, tier)
+        allowed = self._waiting_below(spec, deployment, tier)
+        if newcomer:
+            allowed += self._capacity(spec, deployment)
         if allowed < 1:
             # No engine queue at all (`waiting_below: 0`, or `auto` down to 0): a request waits
             # in our queue, where its user's turn comes, until a running slot is free for it too.
@@ -602,7 +646,9 @@ class MetricsGate:
             return "kv_usage"
         return None
 
-    def _waiting_below(self, deployment: _DeploymentState, tier: TierLimits) -> float:
+    def _waiting_below(
+        self, spec: BackendGroup, deployment: _DeploymentState, tier: TierLimits
+    ) -> float:
         if tier.auto_waiting_below is None:
             return tier.waiting_below
         tuner = deployment.tuners.get(tier.name)
@@ -615,6 +661,8 @@ class MetricsGate:
                 tpot_target_s=tier.tpot_below_s,
                 initial=tier.waiting_below,
                 started_at=self._clock.now(),
+                # A newcomer waits for a slot, not behind the queue (`fair_engine_queue`).
+                drain_ceiling=not spec.fair_engine_queue,
             )
         return tuner.allowed
 
@@ -939,3 +987,10 @@ def _at_or_over(value: float | None, ceiling: float | None) -> bool:
 def _worst(values: Iterable[float | None]) -> float | None:
     present = [value for value in values if value is not None]
     return max(present) if present else None
+
+
+def _measures(spec: BackendGroup, lease: Lease) -> bool:
+    """Whether `auto`'s latency counts this request: every one, or with `fair_engine_queue` only
+    the first of its user in the engine (those queued behind their own user's requests wait
+    for them by design; the target is for a user without a backlog there)."""
+    return not spec.fair_engine_queue or lease.engine_rank == 0

@@ -24,6 +24,16 @@ class AdmissionGate(Protocol):
     def may_release(self, model: str, tier: TierLimits) -> bool:
         """May one more request of this tier go to this model's engine now?"""
 
+    def orders_engine_queue(self, model: str) -> bool:
+        """Whether this model's engine orders its own queue by user (`fair_engine_queue`):
+        its leases then carry their `engine_rank` (0 elsewhere)."""
+
+    def may_release_newcomer(self, model: str, tier: TierLimits) -> bool:
+        """Where `may_release` says no: may a request of a user with none of its requests
+        waiting in the engine go now? Only where the engine's own queue serves users in turn
+        (`fair_engine_queue`), so that it goes first there: then a queue deeper by up to the
+        engine's running slots delays it no more than the tier's own would."""
+
     def place(self, ticket: Ticket, tier: TierLimits) -> str | None:
         """The deployment of the ticket's model that takes it, called right after `may_release`
         allowed it and before `on_released`; the lease is bound to it. None: nothing to choose
@@ -78,6 +88,12 @@ class InflightLimitGate(_ListenerMixin):
 
     def may_release(self, model: str, tier: TierLimits) -> bool:
         return self._in_flight[model] < self._per_model.get(model, self._default_limit)
+
+    def orders_engine_queue(self, model: str) -> bool:
+        return False
+
+    def may_release_newcomer(self, model: str, tier: TierLimits) -> bool:
+        return False
 
     def place(self, ticket: Ticket, tier: TierLimits) -> str | None:
         return None

@@ -128,6 +128,7 @@ class _UserQueue:
         "in_heap",
         "sized",
         "tier_queue",
+        "unstarted",
         "user",
         "virtual_time",
         "waiters",
@@ -145,6 +146,8 @@ class _UserQueue:
         self.depth = 0
         self.virtual_time = virtual_time
         self.in_flight = 0
+        # Of those in flight, released and not yet streaming: the next release's `engine_rank`.
+        self.unstarted = 0
         # Heap entries carry the generation they were pushed with; bumping it invalidates them
         # (lazy deletion keeps re-keying and removal O(log n)).
         self.heap_generation = 0
@@ -324,9 +327,11 @@ class FairScheduler:
         queues = self._models.get(ticket.model)
         if queues is not None and any(tier.queued for tier in queues.tiers[: tier_index + 1]):
             return None
-        if not self._gate.may_release(ticket.model, self._tiers[tier_index]):
-            return None
-        if self._gate.waits_for_home(ticket, self._tiers[tier_index]):
+        limits = self._tiers[tier_index]
+        if not self._gate.may_release(ticket.model, limits):
+            if not self._may_go_as_newcomer(ticket, queues, tier_index):
+                return None
+        elif self._gate.waits_for_home(ticket, limits):
             return None  # parked, it goes when its deployment has room (`_release_next`)
         queues = self._model_queues(ticket.model)
         tier = queues.tiers[tier_index]
@@ -335,6 +340,19 @@ class FairScheduler:
         now = self._clock.now()
         deployment = self._gate.place(ticket, tier.limits)
         return self._make_lease(queues, user_queue, ticket, enqueued_at=now, deployment=deployment)
+
+    def _may_go_as_newcomer(
+        self, ticket: Ticket, queues: _ModelQueues | None, tier_index: int
+    ) -> bool:
+        """The user has none of its requests waiting in the engine, whose queue is in user order
+        and has room for a newcomer (`AdmissionGate.may_release_newcomer`). Not with tier shares:
+        their releases are counted against each other by the same test for everyone."""
+        if self._shared_tiers:
+            return False
+        known = queues.tiers[tier_index].users.get(ticket.user) if queues is not None else None
+        if known is not None and known.unstarted:
+            return False
+        return self._gate.may_release_newcomer(ticket.model, self._tiers[tier_index])
 
     def enqueue(self, ticket: Ticket) -> Reservation:
         """Queue `ticket` and run the release decision; its `Reservation.future` resolves to
@@ -583,6 +601,7 @@ class FairScheduler:
             return
         queues.dispatching = True
         may_release = self._gate.may_release
+        may_release_newcomer = self._gate.may_release_newcomer
         model = queues.model
         try:
             while True:
@@ -596,8 +615,17 @@ class FairScheduler:
                         self._charge_share(queues, *chosen)
                         continue
                     for tier in queues.tiers:
-                        if tier.queued and may_release(model, tier.limits):
+                        if not tier.queued:
+                            continue
+                        if may_release(model, tier.limits):
                             released = self._release_next(queues, tier)
+                            break
+                        head = self._peek_user(tier)
+                        if not head.unstarted and may_release_newcomer(model, tier.limits):
+                            # Its user has nothing waiting in the engine, whose own queue puts
+                            # it first there (`fair_engine_queue`): no look-ahead, it is the head.
+                            self._release_head(queues, tier, head)
+                            released = True
                             break
                     else:
                         break
@@ -790,6 +818,8 @@ class FairScheduler:
             charge = 1.0 if self._fairness == "round_robin" else self._charge(ticket, ticket.cost)
         user_queue.virtual_time += charge
         user_queue.in_flight += 1
+        rank = user_queue.unstarted
+        user_queue.unstarted += 1
         queues.in_flight += 1
         self._in_flight_total += 1
         self._released_total += 1
@@ -802,11 +832,14 @@ class FairScheduler:
             charge,
             user_queue,
             deployment=deployment,
+            engine_rank=rank if self._gate.orders_engine_queue(ticket.model) else 0,
         )
         self._gate.on_released(lease)
         return lease
 
     def lease_started(self, lease: Lease) -> None:
+        user_queue: _UserQueue = lease.owner_ref  # type: ignore[assignment]
+        user_queue.unstarted -= 1
         self._gate.on_started(lease)
 
     def lease_ended(self, lease: Lease, tokens_used: int | None, *, abandoned: bool) -> None:
@@ -817,6 +850,8 @@ class FairScheduler:
         queues.in_flight -= 1
         self._in_flight_total -= 1
         user_queue.in_flight -= 1
+        if not lease.started:
+            user_queue.unstarted -= 1
         if abandoned:
             self._abandoned_total += 1
             if lease.charged:

@@ -94,6 +94,7 @@ class Lease:
         "_started",
         "cost_used",
         "deployment",
+        "engine_rank",
         "enqueued_at",
         "lease_id",
         "owner_ref",
@@ -112,6 +113,7 @@ class Lease:
         charged: float,
         owner_ref: object = None,
         deployment: str | None = None,
+        engine_rank: int = 0,
     ) -> None:
         self._owner = owner
         # Whatever the owner needs to find its bookkeeping for this lease without a lookup.
@@ -123,6 +125,10 @@ class Lease:
         # (InflightLimitGate), does not know the model, or found no deployment with room at
         # the release (the request goes wherever the adapter routes it).
         self.deployment = deployment
+        # How many of its user's requests to this model (same tier) were released before it
+        # and had not started streaming: its place among them in the engine's own queue when
+        # the backend has `fair_engine_queue` (the priority sent counts it). 0: the user's first.
+        self.engine_rank = engine_rank
         self.lease_id = lease_id
         self.enqueued_at = enqueued_at
         self.released_at = released_at

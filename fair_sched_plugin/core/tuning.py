@@ -125,6 +125,7 @@ class QueueTuner:
         smoothing: float = 0.5,
         headroom: float = 0.8,
         started_at: float = 0.0,
+        drain_ceiling: bool = True,
     ) -> None:
         if not 0 <= minimum <= maximum or maximum < 1:
             raise ValueError(
@@ -144,6 +145,9 @@ class QueueTuner:
         self._decrease = decrease
         self._smoothing = smoothing
         self._headroom = headroom
+        # Whether a newcomer waits behind the whole queue (the engine serves it in arrival
+        # order within its priority): then the queue is held to what drains within the target.
+        self._drain_ceiling_applies = drain_ceiling
         self._interval_started = started_at
         self._decreased_at = -math.inf
         self._doubled_at = -math.inf
@@ -393,7 +397,7 @@ class QueueTuner:
         recent completion rate, plus the requests on their way to it (the rate times the path's
         latency: those replace completions rather than queue); no ceiling before a rate is known
         or without a TTFT target."""
-        if self._ttft_target is None or not self._drain_rate:
+        if not self._drain_ceiling_applies or self._ttft_target is None or not self._drain_rate:
             return self._maximum
         # (queue + 1) / rate: the wait of a request released behind the whole queue.
         budget = self._ttft_target * self._headroom + (self._path or 0.0)

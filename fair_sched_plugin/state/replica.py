@@ -243,7 +243,10 @@ class _Term:
             lease.abandon()
             return
         self.leases[key] = lease
-        self._reply(key[0], ("g", self.epoch, key[1], key[2], lease.charged, lease.deployment))
+        grant: _Reply = ("g", self.epoch, key[1], key[2], lease.charged, lease.deployment)
+        # The rank only where the engine's queue is in user order (`fair_engine_queue`): a
+        # follower older than the field drops a grant that has it, so it is never sent otherwise.
+        self._reply(key[0], (*grant, lease.engine_rank) if lease.engine_rank else grant)
 
 
 def _rejection(epoch: int, key: _Key, error: Rejected) -> _Reply:
@@ -346,6 +349,7 @@ _REPLY_SHAPES: dict[str, tuple[Callable[[Any], bool], ...]] = {
         lambda tid: isinstance(tid, int),
         _number,
         lambda deployment: deployment is None or isinstance(deployment, str),
+        lambda rank: isinstance(rank, int) and not isinstance(rank, bool) and rank >= 0,
     ),
     "p": (lambda nonce: isinstance(nonce, int),),
     "h": (lambda leader: isinstance(leader, str),),
@@ -370,10 +374,14 @@ def _read_reply(text: str) -> _Reply | None:
     if not isinstance(reply, list) or len(reply) < 3:
         return None
     kind, epoch, session, *rest = reply
-    if kind == "g" and len(rest) == len(_REPLY_SHAPES["g"]) - 1:
-        # An older leader's grant (see _OLDER_TICKET_FIELDS): it did not place the request.
-        rest.append(None)
-        reply.append(None)
+    missing = len(_REPLY_SHAPES["g"]) - len(rest) if kind == "g" else 0
+    if 0 < missing <= 2:
+        # Without the rank: a grant where the engine's queue is not in user order (or from an
+        # older leader), rank 0. Without the deployment too: an older leader's (see
+        # _OLDER_TICKET_FIELDS), which did not place the request.
+        defaults = (None, 0)[-missing:]
+        rest.extend(defaults)
+        reply.extend(defaults)
     shape = _REPLY_SHAPES.get(kind) if isinstance(kind, str) else None
     if shape is None or len(rest) != len(shape) or not all(map(lambda f, v: f(v), shape, rest)):
         return None
@@ -581,6 +589,7 @@ class ReplicaScheduler:
             released_at=now,
             charged=granted.charged,
             deployment=granted.deployment,
+            engine_rank=granted.engine_rank,
         )
         self._held[tid] = lease
         return lease
@@ -782,6 +791,7 @@ class ReplicaScheduler:
             released_at=asyncio.get_running_loop().time(),
             charged=reply[4],
             deployment=reply[5],
+            engine_rank=reply[6] if len(reply) > 6 else 0,  # sent only where it is not 0
         )
         self._held[tid] = lease
         parked.future.set_result(lease)

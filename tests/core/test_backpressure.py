@@ -6,6 +6,8 @@ import asyncio
 import itertools
 from typing import NamedTuple
 
+import pytest
+
 from fair_sched_plugin.core import (
     BackendGroup,
     BackendSnapshot,
@@ -1117,3 +1119,90 @@ def test_behind_a_slow_litellm_the_engines_counter_holds_the_threshold() -> None
     assert before.max_waiting > 3 + 3
     assert after.max_waiting <= 3
     assert after.running >= 0.9 * 8
+
+
+# ------------------------------------------- the engine's queue in user order (fair_engine_queue)
+
+
+def ordered_gate(clock: FakeClock, *, fair_engine_queue: bool = True) -> MetricsGate:
+    group = BackendGroup(
+        "m",
+        (Deployment(URL, URL),),
+        arrival_grace_s=0.3,
+        max_num_seqs=4,
+        fair_engine_queue=fair_engine_queue,
+    )
+    return MetricsGate([group], stale_after_s=1.0, clock=clock)
+
+
+@pytest.mark.parametrize("fair_engine_queue", [True, False])
+async def test_newcomers_go_past_the_threshold_by_the_running_slots_where_the_engine_orders_users(
+    fair_engine_queue: bool,
+) -> None:
+    clock = FakeClock()
+    gate = ordered_gate(clock, fair_engine_queue=fair_engine_queue)
+    scheduler = FairScheduler([INTERACTIVE, BATCH], gate, clock=clock)
+    gate.update("m", scrape(clock, waiting=0, running=4))  # all 4 slots busy
+    power = [asyncio.create_task(scheduler.acquire(ticket("power"))) for _ in range(10)]
+    await settle()
+    released = [task.result() for task in power if task.done()]
+    assert len(released) == 3  # the tier's waiting_below: 3
+    ranks = [lease.engine_rank for lease in released]
+    assert ranks == ([0, 1, 2] if fair_engine_queue else [0, 0, 0])
+    assert gate.orders_engine_queue("m") is fair_engine_queue
+    # Users with nothing in the engine: ahead of the power user's queued requests there, so a
+    # queue deeper by up to the 4 running slots delays them no more. 3 + 4 = 7: four of five.
+    newcomers = [asyncio.create_task(scheduler.acquire(ticket(f"n{i}"))) for i in range(5)]
+    await settle()
+    assert sum(task.done() for task in newcomers) == (4 if fair_engine_queue else 0)
+    assert all(task.result().engine_rank == 0 for task in newcomers if task.done())
+    assert sum(task.done() for task in power) == 3  # the power user waits for its turn
+    # Without fresh metrics nobody goes past the fallback cap.
+    clock.advance(5.0)
+    assert not gate.may_release_newcomer("m", INTERACTIVE)
+    await drain(scheduler)
+
+
+@pytest.mark.parametrize("fair_engine_queue", [True, False])
+async def test_auto_measures_newcomers_only_where_the_engine_orders_users(
+    fair_engine_queue: bool,
+) -> None:
+    """The power user's requests queued in the engine behind its own take 5 s to their first
+    byte, a newcomer's 0.4 s: with the engine's queue in user order `auto` holds its queue on
+    the newcomers' 0.4 s (the 2 s target is theirs); in arrival order everyone waits the 5 s,
+    and it shrinks."""
+    clock = FakeClock()
+    gate = ordered_gate(clock, fair_engine_queue=fair_engine_queue)
+    auto = TierLimits("interactive", waiting_below=3, auto_waiting_below=(1, 8), ttft_target_s=2.0)
+    scheduler = FairScheduler([auto], gate, clock=clock)
+    gate.update("m", scrape(clock, waiting=0, running=4))
+    power = [asyncio.create_task(scheduler.acquire(ticket("power"))) for _ in range(200)]
+    light: list[asyncio.Task[Lease]] = []
+    started: set[int] = set()
+    for step in range(60):  # 15 s in steps of 0.25 s
+        clock.advance(0.25)
+        if step % 4 == 0:
+            light.append(asyncio.create_task(scheduler.acquire(ticket(f"light{step}"))))
+        await settle()
+        for task in power + light:
+            if not task.done():
+                continue
+            lease = task.result()
+            age = clock.now() - lease.released_at
+            if lease.ticket.user != "power" or (fair_engine_queue and lease.engine_rank == 0):
+                first_byte_after = 0.4  # nothing of its user's ahead of it in the engine
+            else:
+                first_byte_after = 5.0
+            if lease.lease_id not in started and age >= first_byte_after:
+                started.add(lease.lease_id)
+                lease.mark_started()
+            elif lease.lease_id in started and age >= first_byte_after + 0.5:
+                lease.release()
+        gate.update("m", scrape(clock, waiting=3, running=4))
+        await settle()
+    allowed = gate.tuning("m")[URL]["interactive"].allowed
+    if fair_engine_queue:
+        assert allowed >= 3
+    else:
+        assert allowed < 3
+    await drain(scheduler)

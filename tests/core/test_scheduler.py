@@ -447,3 +447,81 @@ async def test_an_adopted_lease_counts_in_flight_and_is_not_charged(clock: FakeC
     await settle()
     assert [task.done() for task in tasks] == [True, True, False]
     await drain(scheduler)
+
+
+# ---------------------------------------------------------------- the engine's queue in user order
+
+
+async def test_engine_rank_counts_the_users_earlier_requests_not_yet_started(
+    clock: FakeClock,
+) -> None:
+    gate = ManualGate(is_open=True, newcomers=True)  # its engine orders its queue by user
+    scheduler = make_scheduler(gate, clock)
+    first, second, third = [await scheduler.acquire(make_ticket("a")) for _ in range(3)]
+    assert [first.engine_rank, second.engine_rank, third.engine_rank] == [0, 1, 2]
+    assert (await scheduler.acquire(make_ticket("b"))).engine_rank == 0  # per user
+    assert (await scheduler.acquire(make_ticket("a", tier="batch"))).engine_rank == 0  # per tier
+    first.mark_started()  # streaming: no longer in the engine's queue
+    assert (await scheduler.acquire(make_ticket("a"))).engine_rank == 2
+    second.release()  # ended without a first byte (an error, a client gone)
+    third.mark_started()
+    assert (await scheduler.acquire(make_ticket("a"))).engine_rank == 1  # the one before
+    await drain(scheduler)
+
+
+async def test_engine_rank_is_0_where_the_engine_does_not_order_its_queue(
+    gate: ManualGate, clock: FakeClock
+) -> None:
+    gate.open()
+    scheduler = make_scheduler(gate, clock)
+    leases = [await scheduler.acquire(make_ticket("a")) for _ in range(3)]
+    assert [lease.engine_rank for lease in leases] == [0, 0, 0]
+    await drain(scheduler)
+
+
+@pytest.mark.parametrize("orders_its_queue", [True, False])
+async def test_a_user_with_nothing_in_the_engine_passes_a_full_queue_only_where_it_orders_it(
+    clock: FakeClock, orders_its_queue: bool
+) -> None:
+    gate = ManualGate(newcomers=orders_its_queue)
+    scheduler = make_scheduler(gate, clock)
+    gate.allow(1)
+    power = await scheduler.acquire(make_ticket("power"))  # in the engine, not yet streaming
+    # Nothing queued: the fast path lets a newcomer go past the closed gate, not the power user.
+    assert scheduler.try_acquire(make_ticket("power")) is None
+    assert (scheduler.try_acquire(make_ticket("newcomer")) is not None) is orders_its_queue
+    parked = submit(scheduler, "power", 3)
+    await settle()
+    assert not any(task.done() for task in parked)  # its own request is still queued there
+    light = submit(scheduler, "light")
+    await settle()
+    assert light[0].done() is orders_its_queue
+    assert not any(task.done() for task in parked)
+    # Once the power user's request streams, it has nothing queued in the engine either: one
+    # more of its requests may go (the next decision: here the gate's next notification).
+    power.mark_started()
+    gate.allow(0)
+    await settle()
+    assert sum(task.done() for task in parked) == (1 if orders_its_queue else 0)
+    if orders_its_queue:
+        assert next(task for task in parked if task.done()).result().engine_rank == 0
+    await drain(scheduler)
+
+
+async def test_with_tier_shares_newcomers_wait_for_the_threshold_like_everyone(
+    clock: FakeClock,
+) -> None:
+    gate = ManualGate(newcomers=True)
+    shares = (
+        TierLimits("interactive", waiting_below=3, share=0.8),
+        TierLimits("batch", waiting_below=3, share=0.2),
+    )
+    scheduler = make_scheduler(gate, clock, tiers=shares)
+    assert scheduler.try_acquire(make_ticket("newcomer")) is None
+    parked = submit(scheduler, "light")
+    await settle()
+    assert not parked[0].done()
+    gate.allow(1)
+    await settle()
+    assert parked[0].done()
+    await drain(scheduler)

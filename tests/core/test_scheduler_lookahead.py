@@ -311,6 +311,12 @@ class TwoDeploymentGate:
     def may_release(self, model: str, tier: TierLimits) -> bool:
         return any(candidate.has_room for candidate in self._candidates())
 
+    def orders_engine_queue(self, model: str) -> bool:
+        return False
+
+    def may_release_newcomer(self, model: str, tier: TierLimits) -> bool:
+        return False
+
     def place(self, ticket: Ticket, tier: TierLimits) -> str | None:
         placement = self.placer.choose(ticket.prefix, self._candidates())
         assert placement is not None

@@ -181,6 +181,21 @@ def test_a_slower_drain_lowers_the_ceiling_before_any_first_byte_is_late() -> No
     assert tuner.allowed == 1
 
 
+def test_where_newcomers_wait_for_a_slot_only_the_drain_rate_does_not_cap_the_queue() -> None:
+    """With the engine's queue in user order (`fair_engine_queue`) a newcomer goes first there
+    and waits for a slot, not behind the queue: the same slow drain as above leaves the queue
+    where the newcomers' first bytes put it."""
+    tuner = QueueTuner(
+        minimum=1, maximum=32, ttft_target_s=1.0, initial=20, smoothing=1.0, drain_ceiling=False
+    )
+    for second in (1.0, 2.0):
+        for _ in range(2):
+            tuner.observe_completion()
+        tuner.observe_first_byte(int(second), second - 0.5, 0.2)
+        tuner.tick(second)
+    assert tuner.allowed == 20
+
+
 def test_the_engines_finished_counter_is_the_drain_rate_where_it_has_one() -> None:
     """Behind a starved LiteLLM our ends came back in bursts seconds late while the engine
     finished 7 requests a second by its own counter; a drain ceiling from the ends cut a flood's

@@ -18,7 +18,8 @@ import pytest
 from fair_sched_plugin.core import FairScheduler, InflightLimitGate, Lease, TierLimits
 from fair_sched_plugin.errors import QueueFull, QueueTimeout
 from fair_sched_plugin.state import ReplicaScheduler, open_state
-from fair_sched_plugin.testing import make_ticket
+from fair_sched_plugin.state.replica import _read_reply
+from fair_sched_plugin.testing import ManualGate, make_ticket
 
 from .conftest import RedisServer, unique_prefix
 
@@ -45,10 +46,12 @@ class Cluster:
         self.prefix = unique_prefix()
         self.replicas: list[ReplicaScheduler] = []
 
-    def add(self, cap: int = 1, name: str | None = None, **core: Any) -> ReplicaScheduler:
+    def add(
+        self, cap: int = 1, name: str | None = None, gate: Any = None, **core: Any
+    ) -> ReplicaScheduler:
         replica = open_state(
             self.url,
-            FairScheduler(TIERS, InflightLimitGate(cap), **core),
+            FairScheduler(TIERS, gate or InflightLimitGate(cap), **core),
             prefix=self.prefix,
             heartbeat_s=HEARTBEAT_S,
             lease_ttl_s=TTL_S,
@@ -242,6 +245,41 @@ async def test_granted_then_cancelled_before_the_task_ran(cluster: Cluster) -> N
     await follower.barrier()
     assert leader.statistics().abandoned_total == 1
     lease.release()
+
+
+async def test_a_grant_carries_the_engine_rank_where_the_engine_orders_users(
+    cluster: Cluster,
+) -> None:
+    """With `fair_engine_queue` the priority a follower sends counts its user's requests not
+    yet streaming on every replica: the deciding core's count travels with the grant."""
+    leader = cluster.add(gate=ManualGate(is_open=True, newcomers=True))
+    await eventually(lambda: leader.leading)
+    follower = cluster.add(gate=ManualGate(is_open=True, newcomers=True))
+    assert await cluster.leader() is leader
+    mine = [await follower.acquire(make_ticket("A")) for _ in range(2)]
+    on_leader = await leader.acquire(make_ticket("A"))
+    mine.append(await follower.acquire(make_ticket("A")))
+    assert [lease.engine_rank for lease in mine] == [0, 1, 3]
+    assert on_leader.engine_rank == 2
+    assert (await follower.acquire(make_ticket("B"))).engine_rank == 0
+
+
+def test_grants_without_a_rank_or_a_deployment_are_read_as_rank_0() -> None:
+    """Only a grant in user order carries the rank (a follower older than the field would
+    drop it); an older leader's grant has no deployment either."""
+    assert _read_reply(json.dumps(["g", 1, 0, 7, 1.0, "http://a/v1", 4])) == (
+        "g",
+        1,
+        0,
+        7,
+        1.0,
+        "http://a/v1",
+        4,
+    )
+    assert _read_reply(json.dumps(["g", 1, 0, 7, 1.0, "http://a/v1"]))[-1] == 0
+    assert _read_reply(json.dumps(["g", 1, 0, 7, 1.0])) == ("g", 1, 0, 7, 1.0, None, 0)
+    assert _read_reply(json.dumps(["g", 1, 0, 7, 1.0, None, -1])) is None
+    assert _read_reply(json.dumps(["g", 1, 0, 7, 1.0, None, True])) is None
 
 
 async def test_a_deposed_leader_cannot_grant(cluster: Cluster, redis_server: RedisServer) -> None:
