@@ -169,6 +169,7 @@ FAIR_PROXY_FLOOD = "fair-sched proxy"
 PLAIN_LITELLM_FLOOD = "LiteLLM proxy, no plugin"
 PLUGIN_LITELLM_FLOOD = "LiteLLM proxy + plugin"
 AUTO_LITELLM_FLOOD = "LiteLLM proxy + plugin, waiting_below auto"
+FAIR_QUEUE_LITELLM_FLOOD = "LiteLLM + plugin, auto, fair_engine_queue"
 THROUGHPUT_RATIOS = (
     (FAIR_PROXY_FLOOD, DIRECT_FLOOD),
     (PLAIN_LITELLM_FLOOD, DIRECT_FLOOD),
@@ -176,6 +177,8 @@ THROUGHPUT_RATIOS = (
     # Issue #17: >= 0.90 is the goal, in both process layouts (docs/real-vllm.md).
     (AUTO_LITELLM_FLOOD, PLAIN_LITELLM_FLOOD),
     (AUTO_LITELLM_FLOOD, PLUGIN_LITELLM_FLOOD),
+    (FAIR_QUEUE_LITELLM_FLOOD, PLAIN_LITELLM_FLOOD),
+    (FAIR_QUEUE_LITELLM_FLOOD, AUTO_LITELLM_FLOOD),
 )
 
 

@@ -45,6 +45,7 @@ from .conftest import (
     AUTO_LITELLM_FLOOD,
     DIRECT_FLOOD,
     FAIR_PROXY_FLOOD,
+    FAIR_QUEUE_LITELLM_FLOOD,
     FLOOD_REPORT,
     PLAIN_LITELLM_FLOOD,
     PLUGIN_LITELLM_FLOOD,
@@ -85,6 +86,7 @@ def fair_section(
     priority_scheduling: bool = True,
     auto: bool = False,
     waiting_below: int = 3,
+    fair_engine_queue: bool = False,
 ) -> dict[str, Any]:
     backend: dict[str, Any] = {
         "metrics_url": engine.metrics_url,
@@ -99,6 +101,8 @@ def fair_section(
         backend["max_num_seqs"] = MAX_NUM_SEQS
     if api_base is not None:
         backend["api_base"] = api_base
+    if fair_engine_queue:
+        backend["fair_engine_queue"] = True
     interactive: dict[str, Any] = {
         "name": "interactive",
         "waiting_below": waiting_below,
@@ -542,6 +546,7 @@ async def litellm_flood(
     plugin: bool,
     auto: bool = False,
     waiting_below: int = 3,
+    fair_engine_queue: bool = False,
 ) -> Flood:
     """The power-user flood through a LiteLLM proxy subprocess, with or without the plugin
     (the interactive tier's `waiting_below` fixed, or `auto`). Without the plugin every caller
@@ -557,7 +562,11 @@ async def litellm_flood(
 
     config = proxy_config(
         [model_entry(SERVED_MODEL, engine.api_base, engine_model=SERVED_MODEL)],
-        fair_section(engine, auto=auto, waiting_below=waiting_below) if plugin else None,
+        fair_section(
+            engine, auto=auto, waiting_below=waiting_below, fair_engine_queue=fair_engine_queue
+        )
+        if plugin
+        else None,
         plugin=plugin,
         custom_auth=plugin,
     )
@@ -628,6 +637,58 @@ async def test_litellm_proxy_with_plugin_auto_light_users_finish_before_power_me
         auto=True,
     )
     assert flood.light_done_before_heavy_median(), flood.numbers()
+
+
+async def test_litellm_proxy_with_auto_and_the_engine_queue_in_user_order(
+    priority_engine: VllmEngine, tmp_path: Path
+) -> None:
+    """Issue #17 with `fair_engine_queue`: vLLM's own queue serves users in turn (the priority
+    counts each user's requests not yet streaming), so `auto` may let a deeper queue form.
+    Light users still before the power user's median; the throughput ratio is printed."""
+    flood = await litellm_flood(
+        FAIR_QUEUE_LITELLM_FLOOD,
+        priority_engine,
+        tmp_path,
+        plugin=True,
+        auto=True,
+        fair_engine_queue=True,
+    )
+    assert flood.light_done_before_heavy_median(), flood.numbers()
+
+
+async def test_engine_queue_in_user_order_sends_each_users_rank_within_its_tier(
+    priority_engine: VllmEngine,
+) -> None:
+    """`fair_engine_queue` through the fair proxy and a recording pass-through: the power
+    user's requests reach vLLM with priorities 0, 1, 2, ... (its requests not yet streaming
+    ahead of each), the light user's with 0, the batch user's in the band of 10 x 1000; vLLM
+    takes every one of them (200) and the light user finishes before the power user's median."""
+    section = fair_section(priority_engine, fair_engine_queue=True)
+    async with recording_relay(priority_engine) as (relay_base, bodies):
+        section["backends"][SERVED_MODEL]["api_base"] = relay_base
+        app = build_proxy_app(section)
+        async with serve(app) as base_url:
+            async with open_client(base_url, BATCH_KEY, timeout=REQUEST_TIMEOUT_S) as batch:
+                batch_stream = await stream_chat(
+                    batch, "/v1/chat/completions", stream_body("batch 0"), []
+                )
+            flood = await run_flood(
+                "engine queue in user order: power flood + light",
+                priority_engine,
+                base_url,
+                "/v1/chat/completions",
+                heavy_key=POWER_KEY,
+                light_keys=(LIGHT_KEYS[0],),
+                heavy_body=lambda i: stream_body(f"power {i}"),
+                light_body=lambda i: stream_body("light"),
+                heavy_count=24,
+            )
+    assert batch_stream.ok
+    assert flood.light_done_before_heavy_median(), flood.numbers()
+    power = priorities_of(bodies, "power ")
+    assert len(power) == 24 and min(power) == 0 and max(power) > 0 and max(power) < 1000
+    assert priorities_of(bodies, "light") == [0]
+    assert priorities_of(bodies, "batch 0") == [BATCH_PRIORITY * 1000]
 
 
 async def test_tiers_interactive_overtakes_batch_flood_with_its_priority(
