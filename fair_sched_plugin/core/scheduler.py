@@ -329,7 +329,8 @@ class FairScheduler:
             return None
         limits = self._tiers[tier_index]
         if not self._gate.may_release(ticket.model, limits):
-            if not self._may_go_as_newcomer(ticket, queues, tier_index):
+            known = queues.tiers[tier_index].users.get(ticket.user) if queues is not None else None
+            if not self._may_go_as_newcomer(ticket.model, limits, known):
                 return None
         elif self._gate.waits_for_home(ticket, limits):
             return None  # parked, it goes when its deployment has room (`_release_next`)
@@ -342,17 +343,15 @@ class FairScheduler:
         return self._make_lease(queues, user_queue, ticket, enqueued_at=now, deployment=deployment)
 
     def _may_go_as_newcomer(
-        self, ticket: Ticket, queues: _ModelQueues | None, tier_index: int
+        self, model: str, limits: TierLimits, user_queue: _UserQueue | None
     ) -> bool:
-        """The user has none of its requests waiting in the engine, whose queue is in user order
-        and has room for a newcomer (`AdmissionGate.may_release_newcomer`). Not with tier shares:
-        their releases are counted against each other by the same test for everyone."""
-        if self._shared_tiers:
+        """Where the gate holds the tier back: the user (None: not seen yet) has none of its
+        requests waiting in the engine, whose queue is in user order and has room for a
+        newcomer (`AdmissionGate.may_release_newcomer`), so it goes first there. Not with tier
+        shares: their releases are counted against each other by the same test for everyone."""
+        if self._shared_tiers or (user_queue is not None and user_queue.unstarted):
             return False
-        known = queues.tiers[tier_index].users.get(ticket.user) if queues is not None else None
-        if known is not None and known.unstarted:
-            return False
-        return self._gate.may_release_newcomer(ticket.model, self._tiers[tier_index])
+        return self._gate.may_release_newcomer(model, limits)
 
     def enqueue(self, ticket: Ticket) -> Reservation:
         """Queue `ticket` and run the release decision; its `Reservation.future` resolves to
@@ -601,7 +600,6 @@ class FairScheduler:
             return
         queues.dispatching = True
         may_release = self._gate.may_release
-        may_release_newcomer = self._gate.may_release_newcomer
         model = queues.model
         try:
             while True:
@@ -621,9 +619,8 @@ class FairScheduler:
                             released = self._release_next(queues, tier)
                             break
                         head = self._peek_user(tier)
-                        if not head.unstarted and may_release_newcomer(model, tier.limits):
-                            # Its user has nothing waiting in the engine, whose own queue puts
-                            # it first there (`fair_engine_queue`): no look-ahead, it is the head.
+                        if self._may_go_as_newcomer(model, tier.limits, head):
+                            # No look-ahead: it is the head, the fair next one.
                             self._release_head(queues, tier, head)
                             released = True
                             break
