@@ -29,7 +29,7 @@ import yaml
 
 from fair_sched_plugin._http import sse_lines
 
-from ..processes import own_process_group
+from ..processes import own_process_group, process_cpu_seconds
 
 LOOPBACK = "127.0.0.1"
 # Long and random enough that LiteLLM does not refuse it as a well-known weak key.
@@ -154,13 +154,6 @@ class ProxyProcess:
     def cpu_seconds(self) -> float:
         """User + system CPU time of the proxy process so far (from /proc/PID/stat)."""
         return process_cpu_seconds(self.pid)
-
-
-def process_cpu_seconds(pid: int) -> float:
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    # After the command name: state is field 3, utime 14 and stime 15 (1-based, man 5 proc).
-    utime, stime = int(fields[11]), int(fields[12])
-    return (utime + stime) / os.sysconf("SC_CLK_TCK")
 
 
 def _spawn(

@@ -35,7 +35,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from ..processes import own_process_group
+from ..processes import group_cpu_seconds, own_process_group
 
 VLLM_VERSION = "0.32.0"  # keep in step with scripts/vllm_env.sh
 LAYOUTS = ("shared", "sessions")
@@ -323,14 +323,7 @@ class VllmEngine:
         """User + system CPU time so far of every live process in the engine's process group:
         the API server, its engine core and workers (issue #17: on this CPU build a token made
         in a small batch costs the engine several times the CPU of one made in a full batch)."""
-        total = 0.0
-        for stat in Path("/proc").glob("[0-9]*/stat"):
-            with contextlib.suppress(OSError, IndexError, ValueError):
-                # After the command name: pgrp is field 5, utime 14, stime 15 (man 5 proc).
-                fields = stat.read_text().rsplit(")", 1)[1].split()
-                if int(fields[2]) == self.process.pid:
-                    total += (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-        return total
+        return group_cpu_seconds(self.process.pid)
 
     def stop(self) -> None:
         _kill_group(self.process)
