@@ -61,7 +61,7 @@ in the engine for a slot, not behind its queue: `may_release_newcomer` lets its 
 the tier's threshold by up to the deployment's running slots (placement then counts that room
 too), and the tier's tuner measures only such requests (the others wait for their own user's,
 by design) with neither the engine's TTFT (all of its queue) nor the drain ceiling (Little's law
-on the whole queue is no newcomer's wait).
+on the whole queue is no newcomer's wait); between newcomers the last one's latency stands.
 
 A tier with `waiting_below: auto` has its threshold set by a `QueueTuner` (core/tuning.py) that
 the gate owns per deployment and tier, and feeds with that tier's release-to-first-byte times of
@@ -661,8 +661,9 @@ class MetricsGate:
                 tpot_target_s=tier.tpot_below_s,
                 initial=tier.waiting_below,
                 started_at=self._clock.now(),
-                # A newcomer waits for a slot, not behind the queue (`fair_engine_queue`).
-                drain_ceiling=not spec.fair_engine_queue,
+                # A newcomer waits for a slot, not behind the queue (`fair_engine_queue`), and
+                # only newcomers are measured (`_measures`).
+                newcomers_only=spec.fair_engine_queue,
             )
         return tuner.allowed
 

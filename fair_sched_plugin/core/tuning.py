@@ -52,6 +52,12 @@ say whose latency it is:
   queueing delay beyond the path shrinks the queue.
 Without scrapes (the tuner alone, or no `waiting` exported) everything is as before.
 
+Newcomers only (`fair_engine_queue`): the engine serves a user's first request before anyone's
+next, so the gate measures only requests whose user had none waiting there (they wait for a
+slot, not behind the queue). No drain ceiling then, and since a flood of one user's requests
+brings few of them, an interval without one is not "nothing measured": the last newcomer's
+smoothed latency decides (none since a decrease: growth once settled), as if one had come.
+
 Signals arrive late: a request released before a decrease still reports the old queue's latency.
 After a decrease only requests released after it count (one decrease per round trip), and the
 queue grows again only once a request released after it could have shown a miss; otherwise the
@@ -125,7 +131,7 @@ class QueueTuner:
         smoothing: float = 0.5,
         headroom: float = 0.8,
         started_at: float = 0.0,
-        drain_ceiling: bool = True,
+        newcomers_only: bool = False,
     ) -> None:
         if not 0 <= minimum <= maximum or maximum < 1:
             raise ValueError(
@@ -145,9 +151,11 @@ class QueueTuner:
         self._decrease = decrease
         self._smoothing = smoothing
         self._headroom = headroom
-        # Whether a newcomer waits behind the whole queue (the engine serves it in arrival
-        # order within its priority): then the queue is held to what drains within the target.
-        self._drain_ceiling_applies = drain_ceiling
+        # Whether the gate measures newcomers only (`fair_engine_queue`: the engine serves a
+        # user's first request before anyone's next, so a newcomer waits for a slot, not behind
+        # the queue). Then no drain ceiling (Little's law on the whole queue is no newcomer's
+        # wait), and an interval without a newcomer is no evidence: the last latency stands.
+        self._newcomers_only = newcomers_only
         self._interval_started = started_at
         self._decreased_at = -math.inf
         self._doubled_at = -math.inf
@@ -286,8 +294,14 @@ class QueueTuner:
             self._latency = self._tpot = None
             self._decreases += 1
             return True
-        if latency is None and tpot is None and not no_engine_queue:
-            return False  # nothing measured: no reason to move
+        if latency is None and tpot is None and not no_engine_queue and not self._newcomers_only:
+            # Nothing measured: no reason to move. Where only newcomers are measured, few
+            # arrive in a flood of one user's requests, and holding until one did kept the
+            # queue wherever it stood when the engine's first queue showed (1.7-4.9 waiting on
+            # the real vLLM while the power user's requests waited in ours, issue #17): the
+            # last newcomer's latency (none since a decrease: growth) decides, as it would if
+            # one had come.
+            return False
         # Without an engine queue only what the engine itself reports counts: shrinking a queue
         # it does not have would hold work back from free slots and shorten nobody's wait.
         overshoot = self._engine_overshoot(engine_ttft) if no_engine_queue else self._overshoot()
@@ -397,7 +411,7 @@ class QueueTuner:
         recent completion rate, plus the requests on their way to it (the rate times the path's
         latency: those replace completions rather than queue); no ceiling before a rate is known
         or without a TTFT target."""
-        if not self._drain_ceiling_applies or self._ttft_target is None or not self._drain_rate:
+        if self._newcomers_only or self._ttft_target is None or not self._drain_rate:
             return self._maximum
         # (queue + 1) / rate: the wait of a request released behind the whole queue.
         budget = self._ttft_target * self._headroom + (self._path or 0.0)

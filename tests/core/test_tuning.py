@@ -186,7 +186,7 @@ def test_where_newcomers_wait_for_a_slot_only_the_drain_rate_does_not_cap_the_qu
     and waits for a slot, not behind the queue: the same slow drain as above leaves the queue
     where the newcomers' first bytes put it."""
     tuner = QueueTuner(
-        minimum=1, maximum=32, ttft_target_s=1.0, initial=20, smoothing=1.0, drain_ceiling=False
+        minimum=1, maximum=32, ttft_target_s=1.0, initial=20, smoothing=1.0, newcomers_only=True
     )
     for second in (1.0, 2.0):
         for _ in range(2):
@@ -194,6 +194,47 @@ def test_where_newcomers_wait_for_a_slot_only_the_drain_rate_does_not_cap_the_qu
         tuner.observe_first_byte(int(second), second - 0.5, 0.2)
         tuner.tick(second)
     assert tuner.allowed == 20
+
+
+def test_where_only_newcomers_are_measured_an_interval_without_one_keeps_the_last_latency() -> None:
+    """A flood of one user's requests brings few newcomers: on the real vLLM `auto` with the
+    engine's queue in user order stayed at the queue it had when the engine's first queue
+    showed (issue #17). Between newcomers the last one's latency decides: a fast one lets the
+    queue grow while requests are held back, a slow one shrinks it, and after the decrease,
+    with no newcomer since, it grows again once a slow one could have shown. Measuring every
+    request, an interval without a first byte is still no reason to move."""
+
+    def tuner(newcomers_only: bool) -> QueueTuner:
+        return QueueTuner(
+            minimum=1, maximum=32, ttft_target_s=2.0, initial=4, newcomers_only=newcomers_only
+        )
+
+    sparse, everyone = tuner(True), tuner(False)
+    for each in (sparse, everyone):
+        each.observe_released(1, 0.2)
+        each.observe_first_byte(1, 0.2, 0.3)  # one fast newcomer, then none
+    for second in range(1, 6):
+        for each in (sparse, everyone):
+            each.observe_engine(second - 0.5, None, None, waiting=4)
+            each.note_held_back()
+            each.tick(float(second))
+    assert everyone.allowed == 5  # grown on the interval that measured, then held
+    assert sparse.allowed == 9  # one more per interval, as if fast newcomers kept coming
+
+    sparse.observe_released(2, 5.2)
+    sparse.observe_first_byte(2, 5.2, 4.0)  # a slow one: over the target
+    sparse.observe_engine(5.5, None, None, waiting=9)
+    sparse.note_held_back()
+    sparse.tick(6.0)
+    assert sparse.allowed == pytest.approx(6.3)  # x0.7: smoothed, 2.15 s against 2 s
+    grown = []
+    for second in range(7, 12):
+        sparse.observe_engine(second - 0.5, None, None, waiting=4)
+        sparse.note_held_back()
+        sparse.tick(float(second))
+        grown.append(sparse.allowed)
+    # Settled 3 s (interval + target) after the decrease: from then one more per interval.
+    assert grown == pytest.approx([6.3, 6.3, 7.3, 8.3, 9.3])
 
 
 def test_the_engines_finished_counter_is_the_drain_rate_where_it_has_one() -> None:
