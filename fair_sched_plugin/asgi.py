@@ -75,7 +75,9 @@ class FairSchedulerMiddleware:
     `config` is a YAML path, a mapping or `FairSchedSettings` (or pass a ready `service`).
     `resolve_user(scope, body)` may name the caller instead of the bearer key; it is trusted.
     `serve_admin=True` answers ``GET /fair-sched/metrics``, ``/fair-sched/status`` and the
-    ``/fair-sched/ui`` page itself, behind `admin_key` (or ``observability.admin_key``).
+    ``/fair-sched/ui`` page itself, behind `admin_key` (or ``observability.admin_key``); `admin`
+    answers them with another app instead (the LiteLLM integration's, behind the proxy's master
+    key).
     `reject_unknown_keys=True` answers 401 to a caller that is not a configured principal, before
     it can queue: for apps that do not authenticate themselves (the standalone proxy), so that
     made-up keys cannot each open a queue and fill the total cap.
@@ -105,6 +107,7 @@ class FairSchedulerMiddleware:
         unknown_models: UnknownModels = "share",
         pass_unmodelled: bool = False,
         serve_queue: bool = True,
+        admin: ASGIApp | None = None,
     ) -> None:
         self.app = app
         self._serve_queue = serve_queue
@@ -115,8 +118,8 @@ class FairSchedulerMiddleware:
         self._resolve_user = resolve_user
         self._max_body_bytes = max_body_bytes
         self._reject_unknown_keys = reject_unknown_keys
-        self._admin: ASGIApp | None = None
-        if serve_admin:
+        self._admin: ASGIApp | None = admin
+        if serve_admin and admin is None:
             # Opt-in: /fair-sched/metrics, /status and /ui answered here, before the app.
             self._admin = observability.admin_app(self.service, admin_key=admin_key)
             if not (admin_key or self.service.settings.observability.resolved_admin_key()):

@@ -25,7 +25,7 @@ from prometheus_client import REGISTRY, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 from starlette.applications import Starlette
 from starlette.responses import PlainTextResponse
-from starlette.routing import Route
+from starlette.routing import Route, Router
 
 from fair_sched_plugin.asgi import FairSchedulerMiddleware
 from fair_sched_plugin.config import load_settings
@@ -962,16 +962,21 @@ async def test_litellm_routes_need_the_master_key_and_join_the_default_registry(
     no_default_registry_leak: None,
 ) -> None:
     pytest.importorskip("litellm")
-    from fair_sched_plugin.litellm._routes import install_litellm_routes
+    from fair_sched_plugin.litellm._routes import litellm_admin_routes
 
     service = make_service()
-    proxy_server = SimpleNamespace(app=FastAPI(), master_key=None)
-    install_litellm_routes(proxy_server, service)
-    install_litellm_routes(proxy_server, service)  # a second import adds nothing
-    paths = [getattr(route, "path", None) for route in proxy_server.app.routes]
-    assert paths.count(METRICS_PATH) == 1 and paths.count(STATUS_PATH) == 1
-    assert paths.count(UI_PATH) == 1
-    async with asgi_client(proxy_server.app) as client:
+    litellm_app = FastAPI()
+
+    @litellm_app.get(STATUS_PATH)
+    async def shadowed() -> str:
+        return "from LiteLLM's app"
+
+    proxy_server = SimpleNamespace(app=litellm_app, master_key=None)
+    # In front of LiteLLM's app, as install_request_watch puts it: the app never sees them.
+    in_front = FairSchedulerMiddleware(
+        litellm_app, service=service, admin=Router(litellm_admin_routes(proxy_server, service))
+    )
+    async with asgi_client(in_front) as client:
         # No master key configured: nobody gets in.
         assert (
             await client.get(STATUS_PATH, headers={"authorization": "Bearer x"})
@@ -986,8 +991,29 @@ async def test_litellm_routes_need_the_master_key_and_join_the_default_registry(
             METRICS_PATH, headers={"x-litellm-api-key": "sk-master-test-9f8e"}
         )
         assert metrics.status_code == 200 and "fair_sched_wait_seconds" in metrics.text
+        assert (await client.get(UI_PATH)).headers["content-type"].startswith("text/html")
     assert b"fair_sched_released_total" in generate_latest(REGISTRY)
     assert not register_in_default_registry(service.observability)  # guarded
+    await service.aclose()
+
+
+async def test_litellm_routes_go_into_litellms_app_where_nothing_can_go_in_front(
+    no_default_registry_leak: None,
+) -> None:
+    pytest.importorskip("litellm")
+    from fair_sched_plugin.litellm._routes import add_routes_to_litellm_app, litellm_admin_routes
+
+    service = make_service()
+    proxy_server = SimpleNamespace(app=FastAPI(), master_key="sk-master-test-9f8e")
+    routes = litellm_admin_routes(proxy_server, service)
+    add_routes_to_litellm_app(proxy_server, routes)
+    add_routes_to_litellm_app(proxy_server, routes)  # a second import adds nothing
+    paths = [getattr(route, "path", None) for route in proxy_server.app.routes]
+    assert [paths.count(path) for path in (METRICS_PATH, STATUS_PATH, UI_PATH)] == [1, 1, 1]
+    async with asgi_client(proxy_server.app) as client:
+        assert (await client.get(STATUS_PATH)).status_code == 401
+        master = {"authorization": "Bearer sk-master-test-9f8e"}
+        assert (await client.get(STATUS_PATH, headers=master)).json()["totals"]["queued"] == 0
     await service.aclose()
 
 

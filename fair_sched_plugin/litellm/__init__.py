@@ -23,11 +23,12 @@ from typing import Any
 from fastapi import HTTPException, Request
 from litellm.integrations.custom_logger import CustomLogger
 from litellm.proxy._types import LitellmUserRoles, UserAPIKeyAuth
+from starlette.routing import Router
 
 from ._callback import PRINCIPAL_KEY, FairSchedCallback
 from ._compat import auth_module_source, check_litellm, installed_litellm_version
 from ._proxy import build_proxy_service, install_request_watch, running_proxy
-from ._routes import install_litellm_routes
+from ._routes import add_routes_to_litellm_app, litellm_admin_routes
 
 __all__ = [
     "FairSchedCallback",
@@ -50,14 +51,15 @@ def _attach() -> FairSchedCallback:
     if proxy_server is not None:
         # Inside the proxy: validate now (start-up fails on a bad section) and start watching.
         service = callback.service
-        install_request_watch(proxy_server, service)
+        admin_routes = litellm_admin_routes(proxy_server, service)
+        if not install_request_watch(proxy_server, service, admin=Router(routes=admin_routes)):
+            add_routes_to_litellm_app(proxy_server, admin_routes)
         try:
             asyncio.get_running_loop()
         except RuntimeError:
             pass  # started lazily on the first request
         else:
             service.start()
-        install_litellm_routes(proxy_server, service)
     return callback
 
 

@@ -36,8 +36,9 @@ HOOKS = (
     "async_pre_call_check",
 )
 PROXY_ATTRIBUTES = ("app", "master_key", "user_config_file_path")
-# What DisconnectWatch and install_litellm_routes use on the proxy's FastAPI app.
-APP_ATTRIBUTES = ("middleware_stack", "add_api_route", "routes")
+# What install_request_watch (the middleware in front) and add_routes_to_litellm_app use on the
+# proxy's FastAPI app.
+APP_ATTRIBUTES = ("middleware_stack", "router", "routes")
 AUTH_MODULE = "litellm.proxy.auth.user_api_key_auth"
 # How the proxy calls `general_settings.custom_auth` (our `authenticate(request, api_key)`).
 CUSTOM_AUTH_CALL = "user_custom_auth(request=request, api_key=api_key)"

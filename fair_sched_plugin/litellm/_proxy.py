@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any
 
 import yaml
+from starlette.types import ASGIApp
 
 from .._request import WatchRequests
 from .._shutdown import install_sigterm_drain
@@ -143,9 +144,12 @@ def pass_through_paths() -> tuple[tuple[str, ...], tuple[str, ...]]:
     return pattern(self_hosted), pattern(hosted)
 
 
-def install_request_watch(proxy_server: Any, service: SchedulingService) -> bool:
+def install_request_watch(
+    proxy_server: Any, service: SchedulingService, *, admin: ASGIApp | None = None
+) -> bool:
     """Run every request of the proxy app under a `RequestWatch` (client gone, max_lease_s),
-    and schedule LiteLLM's pass-through routes with the middleware in front of it.
+    schedule LiteLLM's pass-through routes with the middleware in front of it, and answer the
+    admin paths there with `admin` (before LiteLLM's own middleware and router: `_routes`).
 
     Wraps the built middleware stack (add_middleware is refused once the app has started).
     Inside the running proxy (its start-up, after uvicorn installed its signal handlers) a
@@ -157,7 +161,8 @@ def install_request_watch(proxy_server: Any, service: SchedulingService) -> bool
         logger.warning(
             "fair_sched: cannot watch requests (the proxy app is not built yet); a client "
             "leaving while queued will still be sent to the engine, max_lease_s is not "
-            "enforced and pass-through routes are not scheduled"
+            "enforced, pass-through routes are not scheduled and /fair-sched/* is answered "
+            "behind LiteLLM's own middleware"
         )
         return False
     if not isinstance(stack, FairSchedulerMiddleware):
@@ -173,7 +178,7 @@ def install_request_watch(proxy_server: Any, service: SchedulingService) -> bool
         )
         # Whatever goes to a self-hosted engine is scheduled, model or not (400 if not JSON).
         app.middleware_stack = FairSchedulerMiddleware(
-            hosted_scheduled, service=service, paths=self_hosted
+            hosted_scheduled, service=service, paths=self_hosted, admin=admin
         )
         with contextlib.suppress(RuntimeError):  # no running loop: not inside a server
             asyncio.get_running_loop()
