@@ -38,6 +38,7 @@ from fair_sched_plugin._http import sse_lines
 from fair_sched_plugin.core import BackendSnapshot
 from fair_sched_plugin.metrics.profiles import VLLM_PROFILE, engine_profile, filtered_metrics_url
 from fair_sched_plugin.metrics.watcher import MetricsWatcher
+from fair_sched_plugin.observability import STATUS_PATH
 from fair_sched_plugin.proxy import build_proxy_app
 
 from ..integrations.conftest import open_client, relay_upstream, serve
@@ -570,7 +571,10 @@ async def litellm_flood(
         plugin=plugin,
         custom_auth=plugin,
     )
-    async with litellm_proxy(config, tmp_path, "litellm-vllm", new_session=own_sessions()) as proxy:
+    async with (
+        litellm_proxy(config, tmp_path, "litellm-vllm", new_session=own_sessions()) as proxy,
+        trace_gate(proxy.base_url, enabled=plugin and bool(os.environ.get(TRACE_ENV))),
+    ):
         try:
             cpu_before = proxy.cpu_seconds()
             flood = await run_flood(
@@ -590,6 +594,57 @@ async def litellm_flood(
             raise
     record_flood(flood)
     return flood
+
+
+TRACE_ENV = "FAIR_SCHED_VLLM_TRACE"
+TRACE_EVERY_S = 0.5
+
+
+@contextlib.asynccontextmanager
+async def trace_gate(base_url: str, *, enabled: bool) -> AsyncIterator[None]:
+    """On demand (`FAIR_SCHED_VLLM_TRACE=1`): the plugin's gate as its status page shows it,
+    every TRACE_EVERY_S through the flood, printed as one line per sample once it is over: the
+    allowed queue, the engine's waiting and running by the gate's last scrape, the requests on
+    their way (pending), in flight and queued with us, by user, and how long the status took
+    (answered in front of LiteLLM, polling it does not hold up LiteLLM: docs/operations.md)."""
+    if not enabled:
+        yield
+        return
+    from ..integrations.litellm_harness import MASTER_KEY
+
+    lines: list[str] = []
+
+    async def sample() -> None:
+        started = time.perf_counter()
+        headers = {"authorization": f"Bearer {MASTER_KEY}"}
+        async with httpx.AsyncClient(base_url=base_url, timeout=5.0, trust_env=False) as client:
+            while True:
+                with contextlib.suppress(httpx.HTTPError, ValueError, KeyError):
+                    asked = time.perf_counter()
+                    response = await client.get(STATUS_PATH, headers=headers)
+                    took = time.perf_counter() - asked
+                    model = response.json()["models"][SERVED_MODEL]
+                    gate = model["gate"]
+                    lines.append(
+                        f"{asked - started:6.1f}s (took {took:.2f}s, {len(response.content)} B) "
+                        f"allowed={gate.get('waiting_threshold')} "
+                        f"engine waiting={gate.get('waiting')} running={gate.get('running')} "
+                        f"pending={gate.get('pending')} in_flight={model['in_flight']} "
+                        f"queued={model['queued']} backlog="
+                        + ",".join(f"{b['user']}:{b['depth']}" for b in model["backlog"])
+                        + " in_flight_by_user="
+                        + ",".join(
+                            f"{u['user']}:{u['in_flight']}" for u in model["in_flight_by_user"]
+                        )
+                    )
+                await asyncio.sleep(TRACE_EVERY_S)
+
+    sampler = asyncio.ensure_future(sample())
+    try:
+        yield
+    finally:
+        await cancel_and_wait(sampler)
+        print("\n[vllm trace] " + "\n[vllm trace] ".join(lines))
 
 
 async def test_plain_litellm_proxy_light_users_wait_behind_the_flood(
