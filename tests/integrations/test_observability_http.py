@@ -240,8 +240,13 @@ async def test_litellm_proxy_serves_the_routes_to_the_master_key_only(tmp_path: 
                 user="alice",
             )
             assert count == 2
-            status = (await client.get(STATUS_PATH, headers=master)).json()
+            answered = await client.get(STATUS_PATH, headers=master)
+            status = answered.json()
             assert status["models"][MODEL]["gate"]["deployments"] == 1
+            # Answered in front of LiteLLM's own middleware (docs/operations.md: through it,
+            # polling held up LiteLLM's intake of requests), which marks what passes it.
+            assert (await client.get("/health/liveliness")).headers["x-frame-options"] == "DENY"
+            assert "x-frame-options" not in answered.headers
             litellm_metrics = (await client.get("/metrics/", headers=master)).text
             assert (
                 value(
