@@ -60,7 +60,7 @@ def auth_source(compat: Any) -> str:
 
 def proxy_module(**drop: bool) -> types.ModuleType:
     """A stand-in for `litellm.proxy.proxy_server` with the attributes the plugin reads."""
-    app = types.SimpleNamespace(middleware_stack=None, add_api_route=print, routes=[])
+    app = types.SimpleNamespace(middleware_stack=None, router=None, routes=[])
     module = types.ModuleType("litellm.proxy.proxy_server")
     attributes = {"app": app, "master_key": "sk-x", "user_config_file_path": None}
     for name, value in attributes.items():
@@ -126,7 +126,7 @@ def test_an_app_the_disconnect_watch_cannot_wrap_stops_start_up(
     from fair_sched_plugin.errors import UnsupportedLiteLLM
 
     proxy_server = proxy_module()
-    proxy_server.app = types.SimpleNamespace(add_api_route=print, routes=[])
+    proxy_server.app = types.SimpleNamespace(router=None, routes=[])
     with pytest.raises(UnsupportedLiteLLM, match="the proxy app has no `middleware_stack`"):
         compat.check_litellm(base, ours, proxy_server, auth_source, VERSION)
 
