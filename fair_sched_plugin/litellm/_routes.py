@@ -7,8 +7,8 @@ They are answered in front of LiteLLM's app, by the middleware the integration p
 (`_proxy.install_request_watch`), not as routes of LiteLLM's app: on the real vLLM stage, a
 client asking for /fair-sched/status (or being refused it) every half second through LiteLLM's
 own middleware and router while a power user's 100 requests came in held the light users' first
-token at 3.9-12 s where it was 1.0-1.5 s without, or with LiteLLM's /health/liveliness asked as
-often (docs/operations.md). The status page polls every 0.4 s.
+token at 3.9-12 s where it was 0.8-1.8 s without, or with LiteLLM's own /health/liveliness or
+/v1/models asked as often (docs/operations.md). The status page polls every 0.4 s.
 """
 
 from __future__ import annotations
