@@ -57,6 +57,18 @@ def process_cpu_seconds(pid: int) -> float:
     return _stat(Path(f"/proc/{pid}/stat"))[1]
 
 
+def process_cpu_wait_seconds(pid: int) -> float:
+    """Seconds the process's threads so far spent runnable but waiting for a CPU (the second
+    field of each /proc/PID/task/TID/schedstat, in nanoseconds); NaN where the kernel keeps no
+    scheduler statistics."""
+    total = 0
+    tasks = list(Path(f"/proc/{pid}/task").glob("*/schedstat"))
+    for path in tasks:
+        with contextlib.suppress(OSError, IndexError, ValueError):  # a thread that ended
+            total += int(path.read_text().split()[1])
+    return total / 1e9 if tasks else float("nan")
+
+
 def group_cpu_seconds(pgid: int) -> float:
     """User + system CPU time so far of every live process in a process group."""
     total = 0.0

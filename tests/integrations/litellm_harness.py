@@ -29,7 +29,7 @@ import yaml
 
 from fair_sched_plugin._http import sse_lines
 
-from ..processes import own_process_group, process_cpu_seconds
+from ..processes import own_process_group, process_cpu_seconds, process_cpu_wait_seconds
 
 LOOPBACK = "127.0.0.1"
 # Long and random enough that LiteLLM does not refuse it as a well-known weak key.
@@ -154,6 +154,10 @@ class ProxyProcess:
     def cpu_seconds(self) -> float:
         """User + system CPU time of the proxy process so far (from /proc/PID/stat)."""
         return process_cpu_seconds(self.pid)
+
+    def cpu_wait_seconds(self) -> float:
+        """Seconds the proxy's threads so far waited for a CPU while runnable."""
+        return process_cpu_wait_seconds(self.pid)
 
 
 def _spawn(

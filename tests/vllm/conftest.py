@@ -126,6 +126,7 @@ def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
             + f" | engine CPU {numbers['engine_cpu_ms_per_token']:.2f} ms/token"
             + (
                 f" | LiteLLM CPU {numbers['proxy_cpu_ms_per_token']:.2f} ms/token"
+                f", waited for a CPU {numbers['proxy_cpu_wait_per_s']:.2f} s/s"
                 if not math.isnan(numbers["proxy_cpu_ms_per_token"])
                 else ""
             )

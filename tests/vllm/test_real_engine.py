@@ -255,6 +255,8 @@ class Flood:
     proxy_cpu_s: float = float("nan")
     # CPU seconds the engine's processes spent on it (from the engine idle to the last end).
     engine_cpu_s: float = float("nan")
+    # Seconds the LiteLLM proxy's threads were runnable but waited for a CPU during the flood.
+    proxy_cpu_wait_s: float = float("nan")
 
     def check_all_ok(self) -> None:
         bad = [s for s in self.heavy + self.light if not s.ok or s.finish_reason != "length"]
@@ -296,6 +298,9 @@ class Flood:
             # Much of the CPU build's cost is per step, whatever the batch: a flood it runs in
             # small batches costs it more CPU per token (issue #17's sessions layout).
             "engine_cpu_ms_per_token": 1000 * self.engine_cpu_s / tokens,
+            # Per second of the flood: how long LiteLLM, the relay, waited for a CPU (in the
+            # sessions layout the engine's processes took it whenever they ran: issue #17).
+            "proxy_cpu_wait_per_s": self.proxy_cpu_wait_s / makespan,
         }
 
 
@@ -577,6 +582,7 @@ async def litellm_flood(
     ):
         try:
             cpu_before = proxy.cpu_seconds()
+            wait_before = proxy.cpu_wait_seconds()
             flood = await run_flood(
                 name,
                 engine,
@@ -589,6 +595,7 @@ async def litellm_flood(
             )
             # Includes the idle wait for the engine before the flood (milliseconds).
             flood.proxy_cpu_s = proxy.cpu_seconds() - cpu_before
+            flood.proxy_cpu_wait_s = proxy.cpu_wait_seconds() - wait_before
         except BaseException:
             print(proxy.log_tail())
             raise
