@@ -15,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import heapq
 import itertools
+import math
 from collections import OrderedDict, deque
 from collections.abc import Callable, Iterable, Mapping
 from typing import Literal, NamedTuple
@@ -146,7 +147,8 @@ class _UserQueue:
         self.depth = 0
         self.virtual_time = virtual_time
         self.in_flight = 0
-        # Of those in flight, released and not yet streaming: the next release's `engine_rank`.
+        # Of those in flight, released and not yet streaming (the next release's `engine_rank`
+        # counts them: `_engine_round`).
         self.unstarted = 0
         # Heap entries carry the generation they were pushed with; bumping it invalidates them
         # (lazy deletion keeps re-keying and removal O(log n)).
@@ -330,7 +332,7 @@ class FairScheduler:
         limits = self._tiers[tier_index]
         if not self._gate.may_release(ticket.model, limits):
             known = queues.tiers[tier_index].users.get(ticket.user) if queues is not None else None
-            if not self._may_go_as_newcomer(ticket.model, limits, known):
+            if not self._may_go_as_newcomer(ticket.model, limits, known, ticket.weight):
                 return None
         elif self._gate.waits_for_home(ticket, limits):
             return None  # parked, it goes when its deployment has room (`_release_next`)
@@ -343,15 +345,28 @@ class FairScheduler:
         return self._make_lease(queues, user_queue, ticket, enqueued_at=now, deployment=deployment)
 
     def _may_go_as_newcomer(
-        self, model: str, limits: TierLimits, user_queue: _UserQueue | None
+        self, model: str, limits: TierLimits, user_queue: _UserQueue | None, weight: float
     ) -> bool:
-        """Where the gate holds the tier back: the user (None: not seen yet) has none of its
-        requests waiting in the engine, whose queue is in user order and has room for a
-        newcomer (`AdmissionGate.may_release_newcomer`), so it goes first there. Not with tier
-        shares: their releases are counted against each other by the same test for everyone."""
-        if self._shared_tiers or (user_queue is not None and user_queue.unstarted):
+        """Where the gate holds the tier back: the user's next request (None: a user not seen
+        yet) would be in the engine's first round (`_engine_round` 0), whose queue is in user
+        order and has room for a newcomer (`AdmissionGate.may_release_newcomer`), so it goes
+        first there. Not with tier shares: their releases are counted against each other by the
+        same test for everyone."""
+        if self._shared_tiers or (
+            user_queue is not None and self._engine_round(user_queue, weight) > 0
+        ):
             return False
         return self._gate.may_release_newcomer(model, limits)
+
+    def _engine_round(self, user_queue: _UserQueue, weight: float) -> int:
+        """The round of an engine queue in user order that the user's next request joins
+        (`Lease.engine_rank`): how many of its requests released before it are not streaming
+        yet, and with `fairness: weighted` that count per its weight (a user of weight 2 has two
+        requests in each round, as it has two turns to others' one in our queue)."""
+        if self._fairness != "weighted":
+            return user_queue.unstarted
+        # The epsilon keeps 3 / 0.1 (29.999...) in round 30.
+        return math.floor(user_queue.unstarted / weight + 1e-9)
 
     def enqueue(self, ticket: Ticket) -> Reservation:
         """Queue `ticket` and run the release decision; its `Reservation.future` resolves to
@@ -619,7 +634,8 @@ class FairScheduler:
                             released = self._release_next(queues, tier)
                             break
                         head = self._peek_user(tier)
-                        if self._may_go_as_newcomer(model, tier.limits, head):
+                        weight = self._head_waiter(head).ticket.weight
+                        if self._may_go_as_newcomer(model, tier.limits, head, weight):
                             # No look-ahead: it is the head, the fair next one.
                             self._release_head(queues, tier, head)
                             released = True
@@ -815,7 +831,7 @@ class FairScheduler:
             charge = 1.0 if self._fairness == "round_robin" else self._charge(ticket, ticket.cost)
         user_queue.virtual_time += charge
         user_queue.in_flight += 1
-        rank = user_queue.unstarted
+        rank = self._engine_round(user_queue, ticket.weight)
         user_queue.unstarted += 1
         queues.in_flight += 1
         self._in_flight_total += 1

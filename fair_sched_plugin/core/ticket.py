@@ -126,8 +126,9 @@ class Lease:
         # the release (the request goes wherever the adapter routes it).
         self.deployment = deployment
         # How many of its user's requests to this model (same tier) were released before it
-        # and had not started streaming: its place among them in the engine's own queue when
-        # the backend has `fair_engine_queue` (the priority sent counts it). 0: the user's first.
+        # and had not started streaming (with `fairness: weighted`, that count per the user's
+        # weight): its round in the engine's own queue when the backend has `fair_engine_queue`
+        # (the priority sent counts it). 0: the engine's first round.
         self.engine_rank = engine_rank
         self.lease_id = lease_id
         self.enqueued_at = enqueued_at

@@ -469,6 +469,61 @@ async def test_engine_rank_counts_the_users_earlier_requests_not_yet_started(
     await drain(scheduler)
 
 
+@pytest.mark.parametrize(
+    ("fairness", "expected"),
+    [
+        (
+            "weighted",
+            {"double": [0, 0, 1, 1, 2], "single": [0, 1, 2, 3, 4], "half": [0, 2, 4, 6, 8]},
+        ),
+        ("round_robin", {name: [0, 1, 2, 3, 4] for name in ("double", "single", "half")}),
+    ],
+)
+async def test_under_weighted_fairness_the_engine_rank_counts_rounds_of_the_users_weight(
+    clock: FakeClock, fairness: str, expected: dict[str, list[int]]
+) -> None:
+    """Weight 2 has two requests in each round of the engine's queue, as it has two turns to
+    others' one in ours; round robin ignores weights in both."""
+    gate = ManualGate(is_open=True, newcomers=True)
+    scheduler = make_scheduler(gate, clock, fairness=fairness)
+    weights = {"double": 2.0, "single": 1.0, "half": 0.5}
+    ranks = {
+        name: [
+            (await scheduler.acquire(make_ticket(name, weight=weight))).engine_rank
+            for _ in range(5)
+        ]
+        for name, weight in weights.items()
+    }
+    assert ranks == expected
+    # A weight that is not a power of two: 3 requests at weight 0.1 are in round 30, not 29.
+    tenth = [await scheduler.acquire(make_ticket("tenth", weight=0.1)) for _ in range(4)]
+    assert tenth[-1].engine_rank == (30 if fairness == "weighted" else 3)
+    await drain(scheduler)
+
+
+async def test_under_weighted_fairness_a_heavier_user_goes_as_a_newcomer_while_in_the_first_round(
+    clock: FakeClock,
+) -> None:
+    """Past a closed gate, a user goes as a newcomer while its next request would be in the
+    engine's first round: one of weight 2 with one request there still is, one of weight 1 is
+    not."""
+    gate = ManualGate(newcomers=True)
+    scheduler = make_scheduler(gate, clock, fairness="weighted")
+    double = [scheduler.try_acquire(make_ticket("double", weight=2.0)) for _ in range(3)]
+    single = [scheduler.try_acquire(make_ticket("single")) for _ in range(2)]
+    assert [lease is not None for lease in double] == [True, True, False]
+    assert [lease is not None for lease in single] == [True, False]
+    # The same through the queue: the parked head of weight 2 goes once one of its two streams.
+    parked = submit(scheduler, "double", 1, weight=2.0)
+    await settle()
+    assert not parked[0].done()
+    double[0].mark_started()  # type: ignore[union-attr]
+    gate.allow(0)
+    await settle()
+    assert parked[0].done() and parked[0].result().engine_rank == 0
+    await drain(scheduler)
+
+
 async def test_engine_rank_is_0_where_the_engine_does_not_order_its_queue(
     gate: ManualGate, clock: FakeClock
 ) -> None:
