@@ -22,11 +22,22 @@ from .scheduler import (
     UserBacklog,
 )
 from .snapshot import BackendSnapshot
-from .ticket import Lease, LeaseOwner, Ticket, TierLimits
+from .ticket import (
+    MAX_REQUEST_COST,
+    MAX_REQUEST_TOKENS,
+    Lease,
+    LeaseOwner,
+    Ticket,
+    TierLimits,
+    request_cost_in_range,
+    request_tokens_in_range,
+)
 from .tuning import QueueTuner, TunerStatus
 from .waiting import DrainMeter, estimate_position, retry_after_s
 
 __all__ = [
+    "MAX_REQUEST_COST",
+    "MAX_REQUEST_TOKENS",
     "AdmissionGate",
     "BackendGroup",
     "BackendSnapshot",
@@ -57,5 +68,7 @@ __all__ = [
     "TunerStatus",
     "UserBacklog",
     "estimate_position",
+    "request_cost_in_range",
+    "request_tokens_in_range",
     "retry_after_s",
 ]

@@ -2,8 +2,38 @@
 
 from __future__ import annotations
 
+import math
 from types import TracebackType
 from typing import NamedTuple, Protocol
+
+# The documented ranges of what one request may claim or report. Every number that comes from
+# outside (a request body, a header, a Redis message, an engine's `usage`) is checked against
+# them where it is read (a 400 naming the field, or a dropped message), so nothing unbounded
+# reaches the core: a 400-digit integer there made every later charge raise OverflowError.
+# Far above any real model's context (tokens: prompt + output of one request).
+MAX_REQUEST_TOKENS = 100_000_000
+# Far above any real request's price, in the configured currency (usd).
+MAX_REQUEST_COST = 1_000_000.0
+# Weights are configured (and carried between replicas): bounded so 1/weight stays finite.
+MIN_WEIGHT = 1e-6
+MAX_WEIGHT = 1e6
+
+
+def request_tokens_in_range(value: object) -> bool:
+    """A token count (a ticket's cost, a lease's `tokens_used`) within [0, MAX_REQUEST_TOKENS]."""
+    return (
+        isinstance(value, int) and not isinstance(value, bool) and 0 <= value <= MAX_REQUEST_TOKENS
+    )
+
+
+def request_cost_in_range(value: object) -> bool:
+    """A money amount (a ticket's price, a lease's `cost_used`) within [0, MAX_REQUEST_COST]."""
+    return (
+        isinstance(value, (int, float))
+        and not isinstance(value, bool)
+        and math.isfinite(value)
+        and 0 <= value <= MAX_REQUEST_COST
+    )
 
 
 class TierLimits(NamedTuple):
@@ -62,12 +92,14 @@ class Ticket(_TicketFields):
         price: float = 0.0,
         prefix: tuple[int, ...] = (),
     ) -> Ticket:
-        if weight <= 0:
-            raise ValueError(f"weight must be > 0 (got {weight!r})")
-        if cost < 0:
-            raise ValueError(f"cost must be >= 0 (got {cost!r})")
-        if price < 0:
-            raise ValueError(f"price must be >= 0 (got {price!r})")
+        if not (
+            isinstance(weight, (int, float)) and MIN_WEIGHT <= weight <= MAX_WEIGHT
+        ):  # NaN fails both comparisons
+            raise ValueError(f"weight must be in [{MIN_WEIGHT:g}, {MAX_WEIGHT:g}] (got {weight!r})")
+        if not request_tokens_in_range(cost):
+            raise ValueError(f"cost must be an int in [0, {MAX_REQUEST_TOKENS}] (got {cost!r:.40})")
+        if not request_cost_in_range(price):
+            raise ValueError(f"price must be in [0, {MAX_REQUEST_COST:g}] (got {price!r:.40})")
         return tuple.__new__(cls, (model, user, tier, weight, cost, price, prefix))
 
 
