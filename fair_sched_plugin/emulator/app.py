@@ -402,6 +402,7 @@ class Emulator:
             self.config.models,
             self.config.kv_capacity_tokens,
             prefix_caching=self.config.prefix_cache_blocks > 0,
+            success_counter=self.config.success_counter,
         )
         self.engine = EmulatedEngine(self.config, observer=self.metrics)
         self._completion_requests = 0

@@ -97,6 +97,10 @@ class EmulatorConfig:
     kv_capacity_tokens: int = 16384
     """Denominator of ``kv_cache_usage_perc`` (prompt + generated tokens of running sequences)."""
     metrics_profile: MetricsProfile = "vllm"
+    success_counter: bool = True
+    """With the vLLM profile, export ``vllm:request_success_total``. False: the gauges and
+    histograms only, like an engine without a finished counter the gate can read (SGLang's and
+    TGI's profiles have none), so the gate counts arrivals from its own ends instead."""
     default_max_tokens: int = 16
     filler_word: str = " token"
     request_log_size: int = 10_000

@@ -82,8 +82,11 @@ class EngineMetrics(EngineObserver):
         kv_capacity: int,
         *,
         prefix_caching: bool = False,
+        success_counter: bool = True,
     ) -> None:
         self.profile = profile
+        # Off: vLLM's page without `request_success_total` (the gate's other settling rule).
+        self._success_counter = success_counter
         # vLLM counts prefix-cache queries only while caching is on; off, both stay at 0.
         self._prefix_caching = prefix_caching
         self.registry = CollectorRegistry(auto_describe=True)
@@ -151,14 +154,15 @@ class EngineMetrics(EngineObserver):
         self.generation_tokens = self._counter(
             "vllm:generation_tokens", "Number of generation tokens processed."
         )
-        # Like vLLM's, aborted requests are not counted (vllm-project/vllm#31503): the "abort"
-        # series exists and stays at 0.
-        self.request_success = Counter(
-            "vllm:request_success",
-            "Count of successfully processed requests.",
-            (*self._labels, "finished_reason"),
-            registry=self.registry,
-        )
+        if self._success_counter:
+            # Like vLLM's, aborted requests are not counted (vllm-project/vllm#31503): the
+            # "abort" series exists and stays at 0.
+            self.request_success = Counter(
+                "vllm:request_success",
+                "Count of successfully processed requests.",
+                (*self._labels, "finished_reason"),
+                registry=self.registry,
+            )
         self.prefix_queries = self._counter(
             "vllm:prefix_cache_queries",
             "Prefix cache queries, in terms of number of queried tokens.",

@@ -112,6 +112,7 @@ def config_to_argv(config: EmulatorConfig) -> list[str]:
     argv += ["--prefill-ms-per-token", repr(config.prefill_ms_per_token)]
     argv += ["--kv-capacity-tokens", str(config.kv_capacity_tokens)]
     argv += ["--metrics-profile", config.metrics_profile]
+    argv += ["--success-counter" if config.success_counter else "--no-success-counter"]
     argv += ["--default-max-tokens", str(config.default_max_tokens)]
     argv += ["--speed", repr(config.speed)]
     argv += ["--prefix-cache-blocks", str(config.prefix_cache_blocks)]
@@ -185,6 +186,13 @@ def _add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--metrics-profile", choices=["vllm", "sglang", "tgi"], default=defaults.metrics_profile
     )
+    parser.add_argument(
+        "--success-counter",
+        action=argparse.BooleanOptionalAction,
+        default=defaults.success_counter,
+        help="export vllm:request_success_total with the vllm profile (off: an engine whose "
+        "finished requests the gate cannot count, as SGLang and TGI)",
+    )
     parser.add_argument("--default-max-tokens", type=int, default=defaults.default_max_tokens)
     parser.add_argument(
         "--speed",
@@ -230,6 +238,7 @@ def config_from_args(args: argparse.Namespace) -> EmulatorConfig:
         prefill_ms_per_token=args.prefill_ms_per_token,
         kv_capacity_tokens=args.kv_capacity_tokens,
         metrics_profile=args.metrics_profile,
+        success_counter=args.success_counter,
         default_max_tokens=args.default_max_tokens,
         speed=args.speed,
         prefix_cache_blocks=args.prefix_cache_blocks,

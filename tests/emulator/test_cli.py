@@ -37,6 +37,7 @@ def test_config_survives_the_trip_through_argv() -> None:
         prefill_ms_per_token=0.01,
         kv_capacity_tokens=999,
         metrics_profile="sglang",
+        success_counter=False,
         default_max_tokens=7,
         speed=0.33,
         prefix_cache_blocks=100,
@@ -45,3 +46,9 @@ def test_config_survives_the_trip_through_argv() -> None:
     )
     args = _emulate_parser().parse_args(["emulate", *config_to_argv(config)])
     assert config_from_args(args) == config
+
+
+def test_no_success_counter_switches_the_counter_off() -> None:
+    args = _emulate_parser().parse_args(["emulate", "--no-success-counter"])
+    assert config_from_args(args).success_counter is False
+    assert config_from_args(_emulate_parser().parse_args(["emulate"])).success_counter is True

@@ -98,6 +98,19 @@ async def test_finished_counter_plus_the_gauges_count_every_arrival(
     assert after == {"stop": 0, "length": 12, "abort": 0, "error": 0, "repetition": 0}
 
 
+async def test_without_the_success_counter_vllms_page_lacks_only_that() -> None:
+    """`success_counter=False`: vLLM's gauges and histograms, no `request_success_total` (an
+    engine whose finished requests the gate cannot count)."""
+    async with run_emulator(fast_config(success_counter=False)) as emu, open_client(emu) as http:
+        await http.post("/v1/chat/completions", json=chat_body(max_tokens=3))
+        text = (await http.get("/metrics")).text
+    samples = parse_samples(text)
+    assert not finished_by_reason(text)
+    assert samples["vllm:num_requests_waiting"] == 0
+    assert samples["vllm:time_to_first_token_seconds_count"] == 1
+    assert samples["vllm:inter_token_latency_seconds_count"] == 2
+
+
 async def test_an_aborted_request_is_not_counted_as_finished(wait_until: WaitUntil) -> None:
     """Like vLLM (vllm-project/vllm#31503): an abort leaves the gauges without a count, so
     the gate under-counts arrivals by it (a lease pending a little longer, never one released
