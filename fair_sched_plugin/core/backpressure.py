@@ -36,13 +36,17 @@ ours settled in between by their first byte or end (they are among those arrival
 engine counts its finished requests (`BackendSnapshot.requests_finished`: vLLM's
 `request_success_total`), the arrivals are its growth (waiting + running) plus its finished
 count between the two scrapes: the engine's own numbers, in step with each other. Elsewhere our
-ends since the last scrape stand for the requests that left; behind a loaded LiteLLM the proxy
-sees an end a second or two late, often after the scrape that showed the engine shrink, so it
-counts as an arrival in the next interval: one lease still in LiteLLM settled, one request too
-many released (issue #16's queue peaks of one to three over the threshold). A finished count
-that went down (a restarted engine) settles nothing. An engine that does not count aborted
-requests (vLLM does not) hides an arrival per abort: a lease stays pending a little longer,
-never one released too many. With `metrics_lag_s` a scrape is
+ends stand for the requests that left, each in the interval of the first scrape sent after we
+saw it; behind a loaded proxy an end comes a second or two late, often after the scrape that
+showed the engine shrink: that interval counts an arrival short, and the end's own one too many.
+An interval that counts fewer arrivals than it subtracts leaves the difference owed (at most one
+a lease in flight there), and later arrivals make it up before they settle anything: clipped at
+zero instead, each late end settled a lease still on its way, and a flood through a loaded proxy
+put the engine's queue at 8 against 3. The price: a request that refills a slot whose end is
+still on its way stays pending until its first byte (or the grace). A finished count that went
+down (a restarted engine) settles nothing. An engine that does not count aborted requests (vLLM
+does not) hides an arrival per abort: a lease stays pending a little longer, never one released
+too many. With `metrics_lag_s` a scrape is
 taken to show the engine as of `started_at - metrics_lag_s`: first bytes and pending requests
 are forgotten against that time, and ends seen after it give their slots back.
 
@@ -267,11 +271,15 @@ class _DeploymentState:
     # no scrape can show yet (only with metrics_lag_s; see _account_scraped).
     ends: deque[float] = field(default_factory=lambda: deque(maxlen=_MAX_FIRST_BYTES))
     scrape_requested: bool = False
-    # Started leases that ended since the last scrape (see _settle_arrivals).
-    ends_since_scrape: int = 0
+    # When each started lease's end was seen, not yet counted against a scrape (see
+    # _settle_arrivals: an end counts in the first interval whose scrape was sent after it).
+    unattributed_ends: deque[float] = field(default_factory=deque)
     # Pending leases settled by their first byte or end since the last scrape: arrivals the
     # engine's growth may show too (see _settle_arrivals).
     settled_since_scrape: int = 0
+    # Arrivals counted short of what was subtracted in earlier intervals, not yet made up by a
+    # later one's (see _settle_arrivals); at most the leases in flight here.
+    arrivals_owed: int = 0
     # The gate held a request back for this engine's queue since the last scrape (demand).
     held_back: bool = False
     # ... by a tier without an engine queue (below 1): it needs a free slot, so it probes.
@@ -366,11 +374,11 @@ class MetricsGate:
             # a leader that hears ends late through Redis may settle by them too.
             finished = _finished_delta(previous, snapshot)
             if self._sharers > 1 or not (self._growth_settles or finished is not None):
-                deployment.ends_since_scrape = deployment.settled_since_scrape = 0
+                self._forget_arrivals(state.spec, deployment, snapshot)
             elif previous is not None and previous.started_at < snapshot.started_at:
                 self._settle_arrivals(state.spec, deployment, previous, snapshot, finished)
             else:  # nothing to compare with: what happened before this scrape is in it
-                deployment.ends_since_scrape = deployment.settled_since_scrape = 0
+                self._forget_arrivals(state.spec, deployment, snapshot)
             self._account_scraped(state.spec, deployment)
             # After the settling: probing asks whether anything is still on its way.
             self._learn_capacity(state.spec, deployment, snapshot)
@@ -451,7 +459,7 @@ class MetricsGate:
             if lease.started:
                 tuner.observe_completion()
         if lease.started:
-            deployment.ends_since_scrape += 1
+            deployment.unattributed_ends.append(self._clock.now())
         if lease.started and state.spec.metrics_lag_s > 0:
             deployment.ends.append(self._clock.now())
             self._notify(model)
@@ -861,13 +869,18 @@ class MetricsGate:
         at most that many more in, and the next scrape shows them. `finished`: the engine's
         finished count between the two (`_finished_delta`), None where it has none."""
         grown = snapshot.waiting + snapshot.running - previous.waiting - previous.running
+        as_of = snapshot.started_at - spec.metrics_lag_s
+        ends = _take_until(deployment.unattributed_ends, as_of)
         if finished is None:
-            # Requests that left the engine in between hide as many arrivals: our own ends since
-            # the last scrape stand for them. Behind a lagging proxy (a loaded LiteLLM) an end is
-            # often seen after the scrape that showed the engine shrink, and then counts as an
-            # arrival in the next interval that did not happen: one lease too many settled, one
-            # request too many released (issue #16's queue peaks of one to three over).
-            arrivals = grown + deployment.ends_since_scrape
+            # Requests that left the engine in between hide as many arrivals: our own ends stand
+            # for them, each in the interval of the first scrape sent after we saw it (the
+            # engine had let it go by then; seen after the scrape was sent, it may not have, and
+            # the next interval counts it). Behind a lagging proxy (a loaded LiteLLM) an end is
+            # often seen a scrape or more after the one that showed the engine shrink: that
+            # interval counts too few arrivals and the end's own too many. The deficit is
+            # carried (below) until the end makes it up, so it settles no lease that has not
+            # arrived (issue #16's queue peaks of one to three over, before).
+            arrivals = grown + ends
         elif finished < 0:
             # The counter went down: the engine restarted, what it had is gone, and how many
             # arrived is unknown. Nothing is settled; the grace and first bytes still are.
@@ -880,9 +893,18 @@ class MetricsGate:
         # first bytes came back before the scrape put the engine's queue 3 over a fixed
         # threshold). One that arrived before the last scrape keeps a lease pending a little
         # longer instead (until its own first byte, or the grace).
-        arrived = round(arrivals) - deployment.settled_since_scrape
-        deployment.ends_since_scrape = deployment.settled_since_scrape = 0
-        as_of = snapshot.started_at - spec.metrics_lag_s
+        #
+        # Arrivals counted short (an end seen after the scrape that showed its request gone, a
+        # first byte seen before the scrape that shows its arrival, an engine that does not
+        # count aborts) are owed, not forgotten: clipped at zero, the interval that makes them
+        # up settled as many leases that had not arrived, and a flood released one too many
+        # each time (the engine's queue at 8 against 3 behind a loaded proxy; by the sums, the
+        # leases settled never exceed the arrivals seen, with ends never ahead of departures).
+        # What our ends can still make up is at most one a lease in flight here; beyond that
+        # (another client's requests, aborts the engine saw and we did not) the deficit is
+        # never made up and would only keep leases pending until first byte or grace for good.
+        arrived = round(arrivals) - deployment.settled_since_scrape - deployment.arrivals_owed
+        deployment.settled_since_scrape = 0
         pending = deployment.pending
         while arrived > 0 and pending and pending[0].released_at <= as_of:
             lease = pending.popleft()
@@ -890,6 +912,16 @@ class MetricsGate:
                 deployment.pending_ids.discard(lease.lease_id)
                 deployment.pending_count -= 1
                 arrived -= 1
+        # Arrivals left over with no lease to settle are others' (or ours settled already).
+        deployment.arrivals_owed = min(max(0, -arrived), deployment.in_flight)
+
+    @staticmethod
+    def _forget_arrivals(
+        spec: BackendGroup, deployment: _DeploymentState, snapshot: BackendSnapshot
+    ) -> None:
+        """No settling by growth at this scrape: what it shows starts the count afresh."""
+        _take_until(deployment.unattributed_ends, snapshot.started_at - spec.metrics_lag_s)
+        deployment.settled_since_scrape = deployment.arrivals_owed = 0
 
     @staticmethod
     def _account_scraped(spec: BackendGroup, deployment: _DeploymentState) -> None:
@@ -962,6 +994,15 @@ def _new_group_state(spec: BackendGroup) -> _GroupState:
             deployment
         )
     return state
+
+
+def _take_until(times: deque[float], until: float) -> int:
+    """Remove the times at or before `until` (in order) from the front; how many."""
+    taken = 0
+    while times and times[0] <= until:
+        times.popleft()
+        taken += 1
+    return taken
 
 
 def _finished_delta(previous: BackendSnapshot | None, snapshot: BackendSnapshot) -> float | None:
