@@ -106,6 +106,8 @@ from .tuning import QueueTuner, TunerStatus
 GateMode = Literal["starting", "metrics", "fallback"]
 
 _MAX_FIRST_BYTES = 10_000
+# How many of a deployment's latest release-to-first-byte times stretch its grace.
+_FIRST_BYTES_FOR_GRACE = 32
 # Weight of the newest good scrape in a deployment's smoothed scrape duration.
 _SCRAPE_SMOOTHING = 0.3
 
@@ -280,6 +282,11 @@ class _DeploymentState:
     # Arrivals counted short of what was subtracted in earlier intervals, not yet made up by a
     # later one's (see _settle_arrivals); at most the leases in flight here.
     arrivals_owed: int = 0
+    # How long the latest first bytes took from release (see _grace_s): a starved proxy makes
+    # the way to the engine longer than `arrival_grace_s`.
+    first_byte_after: deque[float] = field(
+        default_factory=lambda: deque(maxlen=_FIRST_BYTES_FOR_GRACE)
+    )
     # The gate held a request back for this engine's queue since the last scrape (demand).
     held_back: bool = False
     # ... by a tier without an engine queue (below 1): it needs a free slot, so it probes.
@@ -432,6 +439,7 @@ class MetricsGate:
         tuner = deployment.tuners.get(lease.ticket.tier)
         if tuner is not None and _measures(state.spec, lease):
             tuner.observe_first_byte(lease.lease_id, lease.released_at, now - lease.released_at)
+        deployment.first_byte_after.append(now - lease.released_at)
         if self._settle(deployment, lease):
             deployment.settled_since_scrape += 1
             deployment.first_bytes.append(now)
@@ -617,7 +625,7 @@ class MetricsGate:
             pending.popleft()  # settled by first byte or end already
         if not pending:
             return False
-        return pending[0].released_at + spec.arrival_grace_s <= self._clock.now()
+        return pending[0].released_at + _grace_s(spec, deployment) <= self._clock.now()
 
     def _blocked_reason(
         self,
@@ -941,13 +949,16 @@ class MetricsGate:
         ends = deployment.ends
         while ends and ends[0] <= as_of + grace:
             ends.popleft()
-        seen_until = as_of - grace
+        seen_until = as_of - _grace_s(spec, deployment)
         pending = deployment.pending
         while pending and pending[0].released_at <= seen_until:
             lease = pending.popleft()
             if lease.lease_id in deployment.pending_ids:
                 deployment.pending_ids.discard(lease.lease_id)
                 deployment.pending_count -= 1
+                # Its arrival may show in a later interval's growth (the grace guessed): there
+                # it must settle no other lease (see _settle_arrivals).
+                deployment.settled_since_scrape += 1
 
     def _refresh_mode(self, state: _GroupState, deployment: _DeploymentState) -> None:
         url = deployment.spec.metrics_url
@@ -994,6 +1005,20 @@ def _new_group_state(spec: BackendGroup) -> _GroupState:
             deployment
         )
     return state
+
+
+def _grace_s(spec: BackendGroup, deployment: _DeploymentState) -> float:
+    """How long after its release a pending lease is taken to be in a scrape: the configured
+    grace, or the quickest of the deployment's latest release-to-first-byte times where even
+    that took longer. A CPU-starved proxy (LiteLLM with busy loops on its core) took 2.1 s and
+    more to forward requests the gate released: the 1 s grace settled them while they were
+    still in it, the gate released as many more, and the engine's queue reached 5-7 against 3
+    once all of them arrived. A first byte comes no sooner than its request reached the engine;
+    the quickest one (no wait in the engine's queue) is the way there and back, which bounds
+    the way there as well as the proxy's pace allows, at the price of the way back: a lease
+    already in the engine that no growth settles stays pending that much longer."""
+    recent = deployment.first_byte_after
+    return max(spec.arrival_grace_s, min(recent)) if recent else spec.arrival_grace_s
 
 
 def _take_until(times: deque[float], until: float) -> int:

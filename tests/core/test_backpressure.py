@@ -1216,3 +1216,22 @@ async def test_auto_measures_newcomers_only_where_the_engine_orders_users(
     else:
         assert allowed < 3
     await drain(scheduler)
+
+
+def test_a_proxy_slower_to_forward_than_the_grace_does_not_overshoot_the_threshold() -> None:
+    """A CPU-starved LiteLLM took 2.1 s to forward released requests (measured): past the 1 s
+    grace a scrape settled them while still in the proxy, the gate released as many more, and
+    their growth, when they arrived, settled others still on their way (the queue at 5-6 against
+    3 here, by the counter or by ends). The grace now stretches to the latest release-to-first-
+    byte times, and a lease it settles counts against the growth its arrival shows later. The
+    engine then runs what the promise allows: 8 slots and 3 queued over 1.5 s of transit and
+    1 s of service, (8 + 3) x 1 / 2.5 = 4.4 running."""
+    slow_proxy = {"transit_s": 1.5, "proxy_delay_s": 0.3, "service_s": 1.0}
+    for finished_counter in (True, False):
+        stats = _simulate(
+            {"max_num_seqs": 8},
+            finished_counter=finished_counter,
+            **slow_proxy,  # type: ignore[arg-type]
+        )
+        assert stats.max_waiting <= 3, finished_counter
+        assert stats.running >= 0.9 * (8 + 3) * 1.0 / 2.5, finished_counter
