@@ -107,7 +107,7 @@ GateMode = Literal["starting", "metrics", "fallback"]
 
 _MAX_FIRST_BYTES = 10_000
 # How many of a deployment's latest release-to-first-byte times stretch its grace.
-_FIRST_BYTES_FOR_GRACE = 32
+_FIRST_BYTES_FOR_GRACE = 8
 # Weight of the newest good scrape in a deployment's smoothed scrape duration.
 _SCRAPE_SMOOTHING = 0.3
 
