@@ -28,6 +28,7 @@ import contextlib
 import contextvars
 import json
 import logging
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
@@ -140,6 +141,14 @@ class RequestWatch:
         self._refusal: Rejected | ClientDisconnected | None = None
         # Added to the response start: where the request stood (`admitted()`).
         self.response_headers: list[tuple[bytes, bytes]] = []
+        # What the engine reported each lease's request used (`report()`): its end charges it.
+        self._reported: dict[Lease, tuple[int | None, float | None]] = {}
+        # The request went on to the engine (the app read its body, LiteLLM's hook returned):
+        # from then on a client that leaves is charged what the engine can have generated.
+        self.forwarded = False
+        # How many tokens an interrupted request is charged (`SchedulingService.
+        # interrupted_tokens`); None: its whole estimate.
+        self.interrupted_tokens: Callable[[Lease], int] | None = None
 
     # ------------------------------------------------------------------ running the app
 
@@ -283,13 +292,40 @@ class RequestWatch:
             limit = f"max_lease_s={self._max_lease_s:g}"
             self.stop(LeaseExpired(f"the request held its engine slot longer than {limit}"))
 
+    def report(self, lease: Lease, tokens_used: int | None, cost_used: float | None) -> None:
+        """What the engine said `lease`'s request used; charged when the lease ends here.
+
+        A detached watch (no connection: nothing to see the response go out) ends the lease
+        now, as the end of its request."""
+        if self._send is None:
+            lease.release(tokens_used, cost_used=cost_used)
+        else:
+            self._reported[lease] = (tokens_used, cost_used)
+
     def end_leases(self) -> None:
-        """Completed where a response went out, abandoned where nothing did (idempotent)."""
+        """End every lease this request holds, each in the one way that fits (idempotent)."""
         for lease in self.leases:
-            if lease.started or self.response_started:
-                lease.release()
-            else:
-                lease.abandon()
+            self._end_lease(lease)
+
+    def _end_lease(self, lease: Lease) -> None:
+        """The one place a watched request's lease ends; its first byte is recorded before.
+
+        - A response went out: completed, charged what the engine reported (`report()`), else
+          the estimate.
+        - The client left after the request went on to the engine: completed too, charged the
+          output the engine can have generated before the abort reached it (never refunded).
+        - Nothing reached the engine: abandoned, so the turn passes on uncharged.
+        """
+        if not lease.active:
+            return
+        tokens_used, cost_used = self._reported.pop(lease, (None, None))
+        if lease.started or self.response_started:
+            lease.release(tokens_used, cost_used=cost_used)
+        elif self.forwarded and isinstance(self.stopped, ClientDisconnected):
+            charge = self.interrupted_tokens
+            lease.release(charge(lease) if charge is not None else lease.ticket.cost)
+        else:
+            lease.abandon()
 
     # ------------------------------------------------------------------ receive side
 
@@ -362,8 +398,7 @@ class RequestWatch:
                 self.response_complete = True
         await self._deliver(message)
         if self.response_complete:
-            for lease in self.leases:
-                lease.release()
+            self.end_leases()
 
     async def _deliver(self, message: Message) -> None:
         assert self._send is not None
@@ -426,8 +461,7 @@ class RequestWatch:
             self.response_complete = True
         await self._deliver(message)
         if not more:
-            for lease in self.leases:
-                lease.release()
+            self.end_leases()
 
     def _owes_event(self) -> bool:
         """True while the client holds our keep-alive 200 and nothing has ended it."""

@@ -36,7 +36,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from . import _responses, observability
 from ._request import DEPLOYMENT_HEADER, RequestWatch
 from ._shutdown import install_sigterm_drain
-from ._usage import Usage, read_usage
+from ._usage import JsonUsageFinder, Usage, read_usage
 from .config import FairSchedSettings
 from .core import Lease
 from .errors import ClientDisconnected, Rejected
@@ -54,8 +54,6 @@ DEFAULT_PATHS = (
     r"^(/v1)?/responses$",
 )
 MAX_BODY_BYTES = 8 * 1024 * 1024
-# A copy of a non-streamed response body is kept up to this size to read its `usage`.
-USAGE_SNIFF_BYTES = 256 * 1024
 # The longest event-stream line kept while it waits for its line end (a `usage` event is a few
 # hundred bytes).
 SSE_LINE_LIMIT_BYTES = 64 * 1024
@@ -251,7 +249,7 @@ class _ScheduledRequest:
         self.response_is_stream = False
         self.stream_chunks = 0
         self.sse_tail = bytearray()  # an event stream's last line until its line end arrives
-        self.sniffed = bytearray()
+        self.body_usage = JsonUsageFinder()  # a JSON answer's `usage`, wherever it is
         self.usage: Usage | None = None
 
     async def run(self) -> None:
@@ -294,6 +292,7 @@ class _ScheduledRequest:
             return
         lease = admission.lease
         self.watch.hold(lease)
+        self.watch.interrupted_tokens = self.service.interrupted_tokens
         self.watch.admitted(admission, name_principal=self.service.names_principals)
         self.service.rewrite_priority(body, admission.engine_priority, via_extra_body=False)
         new_body = json.dumps(body).encode()
@@ -306,10 +305,9 @@ class _ScheduledRequest:
                 app_scope, self._replay(new_body, receive), self._send_and_track(lease, send)
             )
         finally:
-            if self.watch.response_started:
-                self._release(lease)
-            # Otherwise nothing went out: the watch abandons the lease (the turn passes on
-            # uncharged) as it ends the request.
+            # However the app ended (an exception, cancelled because the client left): the
+            # watch ends the lease with what the response said it used.
+            self._report(lease)
 
     async def _read_body(self, receive: Receive, send: Send) -> bytes | None:
         chunks = []
@@ -329,14 +327,16 @@ class _ScheduledRequest:
             if not message.get("more_body", False):
                 return b"".join(chunks)
 
-    @staticmethod
-    def _replay(body: bytes, receive: Receive) -> Receive:
+    def _replay(self, body: bytes, receive: Receive) -> Receive:
         sent = False
+        watch = self.watch
 
         async def replay() -> Message:
             nonlocal sent
             if not sent:
                 sent = True
+                # The app has the request now, on its way to the engine.
+                watch.forwarded = True
                 return {"type": "http.request", "body": body, "more_body": False}
             return await receive()
 
@@ -352,9 +352,9 @@ class _ScheduledRequest:
                 if chunk:
                     self._observe(chunk)
                 if not message.get("more_body", False):
-                    # The watch releases the lease once the last chunk is out; say how many
-                    # tokens it used first.
-                    self._release(lease)
+                    # The watch ends the lease once the last chunk is out (after recording
+                    # its first byte): say what it used first.
+                    self._report(lease)
             await send(message)
 
         return send_and_track
@@ -375,28 +375,25 @@ class _ScheduledRequest:
                 self.sse_tail += chunk[whole:]
             else:
                 self.sse_tail.clear()
-        elif len(self.sniffed) < USAGE_SNIFF_BYTES:
-            self.sniffed += chunk[: USAGE_SNIFF_BYTES - len(self.sniffed)]
+        else:
+            self.body_usage.feed(chunk)
 
     def _observe_sse_lines(self, lines: bytes) -> None:
         self.stream_chunks += lines.count(b"data: ")
         if b'"usage"' in lines:
             self.usage = _usage_from_sse(lines) or self.usage
 
-    def _release(self, lease: Lease) -> None:
-        """End the lease with the response's `usage`; without one, a stream is charged a token
-        per chunk it carried."""
+    def _report(self, lease: Lease) -> None:
+        """Tell the watch what the response says the request used: its `usage`; without one,
+        a stream is charged a token per chunk it carried (nothing relayed: the estimate)."""
         if self.sse_tail:  # a last line without its line end
             self._observe_sse_lines(bytes(self.sse_tail))
             self.sse_tail.clear()
-        usage = self.usage
-        if usage is None and self.sniffed:
-            with contextlib.suppress(ValueError, TypeError, AttributeError):
-                usage = read_usage(json.loads(bytes(self.sniffed)).get("usage"))
+        usage = self.usage or (None if self.response_is_stream else self.body_usage.usage)
         if usage is not None:
-            self.service.finish_with_usage(lease, usage)
-        else:
-            lease.release(tokens_used=self.stream_chunks or None)
+            self.watch.report(lease, *self.service.charge_of(lease.ticket.model, usage))
+        elif self.stream_chunks:
+            self.watch.report(lease, self.stream_chunks, None)
 
 
 def _names_a_model(body_bytes: bytes) -> bool:

@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import math
 import time
 from collections import OrderedDict
 from collections.abc import Callable, Hashable, Iterable, Mapping, MutableMapping, Sequence
@@ -28,6 +29,8 @@ from .config import (
     load_settings,
 )
 from .core import (
+    MAX_REQUEST_COST,
+    MAX_REQUEST_TOKENS,
     BackendGroup,
     BackendSnapshot,
     BudgetBook,
@@ -46,6 +49,7 @@ from .core import (
     TierLimits,
     UserBacklog,
     estimate_position,
+    request_cost_in_range,
     retry_after_s,
 )
 from .core.clock import TimerHandle
@@ -86,6 +90,10 @@ DEFAULT_MAX_TOKENS = 256
 UNKNOWN_MODELS = "(unknown models)"
 # `fair_engine_queue`: engine priorities per tier (a tier's band for its users' ranks).
 ENGINE_RANKS = 1000
+# The fields that bound a request's output tokens, most specific first.
+OUTPUT_TOKEN_FIELDS = ("max_completion_tokens", "max_tokens", "max_output_tokens")
+# OpenAI's own limit on `n` (choices generated per request).
+MAX_CHOICES = 128
 # Longer names are refused before anything is queued (LiteLLM's own names are far shorter).
 MAX_MODEL_NAME_CHARS = 256
 # Deeper request bodies are refused with a 400 before any work (real ones nest < 20 levels).
@@ -183,6 +191,11 @@ class Admission:
     engine_priority: int | None
 
 
+def bounded_cost(money: float) -> float:
+    """A money estimate within the core's range (a huge or non-finite one is its ceiling)."""
+    return money if request_cost_in_range(money) else MAX_REQUEST_COST
+
+
 def estimate_prompt_tokens(body: Mapping[str, Any]) -> int:
     """A cheap prompt-size estimate (~4 characters a token), good enough for fair ordering."""
     characters = 0
@@ -206,11 +219,39 @@ def estimate_prompt_tokens(body: Mapping[str, Any]) -> int:
 
 
 def requested_max_tokens(body: Mapping[str, Any]) -> int:
-    for field in ("max_completion_tokens", "max_tokens"):
-        value = body.get(field)
-        if isinstance(value, int) and not isinstance(value, bool) and value > 0:
-            return value
-    return DEFAULT_MAX_TOKENS
+    """The most output tokens the request may generate, per choice: the first of the OpenAI
+    fields present (chat's `max_completion_tokens` and `max_tokens`, the responses API's
+    `max_output_tokens`), else `DEFAULT_MAX_TOKENS`. Each present field must be a whole number
+    in [1, MAX_REQUEST_TOKENS] (`InvalidRequest` naming it): the engine would refuse anything
+    else, and an unbounded one must never reach the scheduler's charge."""
+    found = None
+    for field in OUTPUT_TOKEN_FIELDS:
+        value = bounded_count(body, field, 1, MAX_REQUEST_TOKENS)
+        if found is None:
+            found = value
+    return DEFAULT_MAX_TOKENS if found is None else found
+
+
+def requested_choices(body: Mapping[str, Any]) -> int:
+    """How many sequences the engine generates for the request (`n`, `best_of`; 1 if absent),
+    each up to `requested_max_tokens`; `InvalidRequest` outside [1, MAX_CHOICES]."""
+    n = bounded_count(body, "n", 1, MAX_CHOICES) or 1
+    best_of = bounded_count(body, "best_of", 1, MAX_CHOICES) or 1
+    return max(n, best_of)
+
+
+def bounded_count(body: Mapping[str, Any], field: str, low: int, high: int) -> int | None:
+    """`body[field]` as a whole number in [low, high]; None where the field is absent or null;
+    `InvalidRequest` naming the field for anything else (a string, a list, NaN, 1e400, a
+    400-digit integer, a negative count). The value is not echoed: it may be anything."""
+    value = body.get(field)
+    if value is None:
+        return None
+    if isinstance(value, float) and value.is_integer() and low <= value <= high:
+        return int(value)
+    if isinstance(value, int) and not isinstance(value, bool) and low <= value <= high:
+        return value
+    raise InvalidRequest(f"`{field}` must be a whole number from {low} to {high}", param=field)
 
 
 class SchedulingService:
@@ -446,16 +487,19 @@ class SchedulingService:
         return self.directory.resolve(credentials)
 
     def ticket_for(self, principal: Principal, model: str, body: Mapping[str, Any]) -> Ticket:
+        """The request as the core sees it. Its numbers are bounded here, where they are read
+        (`InvalidRequest` for a field out of its range; the estimates are capped at the core's
+        `MAX_REQUEST_TOKENS` and `MAX_REQUEST_COST`)."""
+        output_tokens = requested_max_tokens(body) * requested_choices(body)
         prompt_tokens = estimate_prompt_tokens(body)
-        output_tokens = requested_max_tokens(body)
         price = self.price_of(model)
         return Ticket(
             model=model,
             user=principal.name,
             tier=principal.tier,
             weight=principal.weight,
-            cost=prompt_tokens + output_tokens,
-            price=price.cost(prompt_tokens, output_tokens) if price is not None else 0.0,
+            cost=min(prompt_tokens + output_tokens, MAX_REQUEST_TOKENS),
+            price=bounded_cost(price.cost(prompt_tokens, output_tokens)) if price else 0.0,
             prefix=prompt_prefix(body),
         )
 
@@ -483,7 +527,7 @@ class SchedulingService:
         price = self.price_of(model)
         if price is None:
             return None
-        return price.cost(prompt_tokens, output_tokens, cached_tokens)
+        return bounded_cost(price.cost(prompt_tokens, output_tokens, cached_tokens))
 
     def _apply_budget(self, ticket: Ticket) -> Ticket:
         """Over budget: the ticket in the `demote_to` tier, or `BudgetExceeded` until the
@@ -786,16 +830,47 @@ class SchedulingService:
         return lease.release(tokens_used=tokens_used)
 
     def finish_with_usage(self, lease: Lease, usage: Usage | None) -> bool:
-        """End the lease with what the engine reported (the one place every adapter turns a
-        response's `usage` into a charge): `tokens_used` is uncached prompt plus output tokens,
-        and the money cost is at the model's price when prompt and output are both known."""
+        """End the lease with what the engine reported (`charge_of`)."""
         if usage is None:
             return lease.release()
+        tokens_used, cost_used = self.charge_of(lease.ticket.model, usage)
+        return lease.release(tokens_used=tokens_used, cost_used=cost_used)
+
+    def charge_of(self, model: str, usage: Usage) -> tuple[int | None, float | None]:
+        """What a response's `usage` charges (the one place every adapter turns it into a
+        charge): uncached prompt plus output tokens, and the money cost at the model's price
+        when prompt and output are both known."""
         prompt, output = usage.prompt_tokens, usage.completion_tokens
         cost = None
         if prompt is not None and output is not None:
-            cost = self.cost_of_usage(lease.ticket.model, prompt, output, usage.cached_tokens)
-        return lease.release(tokens_used=usage.tokens_used, cost_used=cost)
+            cost = self.cost_of_usage(model, prompt, output, usage.cached_tokens)
+        return usage.tokens_used, cost
+
+    def interrupted_tokens(self, lease: Lease) -> int:
+        """What a request is charged whose client left after it went on to the engine, before
+        any answer: the output the engine can have generated since its release at the
+        deployment's recent time per output token (its abort reaches the engine about now),
+        within the request's estimate; the whole estimate where no speed is known."""
+        ticket = lease.ticket
+        tpot_s = self._recent_tpot_s(ticket.model, lease.deployment)
+        if tpot_s is None:
+            return ticket.cost
+        elapsed_s = max(0.0, self.clock.now() - lease.released_at)
+        return min(ticket.cost, max(1, math.ceil(elapsed_s / tpot_s)))
+
+    def _recent_tpot_s(self, model: str, deployment: str | None) -> float | None:
+        """The latest time per output token the deployment's engine reported (any of the
+        model's engines where the request was not bound to one); None: not known."""
+        backend = self.backends.get(model)
+        metrics_urls = dict(backend.deployments()) if backend is not None else {}
+        wanted = metrics_urls.get(deployment) if deployment is not None else None
+        for watcher in self._watchers.get(model, ()):
+            snapshot = watcher.last_snapshot
+            if wanted is not None and watcher.url != wanted:
+                continue
+            if snapshot is not None and snapshot.ok and snapshot.tpot_s and snapshot.tpot_s > 0:
+                return snapshot.tpot_s
+        return None
 
     # ------------------------------------------------------------------ observation (ServiceView)
 

@@ -15,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import heapq
 import itertools
+import logging
 import math
 from collections import OrderedDict, deque
 from collections.abc import Callable, Iterable, Mapping
@@ -24,6 +25,8 @@ from ..errors import QueueFull, QueueTimeout, SchedulerClosed
 from .clock import Clock, LoopClock, TimerHandle
 from .gate import AdmissionGate
 from .ticket import Lease, Ticket, TierLimits
+
+logger = logging.getLogger("fair_sched")
 
 FairnessPolicy = Literal["round_robin", "weighted", "tokens", "cost"]
 QueueOrder = Literal["fifo", "shortest_first"]
@@ -759,6 +762,8 @@ class FairScheduler:
         """Release `user_queue`'s head request (found by `_head_waiter`). The user's heap
         entry is the heap's top, or `off_heap_entry` when the look-ahead took it off; then
         `start_tag` is the passed-over head's virtual time."""
+        # Computed before anything changes: a release either happens whole or not at all.
+        charge = self._release_charge(self._head_waiter(user_queue).ticket)
         if self._shortest_first:
             waiter = heapq.heappop(user_queue.sized)[2]
         else:
@@ -796,7 +801,12 @@ class FairScheduler:
             tier.virtual_time = start_tag
         deployment = self._gate.place(waiter.ticket, tier.limits)
         lease = self._make_lease(
-            queues, user_queue, waiter.ticket, enqueued_at=waiter.enqueued_at, deployment=deployment
+            queues,
+            user_queue,
+            waiter.ticket,
+            enqueued_at=waiter.enqueued_at,
+            charge=charge,
+            deployment=deployment,
         )
         if off_heap_entry is not None:
             if user_queue.depth:
@@ -828,7 +838,7 @@ class FairScheduler:
         deployment: str | None = None,
     ) -> Lease:
         if charge is None:
-            charge = 1.0 if self._fairness == "round_robin" else self._charge(ticket, ticket.cost)
+            charge = self._release_charge(ticket)
         user_queue.virtual_time += charge
         user_queue.in_flight += 1
         rank = self._engine_round(user_queue, ticket.weight)
@@ -886,13 +896,17 @@ class FairScheduler:
                 self._correct(tier, user_queue, correction)
         if not user_queue.depth:
             self._forget_if_idle(tier, user_queue)
-        if self._end_listeners:
-            for listener in self._end_listeners:
-                listener(lease, abandoned)
+        # The core and the gate have heard of the end before any observer runs: an observer's
+        # failure (a spend that cannot be counted) is logged and can leave nothing half-ended.
         self._gate.on_ended(lease)
+        notify_end_listeners(self._end_listeners, lease, abandoned)
         self._dispatch_queues(queues)
 
     # ------------------------------------------------------------------ fairness bookkeeping
+
+    def _release_charge(self, ticket: Ticket) -> float:
+        """What releasing `ticket` charges its user (finite: a ticket's fields are bounded)."""
+        return 1.0 if self._fairness == "round_robin" else self._charge(ticket, ticket.cost)
 
     def _charge(self, ticket: Ticket, tokens: int) -> float:
         if self._fairness == "round_robin":
@@ -1133,6 +1147,17 @@ class FairScheduler:
     def _retry_hint(self, queues: _ModelQueues) -> float:
         # A rough hint: a second per queued request per in-flight slot, between 1 s and 60 s.
         return min(60.0, max(1.0, queues.queued / max(queues.in_flight, 1)))
+
+
+def notify_end_listeners(
+    listeners: Iterable[Callable[[Lease, bool], None]], lease: Lease, abandoned: bool
+) -> None:
+    """Tell each end listener; one that raises is logged and the others still hear."""
+    for listener in listeners:
+        try:
+            listener(lease, abandoned)
+        except Exception:
+            logger.exception("fair_sched: a lease-end observer failed for %r", lease)
 
 
 def _arrival(waiter: _Waiter) -> float:

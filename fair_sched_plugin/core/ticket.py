@@ -200,10 +200,16 @@ class Lease:
         """End the lease; `tokens_used` (prompt + output) corrects the token-fair estimate and
         `cost_used` (money) the cost-fair one.
 
-        Returns True for the call that ended it, False for every later call.
+        Returns True for the call that ended it, False for every later call. A count outside
+        the core's range (`MAX_REQUEST_TOKENS`, `MAX_REQUEST_COST`) is taken as not reported:
+        the estimate stays charged.
         """
         if self._ended:
             return False
+        if not request_tokens_in_range(tokens_used):
+            tokens_used = None
+        if not request_cost_in_range(cost_used):
+            cost_used = None
         self._ended = True
         self.cost_used = cost_used
         self.tokens_used = tokens_used

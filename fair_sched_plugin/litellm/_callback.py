@@ -112,6 +112,10 @@ class FairSchedCallback(CustomLogger):
             ) from None
         request.hold(admission.lease)
         request.admitted(admission, name_principal=service.names_principals)
+        # LiteLLM sends it on when this hook returns: a client that leaves from now on is
+        # charged what the engine can have generated.
+        request.forwarded = True
+        request.interrupted_tokens = service.interrupted_tokens
         service.rewrite_priority(data, admission.engine_priority, via_extra_body=via_extra_body)
         return data
 
@@ -194,7 +198,10 @@ class FairSchedCallback(CustomLogger):
                 yield chunk
         finally:
             # Also on a mid-stream disconnect (the generator is closed or cancelled).
-            _end(lease, self._service, usage)
+            if lease.started:
+                _release_with_usage(lease, self._service, usage)
+            else:
+                lease.abandon()  # no chunk came: the engine failed before its answer
 
     async def async_post_call_success_hook(
         self, data: dict[str, Any], user_api_key_dict: Any, response: Any
@@ -215,8 +222,10 @@ class FairSchedCallback(CustomLogger):
         traceback_str: str | None = None,
     ) -> None:
         lease = _request_lease()
-        if lease is not None:
-            _end(lease, None, None)
+        if lease is not None and not lease.started:
+            # Refused on the way (another hook, the router) or failed before any answer: the
+            # turn passes on uncharged. A started one ends with its response (the watch).
+            lease.abandon()
 
     async def async_log_success_event(
         self, kwargs: dict[str, Any], response_obj: Any, start_time: Any, end_time: Any
@@ -345,24 +354,18 @@ def _request_lease() -> Lease | None:
     return request.lease if request is not None else None
 
 
-def _end(lease: Lease, service: SchedulingService | None, usage: Any) -> None:
-    # Completed once the engine demonstrably took it (a byte came back); otherwise the request
-    # never got to the engine (another hook refused it, the router failed): the turn passes on
-    # uncharged.
-    if lease.started:
-        _release_with_usage(lease, service, usage)
-    else:
-        lease.abandon()
-
-
 def _release_with_usage(lease: Lease, service: SchedulingService | None, usage: Any) -> None:
-    """End the lease with what the engine reported (`SchedulingService.finish_with_usage`:
-    uncached prompt plus output tokens, and their money cost at the model's price —
-    `backends.<model>.price`, else LiteLLM's own cost data)."""
-    if service is None:
-        lease.release()
-    else:
-        service.finish_with_usage(lease, read_usage(usage))
+    """Report what the engine said the request used (`SchedulingService.charge_of`: uncached
+    prompt plus output tokens, and their money cost at the model's price —
+    `backends.<model>.price`, else LiteLLM's own cost data) to the request's watch, which ends
+    the lease once the answer went out, after recording its first byte."""
+    found = read_usage(usage) if service is not None else None
+    tokens_used, cost_used = (
+        service.charge_of(lease.ticket.model, found)
+        if service is not None and found is not None
+        else (None, None)
+    )
+    ensure_current_request().report(lease, tokens_used, cost_used)
 
 
 class LiteLLMPrices:

@@ -33,7 +33,13 @@ from typing import TYPE_CHECKING, Any, Literal, NamedTuple
 from ..core.backpressure import GroupStatus, MetricsGate
 from ..core.budget import BudgetBook
 from ..core.gate import AdmissionGate
-from ..core.scheduler import FairScheduler, Reservation, SchedulerStatistics, UserBacklog
+from ..core.scheduler import (
+    FairScheduler,
+    Reservation,
+    SchedulerStatistics,
+    UserBacklog,
+    notify_end_listeners,
+)
 from ..core.ticket import Lease, Ticket, TierLimits
 from ..errors import QueueFull, QueueTimeout, Rejected, SchedulerClosed, StateStoreError
 from ._values import corrupt_value, parse_token
@@ -747,9 +753,10 @@ class ReplicaScheduler:
 
     def lease_ended(self, lease: Lease, tokens_used: int | None, *, abandoned: bool) -> None:
         self._held.pop(lease.lease_id, None)
-        for listener in self._end_listeners:
-            listener(lease, abandoned)
+        # The deciding core hears of the end first: an observer that raises (a spend that cannot
+        # be counted) must not leave the lease counted in flight there for good.
         self._end(lease.lease_id, tokens_used, abandoned=abandoned)
+        notify_end_listeners(self._end_listeners, lease, abandoned)
 
     def _end(self, tid: int, tokens_used: int | None, *, abandoned: bool) -> None:
         if self._term is not None:

@@ -349,9 +349,10 @@ async def test_errors_after_keepalive_arrive_as_an_error_event_and_a_clean_end(
                 async for _ in stream:
                     pass
 
-        # The engine refuses the request (max_tokens=0) after it was released.
+        # The engine refuses the request (no messages: within every bound of ours) after it
+        # was released.
         async with client.stream(
-            "POST", "/v1/chat/completions", json=chat_body(max_tokens=0, stream=True)
+            "POST", "/v1/chat/completions", json={**chat_body(stream=True), "messages": []}
         ) as response:
             await wait_until(lambda: service.scheduler.statistics().queued == 1)
             await cancel_all(hogs)
