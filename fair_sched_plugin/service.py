@@ -623,7 +623,12 @@ class SchedulingService:
             if waiting is not None:
                 self._holders[lease] = waiting
         for observer in self._admission_observers:
-            observer.admitted(admission)
+            # The lease is granted: an observer's failure must not lose it (no request would
+            # hold it) nor fail the request.
+            try:
+                observer.admitted(admission)
+            except Exception:
+                logger.exception("fair_sched: an admission observer failed")
         return admission
 
     async def _park(
@@ -1009,7 +1014,10 @@ class SchedulingService:
                 },
             )
         for observer in self._admission_observers:
-            observer.rejected(principal, ticket, exc)
+            try:
+                observer.rejected(principal, ticket, exc)
+            except Exception:
+                logger.exception("fair_sched: an admission observer failed")
 
     def _log_transition(self, transition: GateTransition) -> None:
         self.transitions.append(transition)

@@ -327,7 +327,9 @@ async def test_a_client_leaving_a_non_streamed_request_stops_the_engine_and_is_c
             # Long enough that the engine has generated some and its speed was scraped.
             await wait_until(lambda: emu.engine.statistics().generation_tokens_total >= 40)
             await wait_until(
-                lambda: any(r.last_snapshot and r.last_snapshot.tpot_s for r in service.deployments())
+                lambda: any(
+                    r.last_snapshot and r.last_snapshot.tpot_s for r in service.deployments()
+                )
             )
             await cancel_all([leaving])
             await wait_until(lambda: emu.engine.statistics().requests_aborted == 1)
