@@ -17,7 +17,6 @@ loop.
 from __future__ import annotations
 
 import asyncio
-import hmac
 from typing import Any
 
 from fastapi import HTTPException, Request
@@ -25,6 +24,7 @@ from litellm.integrations.custom_logger import CustomLogger
 from litellm.proxy._types import LitellmUserRoles, UserAPIKeyAuth
 from starlette.routing import Router
 
+from ..observability import keys_match
 from ._callback import PRINCIPAL_KEY, FairSchedCallback
 from ._compat import auth_module_source, check_litellm, installed_litellm_version
 from ._proxy import build_proxy_service, install_request_watch, running_proxy
@@ -78,7 +78,9 @@ async def authenticate(request: Request, api_key: str | None) -> UserAPIKeyAuth:
         raise HTTPException(status_code=401, detail="fair_sched: missing API key")
     proxy_server = running_proxy()
     master_key = getattr(proxy_server, "master_key", None) if proxy_server else None
-    if master_key and hmac.compare_digest(api_key.encode(), str(master_key).encode()):
+    # On SHA-256 digests (`keys_match`): a comparison of the raw keys returns early on
+    # unequal lengths, so its timing would tell the master key's length.
+    if master_key and keys_match(api_key, str(master_key)):
         return UserAPIKeyAuth(
             api_key=api_key, user_role=LitellmUserRoles.PROXY_ADMIN, user_id="admin"
         )

@@ -327,6 +327,31 @@ def test_key_comparison_is_constant_time_on_digests(monkeypatch: pytest.MonkeyPa
     assert "hmac.compare_digest" in inspect.getsource(observability.keys_match)
 
 
+async def test_litellm_master_key_is_compared_on_digests(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Before: `authenticate` compared the raw master key with `hmac.compare_digest`, which
+    returns early on unequal lengths (its timing told the key's length). Now both sides are
+    SHA-256 digests of equal length."""
+    import sys
+    import types
+
+    from fair_sched_plugin.litellm import authenticate
+    from fair_sched_plugin.litellm._proxy import PROXY_MODULE
+
+    master = "sk-master-LEAKCHECK-77a1"
+    calls: list[tuple[Any, Any]] = []
+    real = hmac.compare_digest
+
+    def spy(a: Any, b: Any) -> bool:
+        calls.append((a, b))
+        return real(a, b)
+
+    monkeypatch.setattr(hmac, "compare_digest", spy)
+    monkeypatch.setitem(sys.modules, PROXY_MODULE, types.SimpleNamespace(master_key=master))
+    admin = await authenticate(None, master)  # type: ignore[arg-type]
+    assert admin.user_id == "admin"
+    assert calls == [(hashlib.sha256(master.encode()).digest(),) * 2]
+
+
 # ----------------------------------------------------------------------------- no key leaks
 
 
