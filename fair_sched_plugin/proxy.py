@@ -4,7 +4,8 @@
 
 Each model named in `fair_sched.backends` with an `api_base` (or `api_bases`) is served: `POST
 /v1/chat/completions`, `/v1/completions` and `/v1/responses` are forwarded to
-`{api_base}/chat/completions` (and so on) with the body as the scheduler left it, to the
+`{api_base}/chat/completions` (and so on; a query in the api_base stays after the path) with the
+body as the scheduler left it, to the
 deployment the scheduler bound the request to where the model has several `api_bases`; `GET
 /v1/models` lists the models, `GET /health` answers, `GET /fair-sched/metrics` and
 `/fair-sched/status` show the scheduler (behind `observability.admin_key` when set), and `GET
@@ -27,6 +28,7 @@ import sys
 import uuid
 from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Mapping
 from typing import Any
+from urllib.parse import urlsplit, urlunsplit
 
 import httpx
 from starlette.applications import Starlette
@@ -249,7 +251,7 @@ class _ProxyRoutes:
         api_key = self._api_keys.get(model)
         if api_key is not None:
             headers["authorization"] = f"Bearer {api_key}"
-        url = api_base + suffix
+        url = upstream_url(api_base, suffix)
         # A client that leaves before the engine answers (for a non-streamed completion: before
         # it has generated everything) makes the middleware cancel this await, which closes the
         # upstream connection: the engine aborts the request.
@@ -288,6 +290,13 @@ class _ProxyRoutes:
 
     async def health(self, request: Request) -> Response:
         return JSONResponse({"status": "ok"})
+
+
+def upstream_url(api_base: str, suffix: str) -> str:
+    """`suffix` appended to the api_base's path, its query kept after it
+    (`http://h/v1?k=v` + `/chat/completions` -> `http://h/v1/chat/completions?k=v`)."""
+    parts = urlsplit(api_base)
+    return urlunsplit(parts._replace(path=parts.path.rstrip("/") + suffix))
 
 
 def _abandon_leases() -> None:
