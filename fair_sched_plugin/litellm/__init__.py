@@ -25,7 +25,7 @@ from litellm.proxy._types import LitellmUserRoles, UserAPIKeyAuth
 from starlette.routing import Router
 
 from ..observability import keys_match
-from ._callback import PRINCIPAL_KEY, FairSchedCallback
+from ._callback import PRINCIPAL_KEY, FairSchedCallback, VouchedPrincipal
 from ._compat import auth_module_source, check_litellm, installed_litellm_version
 from ._proxy import build_proxy_service, install_request_watch, running_proxy
 from ._routes import add_routes_to_litellm_app, litellm_admin_routes
@@ -87,7 +87,7 @@ async def authenticate(request: Request, api_key: str | None) -> UserAPIKeyAuth:
     principal = scheduler.service.directory.principal_for_key(api_key)
     if principal is None:
         raise HTTPException(status_code=401, detail="fair_sched: unknown API key")
-    metadata: dict[str, Any] = {PRINCIPAL_KEY: principal.name}
+    metadata: dict[str, Any] = {PRINCIPAL_KEY: VouchedPrincipal(principal.name)}
     return UserAPIKeyAuth(
         api_key=api_key,
         user_id=principal.name,

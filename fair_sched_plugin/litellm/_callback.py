@@ -40,8 +40,20 @@ from ._proxy import running_proxy
 
 logger = logging.getLogger("fair_sched")
 
-# Principal name our own `authenticate` vouched for (set on UserAPIKeyAuth.metadata).
+# Principal name our own `authenticate` vouched for (set on UserAPIKeyAuth.metadata), as a
+# `VouchedPrincipal`: a virtual key's stored metadata is JSON (plain strings), which anyone who
+# may create a key can fill in, so a plain string under this key is never believed.
 PRINCIPAL_KEY = "fair_sched_principal"
+
+
+class VouchedPrincipal(str):
+    """A principal name set by this process's `authenticate`, never read from stored data.
+
+    A `str` so that LiteLLM, which copies and logs the key's metadata, handles it as the name."""
+
+    __slots__ = ()
+
+
 # LiteLLM's pass-through routes (`/vllm/...`, ...) forward the body to the engine verbatim.
 PASS_THROUGH_CALL_TYPE = "pass_through_endpoint"
 # Call types whose upstream body is an object the client wrote, nested in `data` under this key:
@@ -120,7 +132,9 @@ class FairSchedCallback(CustomLogger):
     ) -> Principal:
         auth_metadata = getattr(auth, "metadata", None) or {}
         vouched = auth_metadata.get(PRINCIPAL_KEY) if isinstance(auth_metadata, Mapping) else None
-        if isinstance(vouched, str):
+        # Only our own `authenticate` names a principal this way; a key's stored metadata (which
+        # a non-admin may write on a key it creates) holds plain strings and is ignored.
+        if isinstance(vouched, VouchedPrincipal):
             principal = service.directory.principal_named(vouched)
             if principal is not None:
                 return principal

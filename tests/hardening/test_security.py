@@ -352,6 +352,38 @@ async def test_litellm_master_key_is_compared_on_digests(monkeypatch: pytest.Mon
     assert calls == [(hashlib.sha256(master.encode()).digest(),) * 2]
 
 
+def test_a_virtual_keys_metadata_cannot_claim_a_principal() -> None:
+    """Before: `fair_sched_principal` in a LiteLLM virtual key's metadata (which a non-admin may
+    set on a key it creates) made the caller that principal: its tier, weight, caps, budget.
+    Now only a name our own `authenticate` vouched for counts; stored metadata is ignored."""
+    import types
+
+    from fair_sched_plugin.litellm._callback import (
+        PRINCIPAL_KEY,
+        FairSchedCallback,
+        VouchedPrincipal,
+    )
+
+    service = SchedulingService(
+        {"principals": [{"name": "vip", "keys": ["sk-vip-9d1c"], "weight": 10}]}
+    )
+    callback = FairSchedCallback(lambda: service)
+
+    def caller(vouched: str) -> Any:
+        return types.SimpleNamespace(
+            metadata={PRINCIPAL_KEY: vouched},
+            user_id="mallory",
+            team_id=None,
+            key_alias=None,
+            token=hashlib.sha256(b"sk-mallory").hexdigest(),
+        )
+
+    forged = callback._principal(service, caller("vip"), {})
+    assert (forged.name, forged.known) == ("user:mallory", False)
+    vouched = callback._principal(service, caller(VouchedPrincipal("vip")), {})
+    assert (vouched.name, vouched.known, vouched.weight) == ("vip", True, 10)
+
+
 # ----------------------------------------------------------------------------- no key leaks
 
 
