@@ -219,18 +219,19 @@ class _ProxyRoutes:
             # A leader whose `api_bases` differ (a config change rolling out) bound it to an
             # engine this replica does not serve: sent to another, it would run where the
             # leader did not count it.
+            shown = self._service.deployment_name(deployment)
             logger.warning(
                 "fair_sched proxy: a request for model %r was bound to %s, which this proxy "
                 "does not serve (do the replicas' api_bases differ?)",
                 model,
-                deployment,
+                shown,
             )
             _abandon_leases()
             return _json_error(
                 _responses.error_response(
                     EngineUnavailable(
                         f"the request was bound to a deployment this proxy does not serve "
-                        f"({deployment})",
+                        f"({shown})",
                         retry_after_s=1.0,
                     )
                 )
@@ -256,13 +257,15 @@ class _ProxyRoutes:
         # it has generated everything) makes the middleware cancel this await, which closes the
         # upstream connection: the engine aborts the request.
         try:
-            upstream = await _send_retrying_once(client, url, body, headers)
+            upstream = await _send_retrying_once(
+                client, url, body, headers, self._service, api_base
+            )
         except httpx.TransportError as exc:
             logger.warning(
                 "fair_sched proxy: cannot reach %s for model %r: %s",
-                api_base,
+                self._service.deployment_name(api_base),
                 model,
-                _describe(exc),
+                self._service.redact(_describe(exc)),
             )
             _abandon_leases()
             # Retry when the queue ahead would have drained at the measured rate, or at least
@@ -308,9 +311,15 @@ def _abandon_leases() -> None:
 
 
 async def _send_retrying_once(
-    client: httpx.AsyncClient, url: str, body: bytes, headers: dict[str, str]
+    client: httpx.AsyncClient,
+    url: str,
+    body: bytes,
+    headers: dict[str, str],
+    service: SchedulingService,
+    api_base: str,
 ) -> httpx.Response:
-    """Send the request; after a connection-level failure, once more on a fresh connection."""
+    """Send the request; after a connection-level failure, once more on a fresh connection.
+    The log names the deployment by its public name (the URL may carry credentials)."""
 
     def send() -> Awaitable[httpx.Response]:
         request = client.build_request("POST", url, content=body, headers=headers)
@@ -319,7 +328,11 @@ async def _send_retrying_once(
     try:
         return await send()
     except _RETRIED_ONCE as exc:
-        logger.info("fair_sched proxy: %s failed (%s); sending it once more", url, _describe(exc))
+        logger.info(
+            "fair_sched proxy: a request to %s failed (%s); sending it once more",
+            service.deployment_name(api_base),
+            service.redact(_describe(exc)),
+        )
     return await send()
 
 

@@ -31,7 +31,7 @@ from litellm.integrations.custom_logger import CustomLogger
 from .._request import current_request, ensure_current_request
 from .._responses import error_response
 from .._usage import read_usage
-from ..config import PriceSettings, deployment_key
+from ..config import PriceSettings, deployment_key, safe_url
 from ..core import Lease
 from ..errors import ClientDisconnected, InvalidRequest, Rejected
 from ..identity import Credentials, Principal
@@ -170,12 +170,13 @@ class FairSchedCallback(CustomLogger):
         lease = _bound_lease(self._service)
         if lease is None:
             return healthy_deployments
-        _check_same_model(lease, model)
+        _check_same_model(lease, model, self._service)
         bound = [entry for entry in healthy_deployments if _key_of(entry) == lease.deployment]
         if not bound:
             # LiteLLM took it out of rotation (cooldown after failures, health checks).
+            shown = _public_name(self._service, lease.deployment)
             raise _unavailable(
-                lease, f"LiteLLM has no healthy deployment at {lease.deployment} (cooldown?)"
+                lease, f"LiteLLM has no healthy deployment at {shown} (cooldown?)", self._service
             )
         return bound
 
@@ -183,8 +184,10 @@ class FairSchedCallback(CustomLogger):
         self, deployment: dict[str, Any], parent_otel_span: Any
     ) -> dict[str, Any] | None:
         lease = _bound_lease(self._service)
-        if lease is not None and _key_of(deployment) != lease.deployment:
-            raise _unavailable(lease, f"LiteLLM's router picked {_key_of(deployment)} instead")
+        picked = _key_of(deployment)
+        if lease is not None and picked != lease.deployment:
+            shown = _public_name(self._service, picked)
+            raise _unavailable(lease, f"LiteLLM's router picked {shown} instead", self._service)
         return None
 
     # ------------------------------------------------------------------ the end of a request
@@ -330,15 +333,23 @@ def _key_of(deployment: Any) -> str | None:
     return deployment_key(api_base) if isinstance(api_base, str) and api_base else None
 
 
-def _check_same_model(lease: Lease, model: str) -> None:
+def _check_same_model(lease: Lease, model: str, service: SchedulingService | None) -> None:
     if model != lease.ticket.model:
         # A fallback to another model group: its engines never counted this request.
-        raise _unavailable(lease, f"not falling back to model group `{model}`")
+        raise _unavailable(lease, f"not falling back to model group `{model}`", service)
 
 
-def _unavailable(lease: Lease, why: str) -> Exception:
+def _public_name(service: SchedulingService | None, key: str | None) -> str | None:
+    """A deployment's public name (its api_base may carry credentials)."""
+    if key is None:
+        return None
+    return service.deployment_name(key) if service is not None else safe_url(key)
+
+
+def _unavailable(lease: Lease, why: str, service: SchedulingService | None) -> Exception:
+    shown = _public_name(service, lease.deployment)
     message = (
-        f"fair_sched: the deployment this request was scheduled to ({lease.deployment}, model "
+        f"fair_sched: the deployment this request was scheduled to ({shown}, model "
         f"`{lease.ticket.model}`) is not available: {why}; retry to be placed again"
     )
     # LiteLLM's router retries a refused attempt (and tries each fallback): one warning per

@@ -15,9 +15,10 @@ from prometheus_client.core import (
     Metric,
 )
 
+from ..config import safe_url
 from ..core import TierLimits
 from ._recorder import OTHER, REJECTION_REASONS, RequestRecorder
-from ._view import ViewReader, safe_url
+from ._view import ViewReader
 
 GATE_MODES = ("starting", "metrics", "fallback")
 
@@ -276,7 +277,7 @@ class FairSchedCollector:
         for group in state.gate or ():
             gate_deployments.add_metric([group.model], group.deployments)
             for row in group.per_deployment:
-                where = [group.model, safe_url(row.deployment)]
+                where = [group.model, self._reader.view.deployment_name(row.deployment)]
                 for mode in GATE_MODES:
                     gate_mode.add_metric([*where, mode], 1.0 if row.mode == mode else 0.0)
                 for name, reading in (
