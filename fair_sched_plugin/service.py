@@ -18,6 +18,7 @@ from typing import Any, Literal, Protocol
 
 import httpx
 
+from ._http import hide_url_secrets_in_httpx_logs
 from ._usage import Usage
 from .config import (
     BUDGET_WINDOWS_S,
@@ -376,6 +377,9 @@ class SchedulingService:
         if self._started:
             return
         self._started = True
+        if self._redactions:
+            # httpx logs each request's URL (ours: an engine's, maybe with credentials).
+            hide_url_secrets_in_httpx_logs(True)
         self.scheduler.start()
         settings = self.settings
         for model, backend in self.backends.items():
@@ -431,6 +435,8 @@ class SchedulingService:
         if self._closed:
             return
         self._closed = True
+        if self._started and self._redactions:
+            hide_url_secrets_in_httpx_logs(False)
         if self._drain_timer is not None:
             self._drain_timer.cancel()
             self._drain_timer = None
