@@ -63,6 +63,14 @@ NESTED_CLIENT_BODY = {
     "acreate_realtime_client_secret": "session",
     "acreate_realtime_transcription_session": "transcription_session",
 }
+# Call types whose upstream request LiteLLM builds without `extra_body`, so an engine cannot be
+# told the tier's priority: Gemini's `:generateContent` to an OpenAI-compatible engine goes
+# through LiteLLM's translation to a chat completion, which keeps only the fields it knows. Where
+# the engine schedules by priority such a request would run as the most urgent tier (an absent
+# priority is vLLM's 0), so it is refused instead. Found by the route walk.
+DROPS_ENGINE_PRIORITY = frozenset(
+    {"agenerate_content", "agenerate_content_stream", "generate_content", "generate_content_stream"}
+)
 
 
 class FairSchedCallback(CustomLogger):
@@ -107,6 +115,17 @@ class FairSchedCallback(CustomLogger):
         try:
             if not pass_through:
                 model = router_model_group(model, service.known_models)
+            if (
+                call_type in DROPS_ENGINE_PRIORITY
+                and isinstance(model, str)
+                and service.engine_priority(model, principal.tier) is not None
+            ):
+                raise InvalidRequest(
+                    f"model `{model}` runs on an engine that schedules by priority, and this "
+                    "route cannot carry the request's priority to it (LiteLLM translates it to "
+                    "a chat completion without it); send it to /v1/chat/completions instead",
+                    param="model",
+                )
             admission = await service.admit(
                 principal,
                 model,
