@@ -5,8 +5,8 @@
 Each model named in `fair_sched.backends` with an `api_base` (or `api_bases`) is served: `POST
 /v1/chat/completions`, `/v1/completions` and `/v1/responses` are forwarded to
 `{api_base}/chat/completions` (and so on; a query in the api_base stays after the path) with the
-body as the scheduler left it, to the
-deployment the scheduler bound the request to where the model has several `api_bases`; `GET
+body as the scheduler left it, to the deployment the scheduler bound the request to where the
+model has several `api_bases` (logs name it by its public name, never the URL); `GET
 /v1/models` lists the models, `GET /health` answers, `GET /fair-sched/metrics` and
 `/fair-sched/status` show the scheduler (behind `observability.admin_key` when set), and `GET
 /fair-sched/ui` is a live page over the status.
