@@ -1,8 +1,8 @@
 """The status document: per model its queues, who waits and who runs, gate and deployments.
 
 Callers are named by principal name (strangers by a key fingerprint), never by key; metrics
-URLs appear without credentials or query, deployments by their public names. Fields are only ever added, never renamed (the UI
-page, docs/operations.md and operators' scripts read them).
+URLs appear without credentials or query, deployments by their public names. Fields are only
+ever added, never renamed (the UI page, docs/operations.md and operators' scripts read them).
 """
 
 from __future__ import annotations
