@@ -247,8 +247,11 @@ class SchedulingService:
         self.known_models = frozenset(self.backends) | frozenset(deployments or ()) | set(models)
         # What responses, the status document, metric labels and logs call each deployment: its
         # key (an api_base) may carry credentials or a `?token=`; only the app gets the key.
+        # Metrics URLs too (named alike, for the `url` labels): a deployment known by its
+        # metrics URL has it as its key.
         self._deployment_names = deployment_names(
-            key for backend in self.backends.values() for key, _ in backend.deployments()
+            [key for backend in self.backends.values() for key, _ in backend.deployments()]
+            + [url for backend in self.backends.values() for _, url in backend.deployments()]
         )
         # Every configured URL that shows more than its name, longest first (see `redact`).
         self._redactions = sorted(
@@ -258,7 +261,7 @@ class SchedulingService:
                 for key, metrics_url in backend.deployments()
                 for url, name in (
                     (key, self._deployment_names[key]),
-                    (metrics_url, safe_url(metrics_url)),
+                    (metrics_url, self._deployment_names[metrics_url]),
                     *((base, self._deployment_names[key]) for base in _raw_bases(backend, key)),
                 )
                 if url != name

@@ -15,7 +15,6 @@ from prometheus_client.core import (
     Metric,
 )
 
-from ..config import safe_url
 from ..core import TierLimits
 from ._recorder import OTHER, REJECTION_REASONS, RequestRecorder
 from ._view import ViewReader
@@ -302,7 +301,7 @@ class FairSchedCollector:
                 tpot_threshold.add_metric([tier.name], tier.tpot_below_s)
 
         for deployment in state.deployments:
-            url = safe_url(deployment.url)
+            url = self._reader.view.deployment_name(deployment.url)
             scrapes.add_metric([deployment.model, url], deployment.scrapes_total)
             scrape_failures.add_metric([deployment.model, url], deployment.failures_total)
             if deployment.prefix_cache_hit_rate is not None:

@@ -10,7 +10,6 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping
 from typing import Any
 
-from ..config import safe_url
 from ..core import GroupStatus, UserBacklog
 from ._recorder import REJECTION_REASONS, RequestRecorder
 from ._view import DeploymentReading, Reading, ServiceView, ViewReader
@@ -120,7 +119,7 @@ class StatusDocument:
                     view.deployment_name,
                 ),
                 "deployments": [
-                    _deployment_document(deployment, state, redact)
+                    _deployment_document(deployment, state, redact, view.deployment_name)
                     for deployment in deployments_by_model.get(model, ())
                 ],
             }
@@ -246,7 +245,10 @@ def _gate_document(
 
 
 def _deployment_document(
-    deployment: DeploymentReading, state: Reading, redact: Callable[[str], str]
+    deployment: DeploymentReading,
+    state: Reading,
+    redact: Callable[[str], str],
+    deployment_name: Callable[[str], str],
 ) -> dict[str, Any]:
     snapshot = deployment.last_snapshot
     last: dict[str, Any] | None = None
@@ -264,7 +266,7 @@ def _deployment_document(
         if ok and deployment.prefix_cache_hit_rate is not None:
             last["prefix_cache_hit_rate"] = round(deployment.prefix_cache_hit_rate, 4)
     return {
-        "url": safe_url(deployment.url),
+        "url": deployment_name(deployment.url),
         "scrapes_total": deployment.scrapes_total,
         "failures_total": deployment.failures_total,
         "last_snapshot": last,

@@ -95,7 +95,8 @@ class ServiceView(Protocol):
     def recent_transitions(self) -> Sequence[GateTransition]: ...
 
     def deployment_name(self, key: str) -> str:
-        """A deployment's public name (never its api_base, which may carry credentials)."""
+        """A deployment's (or metrics URL's) public name (never the URL as configured, which
+        may carry credentials)."""
         ...
 
     def redact(self, text: str) -> str:
