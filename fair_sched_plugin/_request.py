@@ -251,9 +251,10 @@ class RequestWatch:
             (QUEUED_HEADER, f"{lease.waited_s:.3f}".encode()),
             (TIER_HEADER, lease.ticket.tier.encode("latin-1", "replace")),
         ]
-        if lease.deployment is not None:
+        if admission.deployment_name is not None:
+            # Its public name: the api_base itself may carry credentials or a `?token=`.
             self.response_headers.append(
-                (DEPLOYMENT_HEADER, lease.deployment.encode("latin-1", "replace"))
+                (DEPLOYMENT_HEADER, admission.deployment_name.encode("latin-1", "replace"))
             )
         if name_principal and admission.principal.known:
             self.response_headers.append(

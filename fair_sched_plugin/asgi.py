@@ -14,11 +14,14 @@ straight through.
 
 Where the model has several deployments (`backends.<model>.api_bases`), the scheduler binds each
 request to one of them and the app must send it there: the deployment's key (its api_base
-without a trailing "/") is `request.state.fair_sched_deployment` (`scope["state"]`) and the
-request header `x-fair-sched-deployment` (a client's own header of that name is removed from
-every HTTP request, scheduled or not, so the app may trust it); None and no header for a model
-without deployments the gate knows (one scheduled on the shared in-flight cap). The response
-carries the same `x-fair-sched-deployment` header.
+without a trailing "/", credentials and query as configured) is
+`request.state.fair_sched_deployment` (`scope["state"]`), the one place that holds it. The
+request header `x-fair-sched-deployment` carries the deployment's public name (the api_base
+without credentials, query or fragment, `#n` appended where two would look alike:
+`SchedulingService.deployment_name`), since apps echo and forward headers; a client's own header
+of that name is removed from every HTTP request, scheduled or not, so the app may trust it.
+None and no header for a model without deployments the gate knows (one scheduled on the shared
+in-flight cap). The response carries the same public name in `x-fair-sched-deployment`.
 """
 
 from __future__ import annotations
@@ -297,8 +300,10 @@ class _ScheduledRequest:
         self.service.rewrite_priority(body, admission.engine_priority, via_extra_body=False)
         new_body = json.dumps(body).encode()
         app_scope = dict(scope)
-        app_scope["headers"] = _for_app(scope["headers"], len(new_body), lease.deployment)
-        # Where the app sends it: the deployment the scheduler bound it to (request.state).
+        app_scope["headers"] = _for_app(scope["headers"], len(new_body), admission.deployment_name)
+        # Where the app sends it: the deployment the scheduler bound it to (request.state), by
+        # its key (the api_base); the header carries only its public name, since an app may
+        # echo or forward headers.
         app_scope["state"] = {**scope.get("state", {}), DEPLOYMENT_STATE: lease.deployment}
         try:
             await self.middleware.app(
@@ -413,8 +418,9 @@ def _bearer_key(headers: Headers) -> str | None:
 def _for_app(
     headers: Iterable[tuple[bytes, bytes]], length: int, deployment: str | None
 ) -> list[tuple[bytes, bytes]]:
-    """The request headers the app sees: the rewritten body's length, and the deployment the
-    request is bound to; a client's own `x-fair-sched-deployment` never reaches the app."""
+    """The request headers the app sees: the rewritten body's length, and the public name of
+    the deployment the request is bound to; a client's own `x-fair-sched-deployment` never
+    reaches the app."""
     kept = [
         (name, value)
         for name, value in headers

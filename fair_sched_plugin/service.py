@@ -19,6 +19,7 @@ from typing import Any, Literal, Protocol
 
 import httpx
 
+from ._http import hide_url_secrets_in_httpx_logs
 from ._usage import Usage
 from .config import (
     BUDGET_WINDOWS_S,
@@ -26,7 +27,9 @@ from .config import (
     FairSchedSettings,
     PriceSettings,
     QueueSettings,
+    deployment_names,
     load_settings,
+    safe_url,
 )
 from .core import (
     MAX_REQUEST_COST,
@@ -189,6 +192,8 @@ class Admission:
     lease: Lease
     principal: Principal
     engine_priority: int | None
+    # The bound deployment's public name (`SchedulingService.deployment_name`), for headers.
+    deployment_name: str | None = None
 
 
 def bounded_cost(money: float) -> float:
@@ -281,6 +286,29 @@ class SchedulingService:
         # Names scheduled as themselves: configured backends, the deployments behind a LiteLLM
         # proxy, and whatever else the adapter knows it serves (`models`).
         self.known_models = frozenset(self.backends) | frozenset(deployments or ()) | set(models)
+        # What responses, the status document, metric labels and logs call each deployment: its
+        # key (an api_base) may carry credentials or a `?token=`; only the app gets the key.
+        # Metrics URLs too (named alike, for the `url` labels): a deployment known by its
+        # metrics URL has it as its key.
+        self._deployment_names = deployment_names(
+            [key for backend in self.backends.values() for key, _ in backend.deployments()]
+            + [url for backend in self.backends.values() for _, url in backend.deployments()]
+        )
+        # Every configured URL that shows more than its name, longest first (see `redact`).
+        self._redactions = sorted(
+            {
+                (url, name)
+                for backend in self.backends.values()
+                for key, metrics_url in backend.deployments()
+                for url, name in (
+                    (key, self._deployment_names[key]),
+                    (metrics_url, self._deployment_names[metrics_url]),
+                    *((base, self._deployment_names[key]) for base in _raw_bases(backend, key)),
+                )
+                if url != name
+            },
+            key=lambda pair: -len(pair[0]),
+        )
         groups = [
             BackendGroup(
                 model=model,
@@ -393,6 +421,9 @@ class SchedulingService:
         if self._started:
             return
         self._started = True
+        if self._redactions:
+            # httpx logs each request's URL (ours: an engine's, maybe with credentials).
+            hide_url_secrets_in_httpx_logs(True)
         self.scheduler.start()
         settings = self.settings
         for model, backend in self.backends.items():
@@ -448,6 +479,8 @@ class SchedulingService:
         if self._closed:
             return
         self._closed = True
+        if self._started and self._redactions:
+            hide_url_secrets_in_httpx_logs(False)
         if self._drain_timer is not None:
             self._drain_timer.cancel()
             self._drain_timer = None
@@ -616,7 +649,10 @@ class SchedulingService:
             raise
         self.drain.record(scheduled_as, self.clock.now())
         admission = Admission(
-            lease, principal, self.engine_priority(scheduled_as, ticket.tier, lease.engine_rank)
+            lease,
+            principal,
+            self.engine_priority(scheduled_as, ticket.tier, lease.engine_rank),
+            self.deployment_name(lease.deployment) if lease.deployment is not None else None,
         )
         if lease.active:
             self._running[lease] = (lease.ticket.model, lease.ticket.tier, lease.ticket.user)
@@ -944,6 +980,19 @@ class SchedulingService:
             for watcher in group
         ]
 
+    def deployment_name(self, key: str) -> str:
+        """A deployment's public name, never its key (which may carry credentials): the key
+        as `safe_url` shows it, numbered where two would look alike (`config.deployment_names`).
+        A key the configuration does not know (a leader's differing config) is shown safely."""
+        return self._deployment_names.get(key) or safe_url(key)
+
+    def redact(self, text: str) -> str:
+        """`text` with every configured api_base and metrics URL replaced by its public form."""
+        for url, name in self._redactions:
+            if url in text:
+                text = text.replace(url, name)
+        return text
+
     def recent_transitions(self) -> Sequence[GateTransition]:
         return self.transitions
 
@@ -1028,15 +1077,15 @@ class SchedulingService:
                 "fair_sched gate model=%s deployment=%s mode=fallback reason=%r: engine metrics "
                 "unavailable, limiting it to %d in flight",
                 transition.model,
-                transition.deployment,
-                transition.reason,
+                self.deployment_name(transition.deployment),
+                self.redact(transition.reason),
                 cap,
             )
         elif transition.old == "fallback":
             logger.warning(
                 "fair_sched gate model=%s deployment=%s mode=metrics: engine metrics recovered",
                 transition.model,
-                transition.deployment,
+                self.deployment_name(transition.deployment),
             )
         else:
             logger.info("fair_sched gate model=%s mode=%s", transition.model, transition.new)
@@ -1078,6 +1127,12 @@ def _resolve_backends(
             continue
         resolved[model] = (backend or BackendSettings()).with_api_bases(bases, model=model)
     return resolved
+
+
+def _raw_bases(backend: BackendSettings, key: str) -> tuple[str, ...]:
+    """The api_bases as configured (a trailing "/" and all) whose deployment key is `key`."""
+    bases = ((backend.api_base,) if backend.api_base else ()) + backend.api_bases
+    return tuple(base for base in bases if base.rstrip("/") == key)
 
 
 def _budget_rules(settings: FairSchedSettings) -> dict[str, BudgetRule]:

@@ -289,3 +289,23 @@ def test_metrics_urls_without_api_base_are_deployments_keyed_by_themselves() -> 
     urls = ["http://a:8000/metrics", "http://b:8000/metrics"]
     backend = load_settings({"backends": {"m": {"metrics_urls": urls}}}).backends["m"]
     assert backend.deployments() == tuple((url, url) for url in urls)
+
+
+def test_deployment_names_hide_credentials_and_tell_look_alikes_apart() -> None:
+    """A deployment's public name is its key without credentials, query or fragment; two keys
+    that would look alike are numbered in the order given (every replica's config order)."""
+    from fair_sched_plugin.config import deployment_names
+
+    names = deployment_names(
+        [
+            "http://a:pw1@h:8000/v1?token=t1",
+            "http://b:pw2@h:8000/v1?token=t2",
+            "http://other:8000/v1",
+            "http://other:8000/v1",
+        ]
+    )
+    assert names == {
+        "http://a:pw1@h:8000/v1?token=t1": "http://h:8000/v1#1",
+        "http://b:pw2@h:8000/v1?token=t2": "http://h:8000/v1#2",
+        "http://other:8000/v1": "http://other:8000/v1",
+    }

@@ -28,7 +28,7 @@ from starlette.responses import PlainTextResponse
 from starlette.routing import Route, Router
 
 from fair_sched_plugin.asgi import FairSchedulerMiddleware
-from fair_sched_plugin.config import load_settings
+from fair_sched_plugin.config import load_settings, safe_url
 from fair_sched_plugin.core import (
     BackendSnapshot,
     GateTransition,
@@ -699,6 +699,12 @@ class StaticView:
 
     def recent_transitions(self) -> list[GateTransition]:
         return []
+
+    def deployment_name(self, key: str) -> str:
+        return safe_url(key)
+
+    def redact(self, text: str) -> str:
+        return text
 
     def budget_standings(self) -> list[BudgetStanding]:
         return [BudgetStanding("alice", "usd", 5.0, 6.0, 0.0, 120.0, True, "reject", None)]

@@ -13,7 +13,12 @@ import httpx
 import pytest
 
 from fair_sched_plugin.bench.processes import fair_proxy
-from fair_sched_plugin.proxy import CLIENT_KEEP_ALIVE_S, add_proxy_parser, build_proxy_app
+from fair_sched_plugin.proxy import (
+    CLIENT_KEEP_ALIVE_S,
+    add_proxy_parser,
+    build_proxy_app,
+    upstream_url,
+)
 from fair_sched_plugin.service import SchedulingService
 
 from .conftest import (
@@ -70,6 +75,27 @@ async def test_models_health_and_non_streamed_completion() -> None:
             assert text.json()["object"] == "text_completion"
             assert service_of(app).scheduler.statistics().released_total == 2
             await assert_idle(service_of(app))
+
+
+async def test_an_api_base_with_a_query_gets_the_path_before_the_query() -> None:
+    """Before: `api_base + "/chat/completions"` put the path after the query
+    (`/v1?api-version=1/chat/completions`), and the engine answered 404."""
+    async with emulator() as emu:
+        config = fair_config(emu, backend={"api_base": f"{emu.base_url}/v1?api-version=1"})
+        app = build_proxy_app(config)
+        async with serve(app) as url, open_client(url, key="sk-a") as client:
+            response = await client.post("/v1/chat/completions", json=chat_body(max_tokens=2))
+            assert response.status_code == 200, response.text
+            assert len(emu.engine.received) == 1
+            await assert_idle(service_of(app))
+
+
+def test_upstream_url_keeps_the_query_after_the_path() -> None:
+    assert (
+        upstream_url("http://u:p@h:8000/v1/?api-version=1&token=t", "/chat/completions")
+        == "http://u:p@h:8000/v1/chat/completions?api-version=1&token=t"
+    )
+    assert upstream_url("http://h/v1", "/completions") == "http://h/v1/completions"
 
 
 async def test_upstream_status_and_content_type_are_preserved() -> None:

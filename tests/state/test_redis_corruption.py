@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import socket
 from collections.abc import Callable
 from typing import Any
 
@@ -130,3 +131,22 @@ async def test_a_corrupt_value_is_named_and_does_not_stop_scheduling(
         await raw.delete(*(cluster.prefix + name for name in ("leader", "epoch", "inbox")))
         await raw.aclose()
         await cluster.aclose()
+
+
+async def test_a_redis_error_names_the_server_without_its_password() -> None:
+    """Before: a failed Redis call's error (logged, and in the replica's state) quoted the whole
+    `state` URL, password included."""
+    from fair_sched_plugin.errors import StateStoreError
+    from fair_sched_plugin.state.redis_link import RedisLink
+
+    with socket.socket() as closed:
+        closed.bind(("127.0.0.1", 0))
+        port = closed.getsockname()[1]
+    link = RedisLink(f"redis://:pw-LEAKCHECK-41aa@127.0.0.1:{port}/0", "r1", timeout_s=1.0)
+    try:
+        with pytest.raises(StateStoreError) as failed:
+            await link.load_budgets()
+    finally:
+        await link.aclose()
+    assert f"redis://127.0.0.1:{port}/0" in str(failed.value)
+    assert "LEAKCHECK" not in str(failed.value)
