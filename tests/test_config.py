@@ -289,3 +289,41 @@ def test_metrics_urls_without_api_base_are_deployments_keyed_by_themselves() -> 
     urls = ["http://a:8000/metrics", "http://b:8000/metrics"]
     backend = load_settings({"backends": {"m": {"metrics_urls": urls}}}).backends["m"]
     assert backend.deployments() == tuple((url, url) for url in urls)
+
+
+@pytest.mark.parametrize(
+    ("section", "expected"),
+    [
+        (
+            {"principals": [{"name": "a", "keys": ["k"]}, {"name": "b", "key": ["k"]}]},
+            "fair_sched.principals[1].key: unknown key, did you mean keys?",
+        ),
+        (
+            {"metrics_pol_ms": 100},
+            "fair_sched.metrics_pol_ms: unknown key, did you mean metrics_poll_ms?",
+        ),
+        (
+            {"tiers": [{"name": "i", "waiting_bellow": 3}]},
+            "fair_sched.tiers[0].waiting_bellow: unknown key, did you mean waiting_below?",
+        ),
+        (
+            {"backends": {"m": {"placement": {"prefix_afinity": True}}}},
+            "fair_sched.backends.m.placement.prefix_afinity: unknown key, did you mean "
+            "prefix_affinity?",
+        ),
+        (
+            {"queue": {"max_per_usr": 3}},
+            "fair_sched.queue.max_per_usr: unknown key, did you mean max_per_user?",
+        ),
+    ],
+)
+def test_an_unknown_key_names_the_nearest_known_one(section: Any, expected: str) -> None:
+    with pytest.raises(ConfigError) as caught:
+        parse_settings(section)
+    assert expected in str(caught.value).splitlines()[1]
+
+
+def test_an_unknown_key_like_no_known_one_gets_no_suggestion() -> None:
+    with pytest.raises(ConfigError) as caught:
+        parse_settings({"observability": {"zzzz": 1}})
+    assert str(caught.value).splitlines()[1].strip() == "fair_sched.observability.zzzz: unknown key"

@@ -66,7 +66,7 @@ async def test_a_misspelled_key_stops_uvicorn_at_start_up(tmp_path: Path, framew
     code, output = await run_uvicorn(tmp_path, framework, str(config))
 
     assert code == UVICORN_STARTUP_FAILURE, output
-    assert "fair_sched.metrics_pol_ms: unknown key" in output
+    assert "fair_sched.metrics_pol_ms: unknown key, did you mean metrics_poll_ms?" in output
     assert "lifespan' protocol appears unsupported" not in output
 
 
