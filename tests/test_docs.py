@@ -249,3 +249,13 @@ def test_the_log_lines_in_the_operations_doc_are_ones_the_code_writes() -> None:
         assert any(
             pattern.match(message) and found in (None, level) for found, pattern in formats
         ), line
+
+
+def test_the_example_files_the_docs_name_are_shipped() -> None:
+    named = {
+        name
+        for path in DOCS
+        for name in re.findall(r"\bexamples/[\w.-]+\.\w+", path.read_text(encoding="utf-8"))
+    }
+    assert "examples/fair_sched.yaml" in named
+    assert not [name for name in sorted(named) if not (ROOT / name).is_file()]
