@@ -103,7 +103,12 @@ def add_demo_parsers(subparsers: argparse._SubParsersAction[argparse.ArgumentPar
     )
     demo.set_defaults(handler=run_demo)
 
-    bench = subparsers.add_parser("bench", help="run the DESIGN.md scenarios, write a report")
+    bench = subparsers.add_parser(
+        "bench",
+        help="run the benchmark scenarios (docs/results.md), write a report",
+        description="Run the benchmark scenarios on the built-in emulator (or --engine) and "
+        "write a report; docs/results.md discusses their results.",
+    )
     bench.add_argument("--out", default="report", help="directory for index.md and plots")
     bench.add_argument("--engine", default=None, help="a real engine's base URL (with /metrics)")
     bench.add_argument(
