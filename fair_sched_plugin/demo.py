@@ -116,7 +116,15 @@ def add_demo_parsers(subparsers: argparse._SubParsersAction[argparse.ArgumentPar
         action="store_true",
         help="the --engine was started with priority scheduling (vLLM --scheduling-policy)",
     )
-    bench.add_argument("--quick", action="store_true", help="smaller scenarios (~1 minute)")
+    bench.add_argument(
+        "--quick",
+        action="store_true",
+        # Measured (3 Dec, a 2-core machine also running other work): 448 s in all; flood 87,
+        # tiers 37, many-users 2, overhead 34, speed-change 210, unequal-replicas 50,
+        # shared-prefixes 25, core 2.
+        help="smaller scenarios: all of them took 7.5 minutes on a busy 2-core machine "
+        "(speed-change 3.5, the flood 1.5); pick some with --scenarios",
+    )
     bench.add_argument(
         "--scenarios",
         default=",".join(ALL_SCENARIOS),
