@@ -148,8 +148,16 @@ class TierSettings(_Frozen):
                 return AutoWaitingBelow.model_validate(value)
             except ValidationError as exc:
                 first = exc.errors()[0]
-                where = ".".join(str(part) for part in first["loc"])
-                raise ValueError(f"{where}: {first['msg']}") from None
+                location, message = tuple(first["loc"]), first["msg"]
+                if first["type"] == "extra_forbidden":
+                    # As `_format_errors` words an unknown key (named only when it looks like one).
+                    message = "unknown key"
+                    if not _SAFE_KEY.match(str(location[-1])):
+                        location = (*location[:-1], "<a key not shown>")
+                    elif nearest := _nearest_key(("tiers", 0, "waiting_below", *location)):
+                        message += f", did you mean {nearest}?"
+                where = ".".join(str(part) for part in location)
+                raise ValueError(f"{where}: {message}") from None
         raise ValueError(f"must be a whole number, auto or {{auto: {{min, max}}}} (got {value!r})")
 
     @model_validator(mode="after")

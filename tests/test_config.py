@@ -156,6 +156,7 @@ def test_bad_config_names_the_key_path(case: str, section: Any, expected: str) -
         {"default_tier": "sk-live-pasted-by-mistake"},
         {"principals": [{"name": "a", "keys": ["k"], "tier": "sk-live-pasted-by-mistake"}]},
         {"principals": [{"name": "a", "keys": ["k"], "sk-live-pasted-by-mistake": 1}]},
+        {"tiers": [{"name": "i", "waiting_below": {"auto": {"sk-live-pasted-by-mistake": 1}}}]},
         {"principals": [{"name": "sk-live-pasted by mistake", "keys": ["k"]}]},
         {"backends": {"m": {"api_base": "sk-live-pasted-by-mistake"}}},
         {"backends": {"m": {"engine": "sk-live-pasted-by-mistake"}}},
@@ -314,6 +315,10 @@ def test_metrics_urls_without_api_base_are_deployments_keyed_by_themselves() -> 
         (
             {"queue": {"max_per_usr": 3}},
             "fair_sched.queue.max_per_usr: unknown key, did you mean max_per_user?",
+        ),
+        (
+            {"tiers": [{"name": "i", "tpot_below_ms": 100, "waiting_below": {"auto": {"mn": 1}}}]},
+            "fair_sched.tiers[0].waiting_below.auto.mn: unknown key, did you mean min?",
         ),
     ],
 )
