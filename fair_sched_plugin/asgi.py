@@ -22,6 +22,9 @@ without credentials, query or fragment, `#n` appended where two would look alike
 of that name is removed from every HTTP request, scheduled or not, so the app may trust it.
 None and no header for a model without deployments the gate knows (one scheduled on the shared
 in-flight cap). The response carries the same public name in `x-fair-sched-deployment`.
+
+Invalid settings fail the server's lifespan start-up with the `ConfigError` message (uvicorn
+logs it and exits), since Starlette builds its middleware only on the first scope.
 """
 
 from __future__ import annotations
@@ -42,7 +45,7 @@ from ._shutdown import install_sigterm_drain
 from ._usage import JsonUsageFinder, Usage, read_usage
 from .config import FairSchedSettings
 from .core import Lease
-from .errors import ClientDisconnected, Rejected
+from .errors import ClientDisconnected, ConfigError, Rejected
 from .identity import Credentials
 from .service import SchedulingService, UnknownModels, parse_request_body
 
@@ -114,12 +117,20 @@ class FairSchedulerMiddleware:
         self._serve_queue = serve_queue
         self._unknown_models: UnknownModels = unknown_models
         self._pass_unmodelled = pass_unmodelled
-        self.service = service or SchedulingService(config)
         self._paths = [re.compile(pattern) for pattern in paths]
         self._resolve_user = resolve_user
         self._max_body_bytes = max_body_bytes
         self._reject_unknown_keys = reject_unknown_keys
         self._admin: ASGIApp | None = admin
+        # Starlette builds its middleware on the first scope (the lifespan): raised from here,
+        # the server would take it for "lifespan unsupported", start, and answer 500 to every
+        # request. Kept instead, it fails the start-up with its message (see `_refuse`).
+        self._config_error: ConfigError | None = None
+        try:
+            self.service = service or SchedulingService(config)
+        except ConfigError as exc:
+            self._config_error = exc
+            return
         if serve_admin and admin is None:
             # Opt-in: /fair-sched/metrics, /status and /ui answered here, before the app.
             self._admin = observability.admin_app(self.service, admin_key=admin_key)
@@ -134,6 +145,9 @@ class FairSchedulerMiddleware:
                 )
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if self._config_error is not None:
+            await self._refuse(self._config_error, scope, receive, send)
+            return
         if scope["type"] == "lifespan":
             await self._lifespan(scope, receive, send)
             return
@@ -167,6 +181,15 @@ class FairSchedulerMiddleware:
             send_timeout_s=settings.send_timeout_s,
         )
         await _ScheduledRequest(self, scope, watch).run()
+
+    async def _refuse(self, error: ConfigError, scope: Scope, receive: Receive, send: Send) -> None:
+        """Invalid settings: the server's start-up fails with their message (uvicorn logs it and
+        exits); a server without lifespan gets the error raised on every request instead."""
+        if scope["type"] != "lifespan":
+            raise ConfigError(str(error))  # a fresh one: no traceback piling up per request
+        message = await receive()
+        if message["type"] == "lifespan.startup":
+            await send({"type": "lifespan.startup.failed", "message": str(error)})
 
     async def _lifespan(self, scope: Scope, receive: Receive, send: Send) -> None:
         uninstall_drain = None

@@ -927,7 +927,7 @@ async def test_ui_page_is_served_without_a_key_and_holds_no_data() -> None:
 def test_ui_page_is_self_contained_and_never_puts_the_key_in_a_url() -> None:
     from fair_sched_plugin.observability import _ui
 
-    html = _ui.PAGE.decode()
+    html = _ui.page().decode()
     # Nothing loaded from elsewhere: no external script, style, font or image.
     assert re.findall(r"https?://[^\s\"'`]+", html) == ["http://www.w3.org/2000/svg"]
     assert "<link" not in html and " src=" not in html and "@import" not in html

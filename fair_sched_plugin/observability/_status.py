@@ -10,6 +10,7 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping
 from typing import Any
 
+from ..config import FairSchedSettings
 from ..core import GroupStatus, UserBacklog
 from ._recorder import REJECTION_REASONS, RequestRecorder
 from ._view import DeploymentReading, Reading, ServiceView, ViewReader
@@ -71,6 +72,15 @@ class StatusDocument:
             rejected_totals[labels[2]] = rejected_totals.get(labels[2], 0) + count
 
         redact = view.redact
+        # The age of the reading each deployment's gate decides on (its last good scrape), by
+        # metrics URL: the gate's rows come in the order of its group's metrics URLs.
+        gated = view.gated_models()
+        reading_ages = {
+            url: row.last_scrape_age_s
+            for model, group in gate_by_model.items()
+            if len(gated.get(model, ())) == len(group.per_deployment)
+            for url, row in zip(gated[model], group.per_deployment, strict=True)
+        }
         document_models: dict[str, Any] = {}
         for model in models:
             entries = sorted(
@@ -116,10 +126,13 @@ class StatusDocument:
                     gate_by_model.get(model),
                     settings.unknown_model_max_inflight,
                     state.waiting_thresholds.get(model, {}),
+                    _fallback_cap(settings, model),
                     view.deployment_name,
                 ),
                 "deployments": [
-                    _deployment_document(deployment, state, redact, view.deployment_name)
+                    _deployment_document(
+                        deployment, state, redact, view.deployment_name, reading_ages
+                    )
                     for deployment in deployments_by_model.get(model, ())
                 ],
             }
@@ -199,10 +212,18 @@ class StatusDocument:
         ]
 
 
+def _fallback_cap(settings: FairSchedSettings, model: str) -> int:
+    """The in-flight cap per deployment while `model`'s engine metrics cannot be read."""
+    backend = settings.backend(model)
+    fallback = (backend and backend.on_metrics_unavailable) or settings.on_metrics_unavailable
+    return fallback.max_inflight
+
+
 def _gate_document(
     group: GroupStatus | None,
     unknown_cap: int,
     waiting_threshold: Mapping[str, float],
+    fallback_cap: int,
     deployment_name: Callable[[str], str],
 ) -> dict[str, Any]:
     if group is None:
@@ -210,6 +231,9 @@ def _gate_document(
         return {"mode": "inflight_cap", "max_inflight": unknown_cap}
     return {
         "mode": group.mode,
+        # The cap per deployment in force while it has no reading (modes starting, fallback):
+        # then it decides, not `waiting_threshold`.
+        "fallback_max_inflight": fallback_cap,
         "deployments": group.deployments,
         "waiting": group.waiting,
         "running": group.running,
@@ -249,6 +273,7 @@ def _deployment_document(
     state: Reading,
     redact: Callable[[str], str],
     deployment_name: Callable[[str], str],
+    reading_ages: Mapping[str, float | None],
 ) -> dict[str, Any]:
     snapshot = deployment.last_snapshot
     last: dict[str, Any] | None = None
@@ -269,5 +294,8 @@ def _deployment_document(
         "url": deployment_name(deployment.url),
         "scrapes_total": deployment.scrapes_total,
         "failures_total": deployment.failures_total,
+        # Seconds since the last good scrape, the one the gate reads (None: none yet);
+        # `last_snapshot.age_s` is the last attempt's, failed or not.
+        "reading_age_s": _round(reading_ages.get(deployment.url)),
         "last_snapshot": last,
     }

@@ -22,6 +22,7 @@ from fair_sched_plugin.testing import FakeClock, ManualGate, make_ticket
         {"price": float("inf")},
         {"price": float("nan")},
         {"price": 1e300},
+        {"price": 10**400},
         {"weight": float("nan")},
         {"weight": 0.0},
         {"weight": 1e300},

@@ -253,7 +253,7 @@ async def test_stream_passes_through_unbuffered_and_ends_with_done() -> None:
             assert len(chunks) > 2  # many reads, not one buffered body
             events = sse_events(b"".join(chunks).decode())
             assert events[-1] == "[DONE]"
-            assert sum('"content":" token"' in event for event in events) == 30
+            assert sum('"content":" token' in event for event in events) == 30
             await assert_idle(service_of(app))
 
 
@@ -292,7 +292,7 @@ async def test_disconnect_mid_stream_releases_lease_and_engine_sequence() -> Non
             async with client.stream("POST", "/v1/chat/completions", json=body) as response:
                 tokens = 0
                 async for chunk in response.aiter_raw():
-                    tokens += chunk.count(b'"content":" token"')
+                    tokens += chunk.count(b'"content":" token')
                     if tokens >= 3:
                         break
             assert emu.engine.statistics().requests_received == 1
