@@ -27,13 +27,14 @@ import json
 import logging
 import uuid
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any, Literal, NamedTuple
+from typing import TYPE_CHECKING, Any, Literal, NamedTuple, TypeGuard
 
 from ..core.backpressure import GroupStatus, MetricsGate
 from ..core.budget import BudgetBook
 from ..core.gate import AdmissionGate
 from ..core.scheduler import FairScheduler, Reservation, SchedulerStatistics, UserBacklog
 from ..core.ticket import (
+    MAX_REQUEST_COST,
     MAX_REQUEST_TOKENS,
     MAX_WEIGHT,
     MIN_WEIGHT,
@@ -329,7 +330,7 @@ def _ticket_from(fields: list[Any], price: object = 0.0) -> Ticket:
         raise OutOfRange("ticket weight", weight)
     if not request_tokens_in_range(cost):
         raise OutOfRange("ticket cost", cost)
-    if not (isinstance(price, int | float) and request_cost_in_range(price)):
+    if not _money(price):
         raise OutOfRange("ticket price", price)
     if not isinstance(prefix, list) or len(prefix) > _MAX_PREFIX_BLOCKS:
         raise OutOfRange("ticket prefix", prefix)
@@ -342,13 +343,21 @@ def _number(value: Any) -> bool:
     return isinstance(value, int | float) and not isinstance(value, bool)
 
 
+def _money(value: object) -> TypeGuard[int | float]:
+    """A money amount within [0, MAX_REQUEST_COST] (compared first: `request_cost_in_range`
+    raises OverflowError on an integer too large for a float)."""
+    return (
+        _number(value)
+        and 0 <= value <= MAX_REQUEST_COST  # type: ignore[operator]
+        and request_cost_in_range(value)
+    )
+
+
 def _usage(tokens: object, cost: object) -> tuple[int | None, float | None, list[str]]:
     """A lease's reported usage with every value outside its documented range left out (the
     lease still ends: charged its estimate for what is left out), and the names of those."""
     tokens_used = tokens if isinstance(tokens, int) and request_tokens_in_range(tokens) else None
-    cost_used = (
-        float(cost) if isinstance(cost, int | float) and request_cost_in_range(cost) else None
-    )
+    cost_used = float(cost) if _money(cost) else None
     dropped = []
     if tokens is not None and tokens_used is None:
         dropped.append(f"tokens used {shown(tokens)}")
@@ -437,7 +446,7 @@ def _read_message(text: str, tiers: tuple[TierLimits, ...]) -> _Inbound:
         principal, usd, tokens = rest
         if not short_text(principal):
             raise OutOfRange("spend principal", principal)
-        if not request_cost_in_range(usd):
+        if not _money(usd):
             raise OutOfRange("spend usd", usd)
         if not request_tokens_in_range(tokens):
             raise OutOfRange("spend tokens", tokens)
