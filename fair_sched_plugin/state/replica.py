@@ -303,7 +303,8 @@ _MAX_PREFIX_HASH = 1 << 52
 # The most one grant may charge: a whole request's tokens at the smallest weight (a money
 # charge, MAX_REQUEST_COST / MIN_WEIGHT, and a turn, 1 / MIN_WEIGHT, are below it).
 _MAX_CHARGE = MAX_REQUEST_TOKENS / MIN_WEIGHT
-# The longest Retry-After a rejection may carry (the longest budget window, `per: day`).
+# The longest Retry-After a rejection may carry: the core's hints stay within 60 s; a day (the
+# longest budget window, `per: day`) leaves room for hints to come.
 _MAX_RETRY_AFTER_S = 86_400.0
 
 
