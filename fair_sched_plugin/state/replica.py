@@ -1387,10 +1387,11 @@ class ReplicaScheduler:
             return
         try:
             book.restore(json.loads(raw), replace=True)
-        except (ValueError, RecursionError) as exc:  # RecursionError: absurdly deep JSON
+        # RecursionError: absurdly deep JSON; OverflowError: an integer too large for a float.
+        except (ValueError, OverflowError, RecursionError) as exc:
             if raw != self._bad_budgets:
                 logger.error(
-                    "fair_sched budget state in Redis key %s is unreadable (%s): replica %s "
+                    "fair_sched budget state in Redis key %s is unreadable (%.200s): replica %s "
                     "starts from a fresh budget book",
                     link.budgets_key,
                     exc,
