@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import logging
 from types import TracebackType
 from typing import NamedTuple, Protocol
+
+logger = logging.getLogger("fair_sched")
 
 # The documented ranges of what one request may claim or report. Every number that comes from
 # outside (a request body, a header, a Redis message, an engine's `usage`) is checked against
@@ -16,6 +19,17 @@ MAX_REQUEST_COST = 1_000_000.0
 # Weights are configured (and carried between replicas): bounded so 1/weight stays finite.
 MIN_WEIGHT = 1e-6
 MAX_WEIGHT = 1e6
+
+
+def _left_out(field: str, value: object) -> None:
+    # The value itself may be anything (a 400-digit integer): only its kind and size are shown.
+    # (repr() of a huge integer raises ValueError past Python's digit limit.)
+    shown = f"an int of {value.bit_length()} bits" if isinstance(value, int) else repr(value)[:40]
+    logger.warning(
+        "fair_sched: a lease's end reported %s out of range (%s); its estimate stays charged",
+        field,
+        shown,
+    )
 
 
 def request_tokens_in_range(value: object) -> bool:
@@ -206,9 +220,11 @@ class Lease:
         """
         if self._ended:
             return False
-        if not request_tokens_in_range(tokens_used):
+        if tokens_used is not None and not request_tokens_in_range(tokens_used):
+            _left_out("tokens used", tokens_used)
             tokens_used = None
-        if not request_cost_in_range(cost_used):
+        if cost_used is not None and not request_cost_in_range(cost_used):
+            _left_out("cost used", cost_used)
             cost_used = None
         self._ended = True
         self.cost_used = cost_used

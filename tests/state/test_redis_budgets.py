@@ -139,7 +139,16 @@ async def eventually_stored(client: redis_asyncio.Redis, prefix: str, expected: 
 
 
 @pytest.mark.parametrize(
-    "value", ["{not json", '{"heavy": {"spent": "lots"}}', "[1, 2]", "[" * 100_000]
+    "value",
+    [
+        "{not json",
+        '{"heavy": {"spent": "lots"}}',
+        "[1, 2]",
+        "[" * 100_000,
+        # Before: OverflowError on every heartbeat (a traceback each), the value never replaced.
+        '{"heavy": {"spent": %s, "resets_in_s": 60}}' % ("9" * 400),
+        '{"heavy": {"spent": 1, "resets_in_s": NaN}}',
+    ],
 )
 async def test_an_unreadable_budget_key_is_logged_and_a_fresh_book_started(
     redis_server: RedisServer, caplog: pytest.LogCaptureFixture, value: str
@@ -164,3 +173,4 @@ async def test_an_unreadable_budget_key_is_logged_and_a_fresh_book_started(
     errors = [r.getMessage() for r in caplog.records if r.levelno == logging.ERROR]
     assert len(errors) == 1
     assert f"{prefix}budgets is unreadable" in errors[0] and "fresh budget book" in errors[0]
+    assert "9" * 250 not in errors[0]  # a huge value is cut short
