@@ -123,9 +123,8 @@ async def main(parked_total: int, big: int, intervals: int, sample: int, streams
     def suggest() -> None:
         svc.suggest_retry_after(UNKNOWN_MODELS, user="u0")
 
-    print(
-        f"Retry-After of a refusal (a timed-out request): {_cpu_per_call(calls, refuse) * 1e6:.1f} us"
-    )
+    refusal = _cpu_per_call(calls, refuse)
+    print(f"Retry-After of a refusal (a timed-out request): {refusal * 1e6:.1f} us")
     print(f"suggest_retry_after (the proxy's 429): {_cpu_per_call(calls, suggest) * 1e6:.1f} us")
     standing = _cpu_per_call(max(5, calls // 10), lambda: svc.standing_of(big_principal))
     print(f"/fair-sched/queue for a caller with {big} parked: {standing * 1e6:.1f} us")

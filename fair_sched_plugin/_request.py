@@ -488,8 +488,8 @@ class RequestWatch:
                 messages.append(
                     {"type": "http.response.start", "status": 200, "headers": [*SSE_HEADERS, tier]}
                 )
-            eta = parked.eta_s()
-            comment = f": queued position={parked.position()} wait_s={parked.wait_s():.1f}"
+            position, eta = parked.standing()
+            comment = f": queued position={position} wait_s={parked.wait_s():.1f}"
             if eta is not None:
                 comment += f" eta_s={eta:.1f}"
             messages.append(
