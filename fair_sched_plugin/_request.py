@@ -32,6 +32,7 @@ from typing import TYPE_CHECKING, Any
 
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from ._keepalive import ticks_for
 from ._responses import error, error_response
 from .core import Lease
 from .errors import ClientDisconnected, InvalidRequest, LeaseExpired, Rejected
@@ -130,6 +131,7 @@ class RequestWatch:
         self._parked: ParkedRequest | None = None
         self._keepalive_task: asyncio.Task[None] | None = None
         self._keepalive_sending = False
+        self._keepalive_stalled = False
         # After the keep-alive began: the app's error response, collected to become an event.
         self._error_status: int | None = None
         self._error_body = bytearray()
@@ -475,10 +477,11 @@ class RequestWatch:
     async def _keep_alive(self, after_s: float, interval_s: float) -> None:
         send = self._send
         assert send is not None
-        delay = after_s
+        # The first comment after `after_s` of this request; the next ones on the loop's
+        # shared keep-alive clock, which also times the sends out (`_keepalive`).
+        ticks = ticks_for(interval_s)
+        await asyncio.sleep(after_s)
         while True:
-            await asyncio.sleep(delay)
-            delay = interval_s
             parked = self._parked
             if parked is None or self.disconnected.is_set():
                 return
@@ -500,21 +503,37 @@ class RequestWatch:
                 }
             )
             self._keepalive_sending = True
+            # A client that does not take a comment within an interval (1 s at least) has
+            # stopped reading: it is treated as gone (the request leaves the queue).
+            ticks.sending(self)
             try:
                 for message in messages:
-                    # A client that does not take a comment within an interval has stopped
-                    # reading: it is treated as gone (the request leaves the queue).
-                    await asyncio.wait_for(send(message), timeout=max(interval_s, 1.0))
+                    await send(message)
                     if message["type"] == "http.response.start":
                         self.keepalive_started = True
-            except (OSError, RuntimeError, asyncio.TimeoutError) as exc:
+            except (OSError, RuntimeError) as exc:
                 logger.debug("fair_sched: keep-alive to a parked client failed: %r", exc)
                 self._client_left()
                 return
+            except asyncio.CancelledError:
+                if not self._keepalive_stalled:
+                    raise
+                logger.debug("fair_sched: a parked client did not take its keep-alive comment")
+                self._client_left()
+                return
             finally:
+                ticks.sent(self)
                 self._keepalive_sending = False
             if self._parked is None:
                 return
+            await ticks.wait()
+
+    def send_stalled(self) -> None:
+        """The client did not take its keep-alive comment in time (`KeepAliveTicks`)."""
+        task = self._keepalive_task
+        if task is not None and not task.done():
+            self._keepalive_stalled = True
+            task.cancel()
 
     def _check_stalled(self) -> None:
         self._stall_timer = None
