@@ -92,8 +92,11 @@ async def main(parked_total: int, big: int, intervals: int, sample: int, streams
     start = time.process_time()
     for p in chosen:
         # What `RequestWatch._keep_alive` reads (before `standing()`: position and ETA apart).
-        position, eta = p.standing() if hasattr(p, "standing") else (p.position(), p.eta_s())
-        _ = f": queued position={position} wait_s={p.wait_s():.1f} eta_s={eta}"
+        if hasattr(p, "standing"):
+            position, eta, wait_s = p.standing()
+        else:
+            position, eta, wait_s = p.position(), p.eta_s(), p.wait_s()
+        _ = f": queued position={position} wait_s={wait_s:.1f} eta_s={eta}"
     per_comment = (time.process_time() - start) / len(chosen)
     print(
         f"keep-alive estimate: {per_comment * 1e6:.1f} us per comment; "

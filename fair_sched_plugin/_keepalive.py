@@ -36,14 +36,16 @@ class KeepAliveTicks:
         """Until the next tick (at most `interval_s` from now)."""
         waiter: asyncio.Future[None] = self._loop.create_future()
         self._waiters.append(waiter)
-        self._arm()
+        if self._timer is None:
+            self._arm()
         await waiter
 
     def sending(self, stream: Stalling) -> None:
         """`stream` began sending a comment: it hears `send_stalled()` unless `sent()` comes
         within the timeout (found at the first tick after it)."""
         self._sending[stream] = self._loop.time()
-        self._arm()
+        if self._timer is None:
+            self._arm()
 
     def sent(self, stream: Stalling) -> None:
         self._sending.pop(stream, None)

@@ -491,8 +491,8 @@ class RequestWatch:
                 messages.append(
                     {"type": "http.response.start", "status": 200, "headers": [*SSE_HEADERS, tier]}
                 )
-            position, eta = parked.standing()
-            comment = f": queued position={position} wait_s={parked.wait_s():.1f}"
+            position, eta, wait_s = parked.standing()
+            comment = f": queued position={position} wait_s={wait_s:.1f}"
             if eta is not None:
                 comment += f" eta_s={eta:.1f}"
             messages.append(

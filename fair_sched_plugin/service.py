@@ -150,7 +150,7 @@ class WaitObserver(Protocol):
 class ParkedRequest:
     """One request waiting in this process: what it waits for and where it stands."""
 
-    __slots__ = ("_service", "principal", "queue", "since", "ticket")
+    __slots__ = ("_ranks", "_service", "principal", "queue", "since", "ticket")
 
     def __init__(
         self, service: SchedulingService, principal: Principal, ticket: Ticket, since: float
@@ -160,6 +160,8 @@ class ParkedRequest:
         self.ticket = ticket
         self.since = since
         self.queue: QueueSettings = service.settings.queue
+        # Its caller's requests parked here in its tier, while it is one of them (`_ParkedOf`).
+        self._ranks: ArrivalRanks[ParkedRequest] | None = None
 
     def wait_s(self) -> float:
         return max(0.0, self._service.clock.now() - self.since)
@@ -174,11 +176,14 @@ class ParkedRequest:
         known (see `DrainMeter.eta_s`)."""
         return self.standing()[1]
 
-    def standing(self) -> tuple[int, float | None]:
-        """`position()` and `eta_s()`, the position estimated once."""
+    def standing(self) -> tuple[int, float | None, float]:
+        """`position()`, `eta_s()` and `wait_s()` at once (what a keep-alive comment says)."""
         service = self._service
         position = service.position_of(self)
-        return position, service.drain.eta_s(self.ticket.model, position, service.clock.now())
+        now = service.clock.now()
+        eta = service.drain.eta_s(self.ticket.model, position, now)
+        wait_s = now - self.since
+        return position, eta, wait_s if wait_s > 0.0 else 0.0
 
 
 class _ParkedOf:
@@ -197,9 +202,11 @@ class _ParkedOf:
         if ranks is None:
             ranks = self.by_tier[parked.ticket.tier] = ArrivalRanks()
         ranks.add(parked)
+        parked._ranks = ranks
 
     def discard(self, parked: ParkedRequest) -> None:
         self.requests.pop(parked, None)
+        parked._ranks = None
         ranks = self.by_tier.get(parked.ticket.tier)
         if ranks is not None:
             ranks.discard(parked)
@@ -690,11 +697,10 @@ class SchedulingService:
     def position_of(self, parked: ParkedRequest) -> int:
         """Estimated release position of a request parked here (`core.estimate_position`, its
         own index counted among its caller's requests parked here in its tier): O(log n)."""
-        ticket = parked.ticket
-        mine = self._parked.get(ticket.user, {}).get(ticket.model)
-        ranks = mine.by_tier.get(ticket.tier) if mine is not None else None
-        if ranks is None or parked not in ranks:
+        ranks = parked._ranks
+        if ranks is None:
             return 1  # no longer parked
+        ticket = parked.ticket
         own_index = ranks.rank(parked)
         return self.scheduler.position_estimate(ticket.model, ticket.tier, ticket.user, own_index)
 
@@ -754,7 +760,7 @@ class SchedulingService:
             rate = self.drain.rate(model, now)
             parked_rows = []
             for parked in mine:
-                position, eta = parked.standing()
+                position, eta, _ = parked.standing()
                 parked_rows.append(
                     {
                         "position": position,

@@ -461,10 +461,11 @@ class FairScheduler:
         index = self._tier_index.get(tier)
         if queues is None or index is None:
             return own_index
+        tiers = queues.tiers
         ahead = 0
-        for upper in queues.tiers[:index]:
-            ahead += upper.depths.total
-        tier_queue = queues.tiers[index]
+        for upper in range(index):  # strict tiers: everything queued above goes first
+            ahead += tiers[upper].depths.total
+        tier_queue = tiers[index]
         user_queue = tier_queue.users.get(user)
         own_depth = user_queue.depth if user_queue is not None else 0
         return position_in(own_index, own_depth, ahead, tier_queue.depths)

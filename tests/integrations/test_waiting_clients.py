@@ -520,8 +520,8 @@ class _Parked:
     def eta_s(self) -> float | None:
         return None
 
-    def standing(self) -> tuple[int, float | None]:
-        return self.position(), self.eta_s()
+    def standing(self) -> tuple[int, float | None, float]:
+        return self.position(), self.eta_s(), self.wait_s()
 
 
 async def test_release_while_a_comment_is_being_sent_waits_for_it() -> None:
