@@ -646,8 +646,8 @@ class SchedulingService:
             mine.discard(parked)
             if not mine.requests and models.get(ticket.model) is mine:
                 del models[ticket.model]
-                if not models:
-                    self._parked.pop(ticket.user, None)
+                if not models and self._parked.get(ticket.user) is models:
+                    del self._parked[ticket.user]
 
     async def _wait(
         self, ticket: Ticket, disconnected: asyncio.Event | None, max_wait_s: float | None
