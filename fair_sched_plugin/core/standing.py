@@ -34,14 +34,6 @@ def _add(tree: list[int], index: int, delta: int) -> None:
         index += index & -index
 
 
-def _prefix(tree: list[int], index: int) -> int:
-    total = 0
-    while index > 0:
-        total += tree[index]
-        index -= index & -index
-    return total
-
-
 class DepthIndex:
     """How deep the users' queues are in one (model, tier); `total` is the sum of the depths.
 
@@ -68,9 +60,14 @@ class DepthIndex:
 
     def capped_total(self, k: int) -> int:
         """The sum over users of min(depth, k)."""
-        if k >= len(self._tree) - 1:
+        tree = self._tree
+        if k >= len(tree) - 1:
             return self.total
-        return _prefix(self._tree, k)
+        total = 0
+        while k > 0:  # the prefix sum over 1..k (inline: it is on every estimate's path)
+            total += tree[k]
+            k -= k & -k
+        return total
 
 
 def position_in(own_index: int, own_depth: int, ahead: int, depths: DepthIndex) -> int:
@@ -177,7 +174,13 @@ class ArrivalRanks(Generic[T]):
 
     def rank(self, item: T) -> int:
         """1 for the oldest item still in; KeyError for an item not in."""
-        return _prefix(self._tree, self._slots[item])
+        tree = self._tree
+        slot = self._slots[item]
+        rank = 0
+        while slot > 0:  # the prefix sum over 1..slot (inline, as in `capped_total`)
+            rank += tree[slot]
+            slot -= slot & -slot
+        return rank
 
     def _compact(self) -> None:
         """Give the items still in the slots 1..n again (slots of left items are not reused
