@@ -485,32 +485,24 @@ class RequestWatch:
             parked = self._parked
             if parked is None or self.disconnected.is_set():
                 return
-            messages: list[Message] = []
-            if not self.keepalive_started:
-                tier = (TIER_HEADER, parked.ticket.tier.encode("latin-1", "replace"))
-                messages.append(
-                    {"type": "http.response.start", "status": 200, "headers": [*SSE_HEADERS, tier]}
-                )
             position, eta, wait_s = parked.standing()
-            comment = f": queued position={position} wait_s={wait_s:.1f}"
-            if eta is not None:
-                comment += f" eta_s={eta:.1f}"
-            messages.append(
-                {
-                    "type": "http.response.body",
-                    "body": comment.encode() + b"\n\n",
-                    "more_body": True,
-                }
-            )
+            if eta is None:
+                comment = f": queued position={position} wait_s={wait_s:.1f}\n\n"
+            else:
+                comment = f": queued position={position} wait_s={wait_s:.1f} eta_s={eta:.1f}\n\n"
             self._keepalive_sending = True
             # A client that does not take a comment within an interval (1 s at least) has
             # stopped reading: it is treated as gone (the request leaves the queue).
             ticks.sending(self)
             try:
-                for message in messages:
-                    await send(message)
-                    if message["type"] == "http.response.start":
-                        self.keepalive_started = True
+                if not self.keepalive_started:
+                    tier = (TIER_HEADER, parked.ticket.tier.encode("latin-1", "replace"))
+                    headers = [*SSE_HEADERS, tier]
+                    await send({"type": "http.response.start", "status": 200, "headers": headers})
+                    self.keepalive_started = True
+                await send(
+                    {"type": "http.response.body", "body": comment.encode(), "more_body": True}
+                )
             except (OSError, RuntimeError) as exc:
                 logger.debug("fair_sched: keep-alive to a parked client failed: %r", exc)
                 self._client_left()
