@@ -32,13 +32,14 @@ class KeepAliveTicks:
         self._sending: dict[Stalling, float] = {}
         self._timer: asyncio.TimerHandle | None = None
 
-    async def wait(self) -> None:
-        """Until the next tick (at most `interval_s` from now)."""
+    def next_tick(self) -> asyncio.Future[None]:
+        """Done at the next tick (at most `interval_s` from now); a future rather than a
+        coroutine, so awaiting it costs no frame. Cancelling it cancels only this wait."""
         waiter: asyncio.Future[None] = self._loop.create_future()
         self._waiters.append(waiter)
         if self._timer is None:
             self._arm()
-        await waiter
+        return waiter
 
     def sending(self, stream: Stalling) -> None:
         """`stream` began sending a comment: it hears `send_stalled()` unless `sent()` comes

@@ -518,7 +518,7 @@ class RequestWatch:
                 self._keepalive_sending = False
             if self._parked is None:
                 return
-            await ticks.wait()
+            await ticks.next_tick()
 
     def send_stalled(self) -> None:
         """The client did not take its keep-alive comment in time (`KeepAliveTicks`)."""

@@ -28,7 +28,7 @@ async def test_one_tick_wakes_every_waiting_stream_and_a_cancelled_one_disturbs_
     """Race: a stream's task is cancelled while it waits for the tick (its request was
     released): only its own wait ends; the others are woken by the tick as usual."""
     ticks = KeepAliveTicks(asyncio.get_running_loop(), INTERVAL_S)
-    waits = [asyncio.ensure_future(ticks.wait()) for _ in range(5)]
+    waits = [ticks.next_tick() for _ in range(5)]
     await asyncio.sleep(0)
     waits[2].cancel()
     _, pending = await asyncio.wait(waits, timeout=10)
