@@ -34,8 +34,12 @@ BODY = {"model": "m", "messages": [{"role": "user", "content": "hi"}], "stream":
 INTERVAL_S = 1.0
 
 
+SENT = [0]  # comments sent
+
+
 async def _noop_send(message: Any) -> None:
-    return None
+    if message["type"] == "http.response.body":
+        SENT[0] += 1
 
 
 def _cpu_per_call(calls: int, fn: Any) -> float:
@@ -108,13 +112,16 @@ async def main(parked_total: int, big: int, intervals: int, sample: int, streams
         # Let every stream send its first comment, then measure whole intervals.
         await asyncio.sleep(INTERVAL_S * 1.5)
         gc.collect()
+        sent_before = SENT[0]
         start = time.process_time()
         await asyncio.sleep(INTERVAL_S * intervals)
         cpu = (time.process_time() - start) / intervals
+        comments = (SENT[0] - sent_before) / intervals
         started = sum(w.keepalive_started for w in watches)
         print(
-            f"keep-alive streams: {started} streaming, {cpu:.4f} CPU s per {INTERVAL_S:g} s "
-            f"interval = {cpu / INTERVAL_S:.1%} of a core (target < 5%)"
+            f"keep-alive streams: {started} streaming, {comments:.0f} comments per interval, "
+            f"{cpu:.4f} CPU s per {INTERVAL_S:g} s interval = {cpu / INTERVAL_S:.1%} of a core "
+            "(target < 5%)"
         )
 
     big_principal = svc.identify(Credentials(api_key="sk-big"))
