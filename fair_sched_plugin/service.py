@@ -179,17 +179,9 @@ class ParkedRequest:
     def standing(self) -> tuple[int, float | None, float]:
         """`position()`, `eta_s()` and `wait_s()` at once (what a keep-alive comment says)."""
         service = self._service
-        ticket = self.ticket
-        ranks = self._ranks
-        position = (
-            1
-            if ranks is None  # no longer parked
-            else service.scheduler.position_estimate(
-                ticket.model, ticket.tier, ticket.user, ranks.rank(self)
-            )
-        )
+        position = service.position_of(self)
         now = service.clock.now()
-        eta = service.drain.eta_s(ticket.model, position, now)
+        eta = service.drain.eta_s(self.ticket.model, position, now)
         wait_s = now - self.since
         return position, eta, wait_s if wait_s > 0.0 else 0.0
 
