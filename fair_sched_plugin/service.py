@@ -51,11 +51,11 @@ from .core import (
     Ticket,
     TierLimits,
     UserBacklog,
-    estimate_position,
     request_cost_in_range,
     retry_after_s,
 )
 from .core.clock import TimerHandle
+from .core.standing import ArrivalRanks
 from .errors import (
     BudgetExceeded,
     ClientDisconnected,
@@ -161,7 +161,7 @@ class WaitObserver(Protocol):
 class ParkedRequest:
     """One request waiting in this process: what it waits for and where it stands."""
 
-    __slots__ = ("_service", "principal", "queue", "since", "ticket")
+    __slots__ = ("_ranks", "_service", "principal", "queue", "since", "ticket")
 
     def __init__(
         self, service: SchedulingService, principal: Principal, ticket: Ticket, since: float
@@ -171,18 +171,58 @@ class ParkedRequest:
         self.ticket = ticket
         self.since = since
         self.queue: QueueSettings = service.settings.queue
+        # Its caller's requests parked here in its tier, while it is one of them (`_ParkedOf`).
+        self._ranks: ArrivalRanks[ParkedRequest] | None = None
 
     def wait_s(self) -> float:
         return max(0.0, self._service.clock.now() - self.since)
 
     def position(self) -> int:
-        """Estimated release position for its model (1: next); see `core.estimate_position`."""
-        return self._service.positions_of(self.ticket.user, self.ticket.model).get(self, 1)
+        """Estimated release position for its model (1: next); see `core.estimate_position`.
+        O(tiers + log n): read from counts the scheduler keeps, no scan of the backlog."""
+        return self._service.position_of(self)
 
     def eta_s(self) -> float | None:
-        """Estimated seconds until release at the measured drain rate; None before it is known."""
+        """Estimated seconds until release at the measured drain rate; None while it is not
+        known (see `DrainMeter.eta_s`)."""
+        return self.standing()[1]
+
+    def standing(self) -> tuple[int, float | None, float]:
+        """`position()`, `eta_s()` and `wait_s()` at once (what a keep-alive comment says)."""
         service = self._service
-        return service.drain.eta_s(self.ticket.model, self.position(), service.clock.now())
+        position = service.position_of(self)
+        now = service.clock.now()
+        eta = service.drain.eta_s(self.ticket.model, position, now)
+        wait_s = now - self.since
+        return position, eta, wait_s if wait_s > 0.0 else 0.0
+
+
+class _ParkedOf:
+    """One caller's requests parked here for one model: in arrival order, and ranked in
+    arrival order per tier (a request's own index in `core.estimate_position`)."""
+
+    __slots__ = ("by_tier", "requests")
+
+    def __init__(self) -> None:
+        self.requests: dict[ParkedRequest, None] = {}
+        self.by_tier: dict[str, ArrivalRanks[ParkedRequest]] = {}
+
+    def add(self, parked: ParkedRequest) -> None:
+        self.requests[parked] = None
+        ranks = self.by_tier.get(parked.ticket.tier)
+        if ranks is None:
+            ranks = self.by_tier[parked.ticket.tier] = ArrivalRanks()
+        ranks.add(parked)
+        parked._ranks = ranks
+
+    def discard(self, parked: ParkedRequest) -> None:
+        self.requests.pop(parked, None)
+        parked._ranks = None
+        ranks = self.by_tier.get(parked.ticket.tier)
+        if ranks is not None:
+            ranks.discard(parked)
+            if not ranks:
+                del self.by_tier[parked.ticket.tier]
 
 
 @dataclass(frozen=True)
@@ -394,8 +434,8 @@ class SchedulingService:
         self.scheduler.add_end_listener(self._count_spend)
         # Leases granted through admit() and not yet ended, for the per-principal in-flight view.
         self._running: dict[Lease, tuple[str, str, str]] = {}
-        # Requests parked in this process, per (user, model), in arrival order.
-        self._parked: dict[tuple[str, str], dict[ParkedRequest, None]] = {}
+        # Requests parked in this process, per user and model, in arrival order.
+        self._parked: dict[str, dict[str, _ParkedOf]] = {}
         # How fast each model's queue drains (releases per second), for estimates.
         self.drain = DrainMeter()
         # Granted leases whose request can be ended when a drain's grace period is over.
@@ -676,8 +716,11 @@ class SchedulingService:
         max_wait_s: float | None,
     ) -> Lease:
         parked = ParkedRequest(self, principal, ticket, self.clock.now())
-        mine = self._parked.setdefault((ticket.user, ticket.model), {})
-        mine[parked] = None
+        models = self._parked.setdefault(ticket.user, {})
+        mine = models.get(ticket.model)
+        if mine is None:
+            mine = models[ticket.model] = _ParkedOf()
+        mine.add(parked)
         try:
             if waiting is not None:
                 waiting.parked(parked)
@@ -685,9 +728,11 @@ class SchedulingService:
         finally:
             if waiting is not None:
                 waiting.unparked()
-            mine.pop(parked, None)
-            if not mine:
-                self._parked.pop((ticket.user, ticket.model), None)
+            mine.discard(parked)
+            if not mine.requests and models.get(ticket.model) is mine:
+                del models[ticket.model]
+                if not models and self._parked.get(ticket.user) is models:
+                    del self._parked[ticket.user]
 
     async def _wait(
         self, ticket: Ticket, disconnected: asyncio.Event | None, max_wait_s: float | None
@@ -734,20 +779,22 @@ class SchedulingService:
             )
         return acquiring.result()
 
+    def position_of(self, parked: ParkedRequest) -> int:
+        """Estimated release position of a request parked here (`core.estimate_position`, its
+        own index counted among its caller's requests parked here in its tier): O(log n)."""
+        ranks = parked._ranks
+        if ranks is None:
+            return 1  # no longer parked
+        ticket = parked.ticket
+        own_index = ranks.rank(parked)
+        return self.scheduler.position_estimate(ticket.model, ticket.tier, ticket.user, own_index)
+
     def positions_of(self, user: str, model: str) -> dict[ParkedRequest, int]:
         """Estimated release positions of `user`'s requests parked here for `model`."""
-        mine = self._parked.get((user, model))
-        if not mine:
+        mine = self._parked.get(user, {}).get(model)
+        if mine is None:
             return {}
-        backlog = self.scheduler.backlog(model)
-        order = [tier.name for tier in self.scheduler.tiers]
-        positions: dict[ParkedRequest, int] = {}
-        index_in_tier: dict[str, int] = {}
-        for parked in mine:
-            tier = parked.ticket.tier
-            index_in_tier[tier] = index_in_tier.get(tier, 0) + 1
-            positions[parked] = estimate_position(index_in_tier[tier], user, tier, backlog, order)
-        return positions
+        return {parked: self.position_of(parked) for parked in mine.requests}
 
     def suggest_retry_after(
         self, model: str, *, user: str = "", tier: str | None = None, own_index: int = 1
@@ -760,8 +807,7 @@ class SchedulingService:
             return None
         order = [limits.name for limits in self.scheduler.tiers]
         tier = tier if tier in order else self.settings.default_tier_name
-        backlog = self.scheduler.backlog(model)
-        ahead = estimate_position(own_index, user, tier, backlog, order)
+        ahead = self.scheduler.position_estimate(model, tier, user, own_index)
         return retry_after_s(ahead, rate, ceiling_s=self.settings.queue.max_wait_s)
 
     def _estimate_retry_after(self, exc: Rejected, ticket: Ticket) -> None:
@@ -779,11 +825,7 @@ class SchedulingService:
             own_index = 1  # the caller's own cap: its oldest request's release frees a place
         else:
             # Sent again now, it would queue behind the caller's own parked requests.
-            own_index = 1 + sum(
-                row.depth
-                for row in self.scheduler.backlog(ticket.model)
-                if row.user == ticket.user and row.tier == ticket.tier
-            )
+            own_index = 1 + self.scheduler.queued_of(ticket.model, ticket.tier, ticket.user)
         estimate = self.suggest_retry_after(
             ticket.model, user=ticket.user, tier=ticket.tier, own_index=own_index
         )
@@ -792,11 +834,7 @@ class SchedulingService:
 
     def parked_of(self, user: str) -> dict[str, list[ParkedRequest]]:
         """`user`'s requests parked in this process, per model, in arrival order."""
-        result: dict[str, list[ParkedRequest]] = {}
-        for (owner, model), mine in self._parked.items():
-            if owner == user:
-                result[model] = list(mine)
-        return result
+        return {model: list(mine.requests) for model, mine in self._parked.get(user, {}).items()}
 
     def standing_of(self, principal: Principal) -> dict[str, Any]:
         """The where-do-I-stand document: `principal`'s own parked requests per model, with
@@ -804,19 +842,21 @@ class SchedulingService:
         now = self.clock.now()
         models: dict[str, Any] = {}
         for model, mine in self.parked_of(principal.name).items():
-            positions = self.positions_of(principal.name, model)
             rate = self.drain.rate(model, now)
-            models[model] = {
-                "drain_rate_per_s": round(rate, 3) if rate is not None else None,
-                "parked": [
+            parked_rows = []
+            for parked in mine:
+                position, eta, _ = parked.standing()
+                parked_rows.append(
                     {
-                        "position": positions.get(parked, 1),
+                        "position": position,
                         "tier": parked.ticket.tier,
                         "wait_s": round(now - parked.since, 3),
-                        "eta_s": round(positions.get(parked, 1) / rate, 1) if rate else None,
+                        "eta_s": round(eta, 1) if eta is not None else None,
                     }
-                    for parked in mine
-                ],
+                )
+            models[model] = {
+                "drain_rate_per_s": round(rate, 3) if rate is not None else None,
+                "parked": parked_rows,
             }
         document: dict[str, Any] = {"models": models}
         if self.names_principals and principal.known:

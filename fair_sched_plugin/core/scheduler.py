@@ -24,6 +24,7 @@ from typing import Literal, NamedTuple
 from ..errors import QueueFull, QueueTimeout, SchedulerClosed
 from .clock import Clock, LoopClock, TimerHandle
 from .gate import AdmissionGate
+from .standing import DepthIndex, position_in
 from .ticket import Lease, Ticket, TierLimits
 
 logger = logging.getLogger("fair_sched")
@@ -161,6 +162,7 @@ class _UserQueue:
 
 class _TierQueue:
     __slots__ = (
+        "depths",
         "heap",
         "idle",
         "limits",
@@ -202,6 +204,8 @@ class _TierQueue:
         self.stale_entries = 0
         self.virtual_time = 0.0
         self.queued = 0
+        # The users' depths, for position estimates in O(log n) (`position_estimate`).
+        self.depths = DepthIndex()
 
 
 class _ModelQueues:
@@ -444,6 +448,31 @@ class FairScheduler:
                     )
         return result
 
+    def queued_of(self, model: str, tier: str, user: str) -> int:
+        """How many requests `user` has queued in `tier` of `model` (O(1))."""
+        queues = self._models.get(model)
+        index = self._tier_index.get(tier)
+        if queues is None or index is None:
+            return 0
+        user_queue = queues.tiers[index].users.get(user)
+        return user_queue.depth if user_queue is not None else 0
+
+    def position_estimate(self, model: str, tier: str, user: str, own_index: int) -> int:
+        """`waiting.estimate_position` of `user`'s `own_index`-th request in `tier` of `model`
+        over this scheduler's backlog, from counts kept as queues change: O(tiers + log n)."""
+        queues = self._models.get(model)
+        index = self._tier_index.get(tier)
+        if queues is None or index is None:
+            return own_index
+        tiers = queues.tiers
+        ahead = 0
+        for upper in range(index):  # strict tiers: everything queued above goes first
+            ahead += tiers[upper].depths.total
+        tier_queue = tiers[index]
+        user_queue = tier_queue.users.get(user)
+        own_depth = user_queue.depth if user_queue is not None else 0
+        return position_in(own_index, own_depth, ahead, tier_queue.depths)
+
     def close(self) -> None:
         """Refuse new tickets and fail every queued waiter with `SchedulerClosed`.
 
@@ -538,6 +567,7 @@ class FairScheduler:
         else:
             user_queue.waiters.append(waiter)
         user_queue.depth += 1
+        tier.depths.deeper(user_queue.depth)
         if tier.limits.promote_after_s is not None and tier.position:
             self._track_promotion(tier, waiter)
         tier.queued += 1
@@ -573,6 +603,7 @@ class FairScheduler:
         """One waiter left `user_queue` (its entry is already gone or marked); True while the
         user still has requests queued in this tier, else the user leaves the tier's heap."""
         tier = user_queue.tier_queue
+        tier.depths.shallower(user_queue.depth)
         user_queue.depth -= 1
         tier.queued -= 1
         if user_queue.depth:
@@ -768,6 +799,7 @@ class FairScheduler:
             waiter = heapq.heappop(user_queue.sized)[2]
         else:
             waiter = user_queue.waiters.popleft()
+        tier.depths.shallower(user_queue.depth)
         user_queue.depth -= 1
         if not user_queue.depth:
             user_queue.waiters.clear()
@@ -1068,6 +1100,7 @@ class FairScheduler:
                 index -= 1
             waiters.insert(index, waiter)
         new_queue.depth += 1
+        upper.depths.deeper(new_queue.depth)
         upper.queued += 1
         if upper.limits.promote_after_s is not None and upper.position:
             self._track_promotion(upper, waiter)

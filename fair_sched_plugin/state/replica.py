@@ -39,6 +39,7 @@ from ..core.scheduler import (
     UserBacklog,
     notify_end_listeners,
 )
+from ..core.standing import BacklogIndex
 from ..core.ticket import (
     MAX_REQUEST_COST,
     MAX_REQUEST_TOKENS,
@@ -641,6 +642,8 @@ class ReplicaScheduler:
         self._tids = itertools.count(1)
         self._session = 0
         self._parked: dict[int, _Parked] = {}
+        # Their depths per (model, tier, user): a follower's position estimates, O(log n).
+        self._parked_index = BacklogIndex([tier.name for tier in core.tiers])
         self._held: dict[int, Lease] = {}
         self._end_listeners: list[Callable[[Lease, bool], None]] = []
         self._closed = False
@@ -704,13 +707,13 @@ class ReplicaScheduler:
         self._check_tier(ticket.tier)
         loop = asyncio.get_running_loop()
         parked = _Parked(ticket, next(self._tids), loop.create_future(), loop.time())
-        self._parked[parked.tid] = parked
+        self._park(parked)
         self._submit(parked, raise_full=True)
         future = parked.future
         try:
             return await future
         except BaseException:
-            if self._parked.pop(parked.tid, None) is not None:
+            if self._unpark(parked.tid) is not None:
                 self._cancel(parked.tid)
             elif future.done() and not future.cancelled() and future.exception() is None:
                 # Granted, then cancelled before it could be used: hand it back.
@@ -777,6 +780,20 @@ class ReplicaScheduler:
             for (m, tier, user), times in rows.items()
         ]
 
+    def queued_of(self, model: str, tier: str, user: str) -> int:
+        """How many requests `user` has queued in `tier` of `model`: in the deciding core
+        while we decide, else this replica's own (O(1))."""
+        if self._term is not None:
+            return self._core.queued_of(model, tier, user)
+        return self._parked_index.depth(model, tier, user)
+
+    def position_estimate(self, model: str, tier: str, user: str, own_index: int) -> int:
+        """`waiting.estimate_position` over what `backlog(model)` lists, in O(tiers + log n)
+        (`FairScheduler.position_estimate`)."""
+        if self._term is not None:
+            return self._core.position_estimate(model, tier, user, own_index)
+        return self._parked_index.position(model, tier, user, own_index)
+
     def state_statistics(self) -> StateStatistics:
         c = self._counters
         return StateStatistics(
@@ -803,6 +820,7 @@ class ReplicaScheduler:
                     SchedulerClosed("the scheduler is shutting down", retry_after_s=1)
                 )
         self._parked.clear()
+        self._parked_index.clear()
         if self._term is not None and self._token is not None:
             self._resigning = self._token
             self._close_term()
@@ -865,7 +883,7 @@ class ReplicaScheduler:
             try:
                 term.submit((self.replica, self._session, parked.tid), parked.ticket)
             except QueueFull as exc:
-                self._parked.pop(parked.tid, None)
+                self._unpark(parked.tid)
                 if raise_full:
                     raise
                 if not parked.future.done():
@@ -882,6 +900,18 @@ class ReplicaScheduler:
                 parked.ticket.price,
             ]
         )
+
+    def _park(self, parked: _Parked) -> None:
+        self._parked[parked.tid] = parked
+        t = parked.ticket
+        self._parked_index.add(t.model, t.tier, t.user)
+
+    def _unpark(self, tid: int) -> _Parked | None:
+        parked = self._parked.pop(tid, None)
+        if parked is not None:
+            t = parked.ticket
+            self._parked_index.remove(t.model, t.tier, t.user)
+        return parked
 
     def _cancel(self, tid: int) -> None:
         if self._term is not None:
@@ -944,7 +974,7 @@ class ReplicaScheduler:
                 barrier.set_result(None)
             return
         tid = reply[3]
-        parked = self._parked.pop(tid, None)
+        parked = self._unpark(tid)
         if kind != "g":
             if parked is not None and not parked.future.done():
                 parked.future.set_exception(_error_from(reply))

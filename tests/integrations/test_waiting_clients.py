@@ -521,6 +521,9 @@ class _Parked:
     def eta_s(self) -> float | None:
         return None
 
+    def standing(self) -> tuple[int, float | None, float]:
+        return self.position(), self.eta_s(), self.wait_s()
+
 
 async def test_release_while_a_comment_is_being_sent_waits_for_it() -> None:
     """Race: the request is released (the app sends its response start) while a keep-alive

@@ -15,7 +15,13 @@ from typing import Any
 
 import pytest
 
-from fair_sched_plugin.core import FairScheduler, InflightLimitGate, Lease, TierLimits
+from fair_sched_plugin.core import (
+    FairScheduler,
+    InflightLimitGate,
+    Lease,
+    TierLimits,
+    estimate_position,
+)
 from fair_sched_plugin.errors import QueueFull, QueueTimeout
 from fair_sched_plugin.state import ReplicaScheduler, open_state
 from fair_sched_plugin.state.replica import _read_reply
@@ -163,6 +169,54 @@ async def test_followers_status_is_the_leaders_document(cluster: Cluster) -> Non
     assert follower.statistics().queued_by_model_tier == {("m", "interactive"): 1}
     held.release()
     (await asyncio.wait_for(parked, 5)).release()
+
+
+async def test_positions_come_from_counts_on_the_leader_and_on_a_follower(
+    cluster: Cluster,
+) -> None:
+    """`position_estimate` and `queued_of` (O(log n)) answer what `estimate_position` answers
+    over `backlog(model)`: the leader's whole queue on the leader, a follower's own parked
+    requests on a follower (the leader holds the rest); also after requests leave."""
+    leader, follower = await pair(cluster)
+    holder = await leader.acquire(make_ticket("X"))
+    tasks = [asyncio.ensure_future(leader.acquire(make_ticket(user))) for user in "AAB"]
+    tasks += [
+        asyncio.ensure_future(follower.acquire(make_ticket(user, tier=tier)))
+        for user, tier in [("A", "interactive"), ("C", "batch"), ("C", "interactive")]
+    ]
+    await follower.barrier()
+    await eventually(lambda: leader.statistics().queued == 6)
+    tiers = [tier.name for tier in TIERS]
+
+    def agree(replica: ReplicaScheduler) -> None:
+        backlog = replica.backlog("m")
+        for row in backlog:
+            assert replica.queued_of("m", row.tier, row.user) == row.depth
+        for tier in tiers:
+            for user in "ABCD":
+                for k in (1, 2, 3):
+                    expected = estimate_position(k, user, tier, backlog, tiers)
+                    assert replica.position_estimate("m", tier, user, k) == expected
+
+    for replica in (leader, follower):
+        agree(replica)
+    assert follower.position_estimate("m", "batch", "C", 1) == 3  # its own two interactive
+    assert leader.position_estimate("m", "batch", "C", 1) == 6
+    tasks[-1].cancel()
+    await asyncio.gather(tasks[-1], return_exceptions=True)
+    await follower.barrier()
+    agree(follower)
+    assert follower.position_estimate("m", "batch", "C", 1) == 2
+    holder.release()
+    pending = set(tasks[:-1])
+    while pending:  # one in flight at a time, in the leader's order
+        done, pending = await asyncio.wait(pending, timeout=5, return_when="FIRST_COMPLETED")
+        assert done
+        for task in done:
+            task.result().release()
+    await follower.barrier()
+    agree(follower)
+    assert follower.queued_of("m", "interactive", "A") == 0
 
 
 async def test_queue_full_comes_back_from_the_leader(cluster: Cluster) -> None:
