@@ -6,7 +6,6 @@ import argparse
 import asyncio
 import contextlib
 import pathlib
-import socket
 from typing import Any
 
 import httpx
@@ -16,6 +15,7 @@ from fair_sched_plugin.bench.processes import fair_proxy
 from fair_sched_plugin.proxy import CLIENT_KEEP_ALIVE_S, add_proxy_parser, build_proxy_app
 from fair_sched_plugin.service import SchedulingService
 
+from ..support import free_port
 from .conftest import (
     MODEL,
     assert_idle,
@@ -40,13 +40,6 @@ FLOOD_SIZE = 60
 def service_of(app: Any) -> SchedulingService:
     service: SchedulingService = app.state.fair_sched
     return service
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port: int = sock.getsockname()[1]
-        return port
 
 
 # ----------------------------------------------------------------------------- plain routes

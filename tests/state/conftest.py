@@ -18,15 +18,10 @@ from collections.abc import Iterator
 
 import pytest
 
+from ..support import free_port
+
 LOOPBACK = "127.0.0.1"
 _prefixes = itertools.count()
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind((LOOPBACK, 0))
-        port: int = sock.getsockname()[1]
-        return port
 
 
 def require_redis_server() -> str:
@@ -44,7 +39,7 @@ class RedisServer:
     def __init__(self, directory: pathlib.Path) -> None:
         self.binary = require_redis_server()
         self.directory = directory
-        self.port = _free_port()
+        self.port = free_port()
         self.process: subprocess.Popen[bytes] | None = None
 
     @property

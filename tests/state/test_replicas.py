@@ -10,7 +10,7 @@ import asyncio
 import contextlib
 import json
 import logging
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator
 from typing import Any
 
 import pytest
@@ -21,6 +21,7 @@ from fair_sched_plugin.state import ReplicaScheduler, open_state
 from fair_sched_plugin.state.replica import _read_reply
 from fair_sched_plugin.testing import ManualGate, make_ticket
 
+from ..support import eventually
 from .conftest import RedisServer, unique_prefix
 
 pytestmark = pytest.mark.redis
@@ -28,14 +29,6 @@ pytestmark = pytest.mark.redis
 TIERS = (TierLimits("interactive", waiting_below=3), TierLimits("batch", waiting_below=1))
 HEARTBEAT_S = 0.05
 TTL_S = 0.3
-
-
-async def eventually(condition: Callable[[], bool], timeout_s: float = 5.0) -> None:
-    loop = asyncio.get_running_loop()
-    give_up_at = loop.time() + timeout_s
-    while not condition():
-        assert loop.time() < give_up_at, "condition not met in time"
-        await asyncio.sleep(0.005)
 
 
 class Cluster:
