@@ -16,7 +16,6 @@ import json
 import signal
 import subprocess
 import sys
-import time
 from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
@@ -180,11 +179,12 @@ async def drain_scenario(
         assert not any(task.done() for task in streams)
 
         proxy.process.send_signal(signal.SIGTERM)
-        stopped_at = time.monotonic()
         refused = await asyncio.gather(*parked)
         texts = await asyncio.gather(*streams)
-        code = await asyncio.to_thread(proxy.process.wait, GRACE_S + 10)
-        exited_after = time.monotonic() - stopped_at
+        # Past `drain_grace_s` the server would be cut off; it exits once its streams are done.
+        # A wait past the grace period fails (subprocess.TimeoutExpired): that bound is the
+        # claim, not a measured duration.
+        code = await asyncio.to_thread(proxy.process.wait, GRACE_S)
 
     for response in refused:
         assert response.status_code == 503, response.text
@@ -192,7 +192,6 @@ async def drain_scenario(
         assert error["code"] == "shutting_down"
         assert int(response.headers["retry-after"]) >= 1
     assert len(set(texts)) == 1 and texts[0]  # every stream complete and alike
-    assert exited_after < GRACE_S, f"exited after {exited_after:.1f} s, code {code}"
     # Only the streams reached the engine; it has nothing left to run.
     assert emu.engine.statistics().requests_received == before + STREAMS
     await wait_until(lambda: emu.engine.statistics().running == 0, timeout_s=10)
@@ -200,7 +199,7 @@ async def drain_scenario(
         # (LiteLLM logs a traceback for every refusal a pre-call hook raises, 429 or 503.)
         log = proxy.log_text()
         assert "Traceback" not in log, log[-3000:]
-    print(f"\n{type(proxy).__name__} drained: exit {code} after {exited_after:.2f} s")
+    print(f"\n{type(proxy).__name__} drained: exit {code}")
 
 
 async def test_fair_sched_proxy_drains_on_sigterm(tmp_path: Path) -> None:

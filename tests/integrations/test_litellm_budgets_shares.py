@@ -46,7 +46,7 @@ async def test_budgets_demote_to_the_lower_tier_and_reject_until_the_window_ends
         demoted = await heavy_flood_with_light_user(base_url, emu, "sk-heavy-demote")
         free_again = await heavy_flood_with_light_user(base_url, emu, "sk-heavy-free")
         demoted_again = await heavy_flood_with_light_user(base_url, emu, "sk-heavy-demote")
-        rejected, elapsed_s = await reject_until_429(base_url)
+        rejected, _ = await reject_until_429(base_url)
     free_ttft = statistics.median(free.light_ttft + free_again.light_ttft)
     demoted_ttft = statistics.median(demoted.light_ttft + demoted_again.light_ttft)
     ratio = demoted_ttft / free_ttft
@@ -71,10 +71,11 @@ async def test_budgets_demote_to_the_lower_tier_and_reject_until_the_window_ends
     # requests reaching the engine while a light request was on its way) summed 0 vs 9 in one
     # run and 4 vs 4 in the next (single bursts of 3-4 when the proxy was slow to take the light
     # request): no stable difference found; reported as open in the h19 report.
-    # Reject: Retry-After is the rest of the one-minute window opened by the first spend.
+    # Reject: Retry-After is within the one-minute window opened by the first spend (the
+    # arithmetic of "the rest of the window" is the budget book's, on a fake clock:
+    # tests/test_service_budget.py).
     assert rejected.status_code == 429
-    retry_after = int(rejected.headers["retry-after"])
-    assert 60 - elapsed_s - 1 <= retry_after <= 60
+    assert 1 <= int(rejected.headers["retry-after"]) <= 60
 
 
 async def test_tier_shares_split_eighty_twenty(tmp_path: Path) -> None:
