@@ -10,12 +10,15 @@ from __future__ import annotations
 
 import asyncio
 import inspect
+import os
 import socket
-from collections.abc import Awaitable, Callable, Mapping
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from typing import Any
 
 import httpx
 import pytest
+
+from fair_sched_plugin.service import SchedulingService
 
 LOOPBACK = "127.0.0.1"
 # Floods open more than httpx's default 100 connections at once.
@@ -83,3 +86,21 @@ def find_int(document: Any, key: str) -> int:
             except KeyError:
                 continue
     raise KeyError(key)
+
+
+def in_ci() -> bool:
+    """Whether this run is CI's (`CI=true`), where a missing tool fails instead of skipping."""
+    return os.environ.get("CI", "").strip().lower() in {"1", "true", "yes"}
+
+
+def service_of(app: Any) -> SchedulingService:
+    """The scheduling service an app built by `build_proxy_app` (or the middleware) keeps."""
+    service: SchedulingService = app.state.fair_sched
+    return service
+
+
+async def cancel_all(tasks: Sequence[asyncio.Future[Any]]) -> None:
+    """Cancel `tasks` and wait until each has ended, whatever it raised."""
+    for task in tasks:
+        task.cancel()
+    await asyncio.gather(*tasks, return_exceptions=True)

@@ -40,13 +40,9 @@ from ..integrations.conftest import (
     serve,
     wait_until,
 )
+from ..support import service_of
 
 CHAT = "/v1/chat/completions"
-
-
-def service_of(app: Any) -> SchedulingService:
-    service: SchedulingService = app.state.fair_sched
-    return service
 
 
 def aliasing_app(emu: RunningEmulator, *, default_model: str | None = MODEL) -> Starlette:

@@ -6,7 +6,7 @@ import asyncio
 import contextlib
 import functools
 import json
-from collections.abc import AsyncIterator, Callable, Mapping, Sequence
+from collections.abc import AsyncIterator, Callable, Mapping
 from typing import Any
 
 import httpx
@@ -21,11 +21,11 @@ from fair_sched_plugin.emulator.server import RunningEmulator, run_emulator
 from fair_sched_plugin.proxy import CLIENT_KEEP_ALIVE_S
 from fair_sched_plugin.service import SchedulingService
 
-from ..support import LOOPBACK, eventually, open_client
+from ..support import LOOPBACK, cancel_all, eventually, open_client
 
 # The names the integration tests have always imported from here.
 wait_until = eventually
-__all__ = ["LOOPBACK", "open_client", "wait_until"]
+__all__ = ["LOOPBACK", "cancel_all", "open_client", "wait_until"]
 
 MODEL = "tiny"
 STARTUP_TIMEOUT_S = 10.0
@@ -224,12 +224,6 @@ async def park_behind_full_engine(
 
 def _engine_received_from(emu: RunningEmulator, user: str) -> bool:
     return any(request.user == user for request in emu.engine.received)
-
-
-async def cancel_all(tasks: Sequence[asyncio.Future[Any]]) -> None:
-    for task in tasks:
-        task.cancel()
-    await asyncio.gather(*tasks, return_exceptions=True)
 
 
 async def get_on_connection(

@@ -29,7 +29,7 @@ import pytest_asyncio
 from fair_sched_plugin.emulator.engine import EmulatedEngine, EmulatorConfig
 from fair_sched_plugin.emulator.server import RunningEmulator, run_emulator
 
-from ..support import eventually
+from ..support import cancel_all, eventually
 from .conftest import wait_until
 from .litellm_harness import (
     CHAT,
@@ -215,12 +215,6 @@ async def drain(client: httpx.AsyncClient, request_body: Mapping[str, Any]) -> N
     async with client.stream("POST", CHAT, json=dict(request_body)) as response:
         async for _ in response.aiter_raw():
             pass
-
-
-async def cancel_all(tasks: list[asyncio.Task[Any]]) -> None:
-    for task in tasks:
-        task.cancel()
-    await asyncio.gather(*tasks, return_exceptions=True)
 
 
 def share_started_before(flood: list[StreamResult], moment: float) -> float:

@@ -14,9 +14,8 @@ import uvicorn
 
 from fair_sched_plugin.bench.processes import fair_proxy
 from fair_sched_plugin.proxy import CLIENT_KEEP_ALIVE_S, add_proxy_parser, build_proxy_app
-from fair_sched_plugin.service import SchedulingService
 
-from ..support import free_port
+from ..support import free_port, service_of
 from .conftest import (
     MODEL,
     assert_idle,
@@ -36,11 +35,6 @@ from .conftest import (
 )
 
 FLOOD_SIZE = 60
-
-
-def service_of(app: Any) -> SchedulingService:
-    service: SchedulingService = app.state.fair_sched
-    return service
 
 
 # ----------------------------------------------------------------------------- plain routes

@@ -21,6 +21,7 @@ import pytest
 from fair_sched_plugin.bench.browser import chromium_page, log_in, missing_browser_parts
 from fair_sched_plugin.observability import STATUS_PATH, UI_PATH
 
+from ..support import in_ci
 from .conftest import MODEL, chat_body, emulator
 
 FLOODER_KEY = "sk-secret-flooder-ui-1"
@@ -29,10 +30,6 @@ FLOOD_SIZE = 30
 LIGHT_REQUESTS = 2
 FLOOD_TIMEOUT_S = 120.0
 SECOND_SHOT_AFTER_MS = 1500
-
-
-def in_ci() -> bool:
-    return os.environ.get("CI", "").strip().lower() in {"1", "true", "yes"}
 
 
 def require_browser() -> None:

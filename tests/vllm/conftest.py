@@ -35,7 +35,7 @@ import httpx
 import pytest
 
 from ..processes import group_cpu_seconds, own_process_group
-from ..support import free_port
+from ..support import free_port, in_ci
 
 VLLM_VERSION = "0.32.0"  # keep in step with scripts/vllm_env.sh
 LAYOUTS = ("shared", "sessions")
@@ -47,10 +47,6 @@ MODEL_BUILD_TIMEOUT_S = 300.0
 # ~35-55 s on an idle 2-core machine; much longer while other processes compete for the cores.
 ENGINE_START_TIMEOUT_S = 300.0
 ENGINE_STOP_TIMEOUT_S = 15.0
-
-
-def in_ci() -> bool:
-    return os.environ.get("CI", "").strip().lower() in {"1", "true", "yes"}
 
 
 def layout() -> str:
