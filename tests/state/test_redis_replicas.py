@@ -259,7 +259,11 @@ async def test_redis_stopped_mid_flood_each_replica_spends_its_share(
                 await wait_until(
                     lambda: all(s.scheduler.mode == "local" for s in services), timeout_s=10
                 )
-                await asyncio.sleep(3.0)  # local scheduling for a while
+                # Local scheduling for a while: each replica's share lets more reach the engine.
+                local_from = len(emu.engine.received)
+                await wait_until(
+                    lambda: len(emu.engine.received) >= local_from + 2 * REPLICAS, timeout_s=30
+                )
                 own_redis_server.start()
                 await wait_until(
                     lambda: (
