@@ -1,7 +1,7 @@
 """Graceful drain on SIGTERM, with real server processes (issue 18).
 
 `fair-sched proxy` and a `litellm --config` proxy, each in front of the emulator (8 slots): 8
-streams run, 50 requests are parked (the gate's in-flight cap is 8: the engine's metrics URL
+streams run, 12 requests are parked (the gate's in-flight cap is 8: the engine's metrics URL
 answers nothing), then the server gets SIGTERM. Every parked client gets a clean 503
 `shutting_down` with `Retry-After`, every stream completes, the process exits within
 `drain_grace_s`, and nothing is left running in the engine.
@@ -40,7 +40,9 @@ from .litellm_harness import (
 
 pytestmark = pytest.mark.slow
 
-STREAMS, PARKED = 8, 50
+# Any number parked behind the full gate shows the drain; 12 keeps LiteLLM's per-refusal
+# traceback logging (CPU on two cores) small.
+STREAMS, PARKED = 8, 12
 STREAM_TOKENS = 200
 GRACE_S = 60.0
 ADMIN_KEY = "fair-sched-test-admin-3f9c2a"
