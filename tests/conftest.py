@@ -21,10 +21,20 @@ def pytest_addoption(parser: pytest.Parser) -> None:
     )
 
 
+def pytest_configure(config: pytest.Config) -> None:
+    # Registered here, not in pyproject.toml: a change there makes scripts/bootstrap.sh
+    # reinstall the virtualenv.
+    config.addinivalue_line(
+        "markers",
+        "full: runs only with scripts/test --full (pytest --full): full-size floods, "
+        "baselines that are printed but never asserted, real idle waits",
+    )
+
+
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     if config.getoption("--full") or os.environ.get("FAIR_SCHED_FULL") == "1":
         return
     skip = pytest.mark.skip(reason="on demand only: scripts/test --full")
     for item in items:
-        if "full" in item.keywords:
+        if item.get_closest_marker("full") is not None:
             item.add_marker(skip)
