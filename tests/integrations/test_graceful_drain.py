@@ -46,10 +46,12 @@ STREAMS, PARKED = 8, 12
 STREAM_TOKENS = 200
 GRACE_S = 60.0
 ADMIN_KEY = "fair-sched-test-admin-3f9c2a"
-# A step of 100 ms: the streams run ~20 s, long enough for 50 requests to park behind them even
-# through a slow LiteLLM proxy on a busy machine, so the signal lands mid-stream.
 BODY = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
-ENGINE = emulator_config(max_num_seqs=STREAMS, base_step_ms=100.0)
+# Steps of 10 ms (a stream: ~2 s), stalled to 1 s (the `slow` fault) from the streams' start
+# until every parked client has its 503: the signal lands mid-stream however long parking takes
+# through a slow LiteLLM proxy, and no fixed stream length has to outlast it.
+ENGINE = emulator_config(max_num_seqs=STREAMS, base_step_ms=10.0)
+STALLED = {"slow": 100.0}
 
 
 def section(emu: RunningEmulator) -> dict[str, Any]:
@@ -167,6 +169,7 @@ async def drain_scenario(
         # Warm up (LiteLLM imports on its first request), while nothing is measured.
         assert (await waiter.post("/v1/chat/completions", json=BODY)).status_code == 200
         before = emu.engine.statistics().requests_received
+        emu.engine.faults.update(STALLED)
         streams = [asyncio.ensure_future(stream_text(streamer)) for _ in range(STREAMS)]
         await wait_until(lambda: emu.engine.statistics().running == STREAMS, timeout_s=60)
         parked = [
@@ -182,6 +185,7 @@ async def drain_scenario(
 
         proxy.process.send_signal(signal.SIGTERM)
         refused = await asyncio.gather(*parked)
+        emu.engine.faults.update({"slow": 1.0})  # the streams may finish now
         texts = await asyncio.gather(*streams)
         # Past `drain_grace_s` the server would be cut off; it exits once its streams are done.
         # A wait past the grace period fails (subprocess.TimeoutExpired): that bound is the
