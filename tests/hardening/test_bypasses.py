@@ -40,13 +40,9 @@ from ..integrations.conftest import (
     serve,
     wait_until,
 )
+from ..support import service_of
 
 CHAT = "/v1/chat/completions"
-
-
-def service_of(app: Any) -> SchedulingService:
-    service: SchedulingService = app.state.fair_sched
-    return service
 
 
 def aliasing_app(emu: RunningEmulator, *, default_model: str | None = MODEL) -> Starlette:
@@ -196,11 +192,12 @@ async def test_client_chosen_model_names_share_one_in_flight_cap() -> None:
                 for i in range(8)
             ]
             try:
+                scheduler = middleware_service(app).scheduler
+                # Once all eight are in the scheduler, none more can be on its way to the engine.
+                await wait_until(lambda: scheduler.statistics().queued == 6)
                 await wait_until(lambda: len(emu.engine.received) >= 2)
-                await asyncio.sleep(0.5)  # room for more to arrive, were they let through
+                assert scheduler.statistics().in_flight == 2
                 assert len(emu.engine.received) == 2
-                stats = middleware_service(app).scheduler.statistics()
-                assert stats.queued == 6
             finally:
                 await cancel_all(streams)
             await assert_idle(middleware_service(app))

@@ -18,7 +18,6 @@ import uvicorn
 
 from fair_sched_plugin.emulator.server import run_emulator_subprocess
 from fair_sched_plugin.proxy import build_proxy_app
-from fair_sched_plugin.service import SchedulingService
 
 from ..integrations.conftest import (
     LOOPBACK,
@@ -35,13 +34,9 @@ from ..integrations.conftest import (
     sse_events,
     wait_until,
 )
+from ..support import service_of
 
 POLL_MS = 50
-
-
-def service_of(app: Any) -> SchedulingService:
-    service: SchedulingService = app.state.fair_sched
-    return service
 
 
 async def stream_outcome(client: httpx.AsyncClient, body: dict[str, Any]) -> str:

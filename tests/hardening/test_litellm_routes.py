@@ -13,10 +13,9 @@ would leave 127.0.0.1. Their providers' base URLs point at a closed loopback por
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import json
 import re
-from collections.abc import AsyncIterator, Mapping
+from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -40,6 +39,7 @@ from ..integrations.litellm_harness import (
     proxy_config,
     shared_proxy_marks,
 )
+from ..support import find_int
 
 pytestmark = shared_proxy_marks()
 
@@ -222,17 +222,7 @@ def body_for(path: str) -> dict[str, Any]:
 
 async def released_total(admin: httpx.AsyncClient) -> int:
     status = (await admin.get("/fair-sched/status")).json()
-    return _find(status, "released")
-
-
-def _find(document: Any, key: str) -> int:
-    if isinstance(document, Mapping):
-        if isinstance(document.get(key), int):
-            return int(document[key])
-        for value in document.values():
-            with contextlib.suppress(KeyError):
-                return _find(value, key)
-    raise KeyError(key)
+    return find_int(status, "released")
 
 
 async def test_every_generation_route_is_scheduled_at_the_tiers_priority(stack: Stack) -> None:
@@ -338,7 +328,7 @@ async def test_a_non_streamed_client_that_leaves_stops_the_engine(stack: Stack) 
     async with open_client(stack.proxy.base_url, MASTER_KEY) as admin:
         for _ in range(100):  # bounded: the lease ends as the request's task is cancelled
             status = (await admin.get("/fair-sched/status")).json()
-            if _find(status, "in_flight") == 0:
+            if find_int(status, "in_flight") == 0:
                 break
             await asyncio.sleep(0.05)
-        assert _find(status, "in_flight") == 0
+        assert find_int(status, "in_flight") == 0

@@ -44,6 +44,7 @@ from ..integrations.conftest import (
     serve,
     wait_until,
 )
+from ..support import service_of
 
 INTERACTIVE_PRIORITY, BATCH_PRIORITY = 0, 10
 
@@ -55,11 +56,6 @@ PRIORITY_SPOOFS: list[tuple[dict[str, Any], dict[str, str]]] = [
     ({}, {"x-priority": "-100", "priority": "-100"}),
     ({"metadata": {"priority": -100, "tier": "interactive"}}, {"x-fair-sched-tier": "interactive"}),
 ]
-
-
-def service_of(app: Any) -> SchedulingService:
-    service: SchedulingService = app.state.fair_sched
-    return service
 
 
 # ----------------------------------------------------------------------------- priority

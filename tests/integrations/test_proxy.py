@@ -6,11 +6,11 @@ import argparse
 import asyncio
 import contextlib
 import pathlib
-import socket
 from typing import Any
 
 import httpx
 import pytest
+import uvicorn
 
 from fair_sched_plugin.bench.processes import fair_proxy
 from fair_sched_plugin.proxy import (
@@ -19,8 +19,8 @@ from fair_sched_plugin.proxy import (
     build_proxy_app,
     upstream_url,
 )
-from fair_sched_plugin.service import SchedulingService
 
+from ..support import free_port, service_of
 from .conftest import (
     MODEL,
     assert_idle,
@@ -40,18 +40,6 @@ from .conftest import (
 )
 
 FLOOD_SIZE = 60
-
-
-def service_of(app: Any) -> SchedulingService:
-    service: SchedulingService = app.state.fair_sched
-    return service
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port: int = sock.getsockname()[1]
-        return port
 
 
 # ----------------------------------------------------------------------------- plain routes
@@ -418,6 +406,25 @@ def test_client_connections_outlive_the_clients_own_pools() -> None:
     assert max(httpx_expiry, 15.0) < CLIENT_KEEP_ALIVE_S
 
 
+def test_fair_sched_proxy_serves_with_the_long_keep_alive(
+    tmp_path: pathlib.Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`fair-sched proxy` hands uvicorn `timeout_keep_alive=CLIENT_KEEP_ALIVE_S` (the setting;
+    the real idle wait past uvicorn's 5 s default runs with scripts/test --full)."""
+    served: dict[str, Any] = {}
+    monkeypatch.setattr(uvicorn, "run", lambda app, **options: served.update(options))
+    parser = argparse.ArgumentParser(prog="fair-sched")
+    add_proxy_parser(parser.add_subparsers(dest="command", required=True))
+    config = tmp_path / "fair.yaml"
+    config.write_text(
+        f"fair_sched:\n  backends:\n    m:\n      api_base: http://127.0.0.1:{free_port()}/v1\n"
+    )
+    args = parser.parse_args(["proxy", "--config", str(config), "--port", "0"])
+    assert args.handler(args) == 0
+    assert served["timeout_keep_alive"] == CLIENT_KEEP_ALIVE_S
+
+
+@pytest.mark.full
 @pytest.mark.timeout(90)
 async def test_fair_sched_proxy_keeps_an_idle_client_connection_past_uvicorns_default(
     tmp_path: pathlib.Path,

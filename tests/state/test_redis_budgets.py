@@ -18,7 +18,7 @@ from fair_sched_plugin.identity import Credentials
 from fair_sched_plugin.service import SchedulingService
 
 from ..integrations.conftest import wait_until
-from .conftest import RedisServer, unique_prefix
+from .conftest import RedisServer, heartbeats, unique_prefix
 
 pytestmark = pytest.mark.redis
 
@@ -96,7 +96,8 @@ async def test_a_followers_spend_reaches_the_leader_and_every_replica_refuses(
         await spend(follower, 150)
         await wait_until(lambda: spent(leader) == 150)
         # The leader's snapshot comes back to the follower (not counted twice).
-        await asyncio.sleep(5 * HEARTBEAT_S)
+        async with redis_client(redis_server.url) as raw:
+            await heartbeats(raw, len(services), 5)
         await wait_until(lambda: spent(follower) == 150)
         for service in services:
             with pytest.raises(BudgetExceeded) as refused:

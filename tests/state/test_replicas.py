@@ -10,7 +10,7 @@ import asyncio
 import contextlib
 import json
 import logging
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator
 from typing import Any
 
 import pytest
@@ -27,6 +27,7 @@ from fair_sched_plugin.state import ReplicaScheduler, open_state
 from fair_sched_plugin.state.replica import _read_reply
 from fair_sched_plugin.testing import ManualGate, make_ticket
 
+from ..support import eventually
 from .conftest import RedisServer, unique_prefix
 
 pytestmark = pytest.mark.redis
@@ -34,14 +35,6 @@ pytestmark = pytest.mark.redis
 TIERS = (TierLimits("interactive", waiting_below=3), TierLimits("batch", waiting_below=1))
 HEARTBEAT_S = 0.05
 TTL_S = 0.3
-
-
-async def eventually(condition: Callable[[], bool], timeout_s: float = 5.0) -> None:
-    loop = asyncio.get_running_loop()
-    give_up_at = loop.time() + timeout_s
-    while not condition():
-        assert loop.time() < give_up_at, "condition not met in time"
-        await asyncio.sleep(0.005)
 
 
 class Cluster:
@@ -381,10 +374,8 @@ async def test_leader_killed_new_leader_adopts_leases_and_parked_tickets(
     parked = asyncio.ensure_future(follower.acquire(make_ticket("B")))
     await follower.barrier()
     await kill(old)
-    loop = asyncio.get_running_loop()
-    killed_at = loop.time()
+    # A new leader, once (the bound only ends a hung wait; how soon is Redis's TTL).
     await eventually(lambda: follower.leading or third.leading, timeout_s=5)
-    took = loop.time() - killed_at
     new = follower if follower.leading else third
     await eventually(lambda: follower.state_statistics().leader == new.replica)
     await follower.barrier()
@@ -396,8 +387,7 @@ async def test_leader_killed_new_leader_adopts_leases_and_parked_tickets(
     await follower.barrier()
     assert new.statistics().in_flight == 1
     lease.release()
-    print(f"\nnew leader after {took:.2f} s (ttl {TTL_S} s, heartbeat {HEARTBEAT_S} s)")
-    assert took <= TTL_S + 2 * HEARTBEAT_S + 0.2
+    assert not (follower.leading and third.leading)
 
 
 async def kill(replica: ReplicaScheduler) -> None:
