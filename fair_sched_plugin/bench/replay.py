@@ -312,13 +312,20 @@ async def replay(
             if wait > 0:
                 with contextlib.suppress(asyncio.TimeoutError):
                     await asyncio.wait_for(breaker.tripped.wait(), min(wait, plan.duration_bound_s))
-            if breaker.tripped.is_set():
-                stopped = f"{breaker.limit} consecutive errors (last: {breaker.last_error})"
-                break
-            if loop.time() >= deadline:
+            # Checked again once a slot is free: the request that freed it may have failed.
+            try:
+                await asyncio.wait_for(slots.acquire(), max(0.0, deadline - loop.time()))
+            except asyncio.TimeoutError:
                 stopped = f"the plan's time bound ({plan.duration_bound_s:.0f} s)"
                 break
-            await slots.acquire()
+            if breaker.tripped.is_set() or loop.time() >= deadline:
+                slots.release()
+                stopped = (
+                    f"{breaker.limit} consecutive errors (last: {breaker.last_error})"
+                    if breaker.tripped.is_set()
+                    else f"the plan's time bound ({plan.duration_bound_s:.0f} s)"
+                )
+                break
             body = request_body(request, index, model, target.identity, ignore_eos)
             record = ReplayRecord(
                 index, request.user, request.tier, time.perf_counter() - clock_zero,

@@ -17,6 +17,7 @@ scenario and a replayed day of traffic go through the same driver.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import math
 import random
@@ -106,10 +107,10 @@ def parse_line(text: str, where: str) -> TraceRequest:
     unknown = sorted(set(line) - _FIELDS)
     if unknown:
         raise TraceError(f"{where}: unknown field(s) {unknown}; known: {sorted(_FIELDS)}")
-    time_key = "t" if "t" in line else "arrival_s"
+    time_key = "arrival_s" if "arrival_s" in line else "t"
     for key in (time_key, "user", "max_tokens"):
         if key not in line:
-            raise TraceError(f"{where}: missing '{key}'")
+            raise TraceError(f"{where}: missing '{key}'" + (" (or 'arrival_s')" * (key == "t")))
     if ("prompt" in line) == ("prompt_tokens" in line):
         raise TraceError(f"{where}: give exactly one of 'prompt' (text) and 'prompt_tokens'")
     prompt = line.get("prompt")
@@ -287,7 +288,9 @@ _MAKERS = {"flood": _flood, "zipf": _zipf, "tiers": _tiers, "prefix": _prefix, "
 
 def make_trace(shape: TraceShape) -> list[TraceRequest]:
     """A synthetic trace of `shape.requests` requests (seeded: the same shape, the same trace)."""
-    requests = _MAKERS[shape.shape](shape, random.Random(shape.seed))
+    made = _MAKERS[shape.shape](shape, random.Random(shape.seed))
+    # Microseconds, as written to a file: a trace read back is the trace made.
+    requests = [dataclasses.replace(r, at_s=round(r.at_s, 6)) for r in made]
     return sorted(requests, key=lambda request: request.at_s)
 
 
