@@ -24,6 +24,7 @@ from .replay import (
     OpenTarget,
     Plan,
     PlanError,
+    ReplayRecord,
     ReplayRun,
     errors_by_status,
     make_plan,
@@ -220,7 +221,14 @@ def summarize(target: OpenTarget, scenario: Scenario, run: ReplayRun) -> dict[st
             classes=tiers if any(tiers.values()) else None,
         ),
         "service_tokens_by_user": dict(sorted(service.items())),
+        "service_over_time": _service_samples(records, makespan),
     }
+
+
+def _service_samples(records: Sequence[ReplayRecord], makespan: float) -> dict[str, Any]:
+    """Each user's cumulative streamed tokens at 40 points in time (what the plots draw)."""
+    times, curves = service_over_time(records, max(makespan, 0.001) / 40)
+    return {"t_s": [round(t, 3) for t in times], "tokens_by_user": curves}
 
 
 async def measure(

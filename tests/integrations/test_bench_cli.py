@@ -128,6 +128,10 @@ async def test_a_run_writes_the_report_and_sends_exactly_the_plan(tmp_path: Path
         assert cell["max_service_gap_tokens"] >= 0 and cell["errors"] == 0
         assert cell["requests_sent"] == 12
         assert sum(cell["service_tokens_by_user"].values()) == 12 * 8
+        over_time = cell["service_over_time"]["tokens_by_user"]
+        assert {user: curve[-1] for user, curve in over_time.items()} == cell[
+            "service_tokens_by_user"
+        ]
     assert (out / "index.html").read_text().count("<table>") == 2
     assert "## flood" in (out / "report.md").read_text()
     if (out / "comparison.png").exists():  # matplotlib installed
