@@ -253,9 +253,21 @@ def plot_fairness_comparison(
             for s, scenario in enumerate(scenarios):
                 summary = by_cell.get((target, scenario))
                 number = value(summary) if summary else None
+                x = s + (t - (len(targets) - 1) / 2) * width
                 if number is not None:
-                    xs.append(s + (t - (len(targets) - 1) / 2) * width)
+                    xs.append(x)
                     ys.append(number)
+                elif summary:
+                    # No value (e.g. never two users backlogged at once): say so, not a gap.
+                    ax.text(
+                        x,
+                        0.02,
+                        "n/a",
+                        ha="center",
+                        va="bottom",
+                        fontsize=7,
+                        transform=ax.get_xaxis_transform(),
+                    )
             ax.bar(xs, ys, width=width, color=palette(t % 10), label=target)
         ax.set_xticks(range(len(scenarios)), scenarios)
         ax.set_title(title, fontsize=9)
