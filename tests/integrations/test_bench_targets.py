@@ -137,3 +137,34 @@ async def test_report_against_an_emulator_and_fair_proxy_matches_what_the_engine
     for key in ("light_ttft_p50_s", "heavy_ttft_p50_s", "jain_index", "max_service_gap_tokens"):
         assert key in results
     assert "| max service gap (tokens) |" in (tmp_path / "report" / "report.md").read_text()
+
+
+async def test_one_key_for_all_users_through_a_proxy_that_reads_a_header(tmp_path: Path) -> None:
+    """`--user-header`: one key, the user's name in a header; a fair-sched proxy with
+    `identity.source: header` queues by it, so the light user is released before the flood."""
+    trace = [TraceRequest(0.0, "u0", 8, 1) for _ in range(20)]
+    trace += [TraceRequest(0.5, "u1", 8, 1)]
+    plan = make_plan(trace, Limits(concurrency=64))
+    async with run_emulator(emulator_config(max_num_seqs=2, base_step_ms=15.0)) as emu:
+        section = {
+            "tiers": [{"name": "interactive", "waiting_below": 1}],
+            "identity": {"source": "header", "header": "x-bench-user"},
+            "backends": {MODEL: {"api_base": f"{emu.base_url}/v1", "engine": "vllm"}},
+            "metrics_poll_ms": 50,
+        }
+        async with fair_proxy(section, tmp_path, "header") as proxy:
+            identity = Identity(keys=("sk-one",), user_field=False, user_header="x-bench-user")
+            run = await replay(
+                OpenTarget("proxy", proxy.base_url, identity), trace, plan, model=MODEL
+            )
+        order = [received.user for received in emu.engine.received]
+    assert all(record.error is None for record in run.records)
+    assert order == [None] * 21  # no `user` field was sent
+    first_light = next(r for r in run.records if r.user == "u1")
+    assert first_light.first_token is not None
+    started_before = sum(
+        1
+        for r in run.records
+        if r.user == "u0" and r.first_token is not None and r.first_token < first_light.first_token
+    )
+    assert started_before < 20 / 2
