@@ -575,7 +575,12 @@ async def _http_sections(
 
 
 def run_bench(args: argparse.Namespace) -> int:
-    scenarios = [name.strip() for name in args.scenarios.split(",") if name.strip()]
+    if getattr(args, "target", None) or getattr(args, "trace", None):
+        from .open_bench import run_open_bench
+
+        return run_open_bench(args)
+    chosen = args.scenarios or ",".join(ALL_SCENARIOS)
+    scenarios = [name.strip() for name in chosen.split(",") if name.strip()]
     unknown = sorted(set(scenarios) - set(ALL_SCENARIOS))
     if unknown:
         print(
