@@ -443,6 +443,7 @@ class SchedulingService:
         self._draining = False
         self._drain_timer: TimerHandle | None = None
         self.scheduler.add_end_listener(self._lease_ended)
+        self.scheduler.add_decider_listener(self._scrape_all_now)
         # Created now so the wait histogram sees every admission; reads happen at scrape time.
         self._observability = ServiceMetrics(self)
         self.add_admission_observer(self._observability.recorder)
@@ -479,6 +480,9 @@ class SchedulingService:
                     client=self._http_client,
                     clock=self.clock.now,
                     name_filter=backend.metrics_filter,
+                    # While another replica decides, it reads the engine: one engine's worth of
+                    # scrapes, however many replicas share it.
+                    active=self._decides,
                 )
                 watcher.start()
                 self._watchers.setdefault(model, []).append(watcher)
@@ -940,17 +944,17 @@ class SchedulingService:
         return min(ticket.cost, max(1, math.ceil(elapsed_s / tpot_s)))
 
     def _recent_tpot_s(self, model: str, deployment: str | None) -> float | None:
-        """The latest time per output token the deployment's engine reported (any of the
-        model's engines where the request was not bound to one); None: not known."""
-        backend = self.backends.get(model)
-        metrics_urls = dict(backend.deployments()) if backend is not None else {}
-        wanted = metrics_urls.get(deployment) if deployment is not None else None
-        for watcher in self._watchers.get(model, ()):
-            snapshot = watcher.last_snapshot
-            if wanted is not None and watcher.url != wanted:
+        """The latest time per output token the deciding gate knows for the deployment (any of
+        the model's where the request was not bound to one); None: not known. The deciding
+        gate's: a follower replica reads no engine itself, the leader publishes its readings."""
+        for group in self.scheduler.gate_status():
+            if group.model != model:
                 continue
-            if snapshot is not None and snapshot.ok and snapshot.tpot_s and snapshot.tpot_s > 0:
-                return snapshot.tpot_s
+            for row in group.per_deployment:
+                if deployment is not None and row.deployment != deployment:
+                    continue
+                if row.tpot_s is not None and row.tpot_s > 0:
+                    return row.tpot_s
         return None
 
     # ------------------------------------------------------------------ observation (ServiceView)
@@ -1069,6 +1073,16 @@ class SchedulingService:
     def _lease_ended(self, lease: Lease, abandoned: bool) -> None:
         self._running.pop(lease, None)
         self._holders.pop(lease, None)
+
+    def _decides(self) -> bool:
+        return self.scheduler.decides
+
+    def _scrape_all_now(self) -> None:
+        """This replica starts deciding: its engines' readings are the other replica's, so each
+        watcher reads its engine at once (a new leader's hold waits for such a scrape)."""
+        for group in self._watchers.values():
+            for watcher in group:
+                watcher.request_early_scrape()
 
     def _request_scrape(self, model: str) -> None:
         for watcher in self._watchers.get(model, ()):

@@ -437,6 +437,8 @@ class Emulator:
             prefix_caching=self.config.prefix_cache_blocks > 0,
         )
         self.engine = EmulatedEngine(self.config, observer=self.metrics)
+        # `/metrics` pages asked for (the filtered page included): how often gateways read us.
+        self.metrics_requests = 0
         self._completion_requests = 0
         self.app = Starlette(
             routes=[
@@ -518,6 +520,7 @@ class Emulator:
         return await self.render_metrics(request, request.query_params.getlist("name[]"))
 
     async def render_metrics(self, request: Request, names: list[str] | None = None) -> Response:
+        self.metrics_requests += 1
         faults = self.engine.faults
         if faults.metrics_delay_s > 0:
             await asyncio.sleep(faults.metrics_delay_s)

@@ -71,6 +71,8 @@ class MetricsWatcher:
     defaults to the running loop's time. Scheduling itself always uses the loop's time.
     `request_early_scrape()` starts the next scrape now, but never sooner than `min_gap_s`
     (default `interval_s / 4`) after the previous one started. Call it from the loop's thread.
+    `active()`, where given, is asked before each scrape: while it says False the engine is not
+    read at all.
     """
 
     def __init__(
@@ -88,6 +90,7 @@ class MetricsWatcher:
         max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
         longest_timeout_s: float | None = None,
         name_filter: bool = True,
+        active: Callable[[], bool] | None = None,
     ) -> None:
         if interval_s <= 0 or timeout_s <= 0:
             raise ValueError("interval_s and timeout_s must be greater than 0")
@@ -114,6 +117,9 @@ class MetricsWatcher:
         self._min_gap_s = interval_s / 4 if min_gap_s is None else min(min_gap_s, interval_s)
         self._max_body_bytes = max_body_bytes
         self._on_snapshot = on_snapshot
+        # Asked before each scrape: False skips it (another replica decides and reads the
+        # engine; see `SchedulingService`). `request_early_scrape()` ends the wait at once.
+        self._active = active
         self._client = client
         self._owns_client = client is None
         self._clock = clock
@@ -224,6 +230,9 @@ class MetricsWatcher:
             # A request made while this scrape is in flight may postdate what it reads, so only
             # requests made before it are cleared.
             wake.clear()
+            if self._active is not None and not self._active():
+                await self._wait_for_next_scrape(loop, wake, scrape_began)
+                continue
             snapshot = await self._scrape_once()
             self._publish(snapshot)
             await self._wait_for_next_scrape(loop, wake, scrape_began)

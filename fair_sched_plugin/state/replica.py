@@ -656,6 +656,7 @@ class ReplicaScheduler:
         self._mode: StateMode = "shared" if link else "local"
         self._alive: list[str] = [self.replica]
         self._published: _Published | None = None
+        self._decider_listeners: list[Callable[[], None]] = []
         self._outbox: list[str] = []
         self._outbox_ready = asyncio.Event()
         self._outgoing: dict[str, list[str]] = {}
@@ -1045,6 +1046,16 @@ class ReplicaScheduler:
 
     # ------------------------------------------------------------------ terms
 
+    @property
+    def decides(self) -> bool:
+        """Whether this replica's core decides now: with memory://, as the leader, or in a local
+        term while Redis is unreachable. Only a deciding replica needs its engines' metrics."""
+        return self._term is not None
+
+    def add_decider_listener(self, listener: Callable[[], None]) -> None:
+        """Call `listener()` each time this replica starts deciding."""
+        self._decider_listeners.append(listener)
+
     def _open_term(self, epoch: int, *, hold: bool = False) -> None:
         """Decide from now on. `hold`: grant nothing new until a scrape can show what an
         earlier leader (or the other replicas) released just before; running leases are
@@ -1057,6 +1068,8 @@ class ReplicaScheduler:
         self._leader = self.replica
         self._outbox.clear()  # addressed to another leader: re-sent below
         self._resend()
+        for listener in self._decider_listeners:
+            listener()
 
     def _close_term(self) -> None:
         if self._hold is not None:
