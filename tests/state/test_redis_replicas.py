@@ -56,16 +56,19 @@ def leader_of(services: Sequence[SchedulingService]) -> SchedulingService | None
 
 
 async def settled(services: Sequence[SchedulingService]) -> SchedulingService:
-    """One leader, every replica following it and seeing all alive, every gate on fresh
-    metrics."""
+    """One leader, every replica following it and seeing all alive, the deciding gate (the
+    leader's, which only it feeds: followers read no engine) on fresh metrics."""
 
     def ready() -> bool:
         leader = leader_of(services)
-        return leader is not None and all(
-            s.scheduler.state_statistics().leader == leader.scheduler.replica
-            and s.scheduler.state_statistics().replicas_alive == len(services)
-            and all(group.mode == "metrics" for group in s.gate.status())
-            for s in services
+        return (
+            leader is not None
+            and all(group.mode == "metrics" for group in leader.gate.status())
+            and all(
+                s.scheduler.state_statistics().leader == leader.scheduler.replica
+                and s.scheduler.state_statistics().replicas_alive == len(services)
+                for s in services
+            )
         )
 
     await wait_until(ready, timeout_s=15)
