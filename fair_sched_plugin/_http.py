@@ -2,8 +2,13 @@
 
 from __future__ import annotations
 
+import logging
 import re
 from collections.abc import AsyncIterable, AsyncIterator
+
+import httpx
+
+from .config import safe_url
 
 # Idle pooled connections are dropped well before servers drop them: uvicorn (vLLM, SGLang's
 # HTTP server, the emulator) closes an idle keep-alive connection after 5 s, httpx keeps one for
@@ -31,3 +36,32 @@ async def sse_lines(pieces: AsyncIterable[str]) -> AsyncIterator[str]:
         buffer = buffer[start:]
     if buffer:
         yield buffer.removesuffix("\r")
+
+
+class _UrlRedactingFilter(logging.Filter):
+    """Shows the URLs in httpx's own log records (`HTTP Request: POST <url> ...`, at INFO) as
+    `safe_url` does: an engine's api_base or metrics URL may carry a password or a `?token=`."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        args = record.args
+        if isinstance(args, tuple) and any(isinstance(arg, httpx.URL) for arg in args):
+            record.args = tuple(
+                safe_url(str(arg)) if isinstance(arg, httpx.URL) else arg for arg in args
+            )
+        return True
+
+
+_URL_FILTER = _UrlRedactingFilter()
+_url_filter_users = 0
+
+
+def hide_url_secrets_in_httpx_logs(hide: bool) -> None:
+    """Install (True) or release (False) the filter on httpx's logger; installed while any
+    user that asked for it has not released it."""
+    global _url_filter_users
+    _url_filter_users += 1 if hide else -1
+    if _url_filter_users > 0:
+        logging.getLogger("httpx").addFilter(_URL_FILTER)
+    else:
+        _url_filter_users = 0
+        logging.getLogger("httpx").removeFilter(_URL_FILTER)

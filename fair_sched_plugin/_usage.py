@@ -10,9 +10,12 @@ user who reuses a prefix is not billed for work the engine did not do.
 
 from __future__ import annotations
 
+import json
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
+
+from .core import request_tokens_in_range
 
 
 @dataclass(frozen=True)
@@ -68,5 +71,60 @@ def _field(holder: Any, name: str) -> Any:
 
 
 def _count(holder: Any, name: str) -> int | None:
+    """A token count within the core's range; anything else (a string, a 400-digit integer from
+    a misbehaving engine) counts as not reported, so the estimate is charged instead."""
     value = _field(holder, name)
-    return value if isinstance(value, int) and not isinstance(value, bool) and value >= 0 else None
+    return value if request_tokens_in_range(value) else None
+
+
+class JsonUsageFinder:
+    """The `usage` of a JSON response body fed in pieces, however large the body.
+
+    OpenAI-style bodies put `usage` after the choices, so a copy of the body's start loses it
+    past a few hundred kilobytes (a 46,000-token answer was charged its estimate). Instead each
+    piece is searched for the key `"usage"` outside a string (a quote inside a JSON string is
+    escaped) followed by `:`, and only a small window after it is kept; the last such object
+    that reads as a usage wins (the top-level one comes last among them). O(window) memory.
+    """
+
+    WINDOW_BYTES = 4096
+    _KEY = b'"usage"'
+
+    def __init__(self) -> None:
+        self._carry = b""  # the end of the last piece: a key cut between two pieces
+        self._window: bytearray | None = None
+        self._found: Usage | None = None
+
+    def feed(self, piece: bytes) -> None:
+        window = self._window
+        if window is not None and len(window) < self.WINDOW_BYTES:
+            window += piece[: self.WINDOW_BYTES - len(window)]
+        data = self._carry + piece if self._carry else piece
+        at = data.find(self._KEY)
+        while at >= 0:
+            if at == 0 or data[at - 1] != 0x5C:  # not preceded by a backslash
+                self._settle()
+                end = at + len(self._KEY)
+                self._window = bytearray(data[end : end + self.WINDOW_BYTES])
+            at = data.find(self._KEY, at + 1)
+        self._carry = data[-(len(self._KEY) - 1) :]
+
+    @property
+    def usage(self) -> Usage | None:
+        self._settle()
+        return self._found
+
+    def _settle(self) -> None:
+        window, self._window = self._window, None
+        if window is None:
+            return
+        text = bytes(window).decode("utf-8", "replace").lstrip()
+        if not text.startswith(":"):
+            return  # a string value "usage", not the key
+        try:
+            value, _ = json.JSONDecoder().raw_decode(text[1:].lstrip())
+        except ValueError:
+            return
+        found = read_usage(value) if isinstance(value, dict) else None
+        if found is not None:
+            self._found = found

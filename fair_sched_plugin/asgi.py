@@ -14,11 +14,17 @@ straight through.
 
 Where the model has several deployments (`backends.<model>.api_bases`), the scheduler binds each
 request to one of them and the app must send it there: the deployment's key (its api_base
-without a trailing "/") is `request.state.fair_sched_deployment` (`scope["state"]`) and the
-request header `x-fair-sched-deployment` (a client's own header of that name is removed from
-every HTTP request, scheduled or not, so the app may trust it); None and no header for a model
-without deployments the gate knows (one scheduled on the shared in-flight cap). The response
-carries the same `x-fair-sched-deployment` header.
+without a trailing "/", credentials and query as configured) is
+`request.state.fair_sched_deployment` (`scope["state"]`), the one place that holds it. The
+request header `x-fair-sched-deployment` carries the deployment's public name (the api_base
+without credentials, query or fragment, `#n` appended where two would look alike:
+`SchedulingService.deployment_name`), since apps echo and forward headers; a client's own header
+of that name is removed from every HTTP request, scheduled or not, so the app may trust it.
+None and no header for a model without deployments the gate knows (one scheduled on the shared
+in-flight cap). The response carries the same public name in `x-fair-sched-deployment`.
+
+Invalid settings fail the server's lifespan start-up with the `ConfigError` message (uvicorn
+logs it and exits), since Starlette builds its middleware only on the first scope.
 """
 
 from __future__ import annotations
@@ -36,10 +42,10 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from . import _responses, observability
 from ._request import DEPLOYMENT_HEADER, RequestWatch
 from ._shutdown import install_sigterm_drain
-from ._usage import Usage, read_usage
+from ._usage import JsonUsageFinder, Usage, read_usage
 from .config import FairSchedSettings
 from .core import Lease
-from .errors import ClientDisconnected, Rejected
+from .errors import ClientDisconnected, ConfigError, Rejected
 from .identity import Credentials
 from .service import SchedulingService, UnknownModels, parse_request_body
 
@@ -54,8 +60,6 @@ DEFAULT_PATHS = (
     r"^(/v1)?/responses$",
 )
 MAX_BODY_BYTES = 8 * 1024 * 1024
-# A copy of a non-streamed response body is kept up to this size to read its `usage`.
-USAGE_SNIFF_BYTES = 256 * 1024
 # The longest event-stream line kept while it waits for its line end (a `usage` event is a few
 # hundred bytes).
 SSE_LINE_LIMIT_BYTES = 64 * 1024
@@ -113,12 +117,20 @@ class FairSchedulerMiddleware:
         self._serve_queue = serve_queue
         self._unknown_models: UnknownModels = unknown_models
         self._pass_unmodelled = pass_unmodelled
-        self.service = service or SchedulingService(config)
         self._paths = [re.compile(pattern) for pattern in paths]
         self._resolve_user = resolve_user
         self._max_body_bytes = max_body_bytes
         self._reject_unknown_keys = reject_unknown_keys
         self._admin: ASGIApp | None = admin
+        # Starlette builds its middleware on the first scope (the lifespan): raised from here,
+        # the server would take it for "lifespan unsupported", start, and answer 500 to every
+        # request. Kept instead, it fails the start-up with its message (see `_refuse`).
+        self._config_error: ConfigError | None = None
+        try:
+            self.service = service or SchedulingService(config)
+        except ConfigError as exc:
+            self._config_error = exc
+            return
         if serve_admin and admin is None:
             # Opt-in: /fair-sched/metrics, /status and /ui answered here, before the app.
             self._admin = observability.admin_app(self.service, admin_key=admin_key)
@@ -133,6 +145,9 @@ class FairSchedulerMiddleware:
                 )
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if self._config_error is not None:
+            await self._refuse(self._config_error, scope, receive, send)
+            return
         if scope["type"] == "lifespan":
             await self._lifespan(scope, receive, send)
             return
@@ -166,6 +181,15 @@ class FairSchedulerMiddleware:
             send_timeout_s=settings.send_timeout_s,
         )
         await _ScheduledRequest(self, scope, watch).run()
+
+    async def _refuse(self, error: ConfigError, scope: Scope, receive: Receive, send: Send) -> None:
+        """Invalid settings: the server's start-up fails with their message (uvicorn logs it and
+        exits); a server without lifespan gets the error raised on every request instead."""
+        if scope["type"] != "lifespan":
+            raise ConfigError(str(error))  # a fresh one: no traceback piling up per request
+        message = await receive()
+        if message["type"] == "lifespan.startup":
+            await send({"type": "lifespan.startup.failed", "message": str(error)})
 
     async def _lifespan(self, scope: Scope, receive: Receive, send: Send) -> None:
         uninstall_drain = None
@@ -251,7 +275,7 @@ class _ScheduledRequest:
         self.response_is_stream = False
         self.stream_chunks = 0
         self.sse_tail = bytearray()  # an event stream's last line until its line end arrives
-        self.sniffed = bytearray()
+        self.body_usage = JsonUsageFinder()  # a JSON answer's `usage`, wherever it is
         self.usage: Usage | None = None
 
     async def run(self) -> None:
@@ -294,22 +318,24 @@ class _ScheduledRequest:
             return
         lease = admission.lease
         self.watch.hold(lease)
+        self.watch.interrupted_tokens = self.service.interrupted_tokens
         self.watch.admitted(admission, name_principal=self.service.names_principals)
         self.service.rewrite_priority(body, admission.engine_priority, via_extra_body=False)
         new_body = json.dumps(body).encode()
         app_scope = dict(scope)
-        app_scope["headers"] = _for_app(scope["headers"], len(new_body), lease.deployment)
-        # Where the app sends it: the deployment the scheduler bound it to (request.state).
+        app_scope["headers"] = _for_app(scope["headers"], len(new_body), admission.deployment_name)
+        # Where the app sends it: the deployment the scheduler bound it to (request.state), by
+        # its key (the api_base); the header carries only its public name, since an app may
+        # echo or forward headers.
         app_scope["state"] = {**scope.get("state", {}), DEPLOYMENT_STATE: lease.deployment}
         try:
             await self.middleware.app(
                 app_scope, self._replay(new_body, receive), self._send_and_track(lease, send)
             )
         finally:
-            if self.watch.response_started:
-                self._release(lease)
-            # Otherwise nothing went out: the watch abandons the lease (the turn passes on
-            # uncharged) as it ends the request.
+            # However the app ended (an exception, cancelled because the client left): the
+            # watch ends the lease with what the response said it used.
+            self._report(lease)
 
     async def _read_body(self, receive: Receive, send: Send) -> bytes | None:
         chunks = []
@@ -329,14 +355,16 @@ class _ScheduledRequest:
             if not message.get("more_body", False):
                 return b"".join(chunks)
 
-    @staticmethod
-    def _replay(body: bytes, receive: Receive) -> Receive:
+    def _replay(self, body: bytes, receive: Receive) -> Receive:
         sent = False
+        watch = self.watch
 
         async def replay() -> Message:
             nonlocal sent
             if not sent:
                 sent = True
+                # The app has the request now, on its way to the engine.
+                watch.forwarded = True
                 return {"type": "http.request", "body": body, "more_body": False}
             return await receive()
 
@@ -352,9 +380,9 @@ class _ScheduledRequest:
                 if chunk:
                     self._observe(chunk)
                 if not message.get("more_body", False):
-                    # The watch releases the lease once the last chunk is out; say how many
-                    # tokens it used first.
-                    self._release(lease)
+                    # The watch ends the lease once the last chunk is out (after recording
+                    # its first byte): say what it used first.
+                    self._report(lease)
             await send(message)
 
         return send_and_track
@@ -375,28 +403,25 @@ class _ScheduledRequest:
                 self.sse_tail += chunk[whole:]
             else:
                 self.sse_tail.clear()
-        elif len(self.sniffed) < USAGE_SNIFF_BYTES:
-            self.sniffed += chunk[: USAGE_SNIFF_BYTES - len(self.sniffed)]
+        else:
+            self.body_usage.feed(chunk)
 
     def _observe_sse_lines(self, lines: bytes) -> None:
         self.stream_chunks += lines.count(b"data: ")
         if b'"usage"' in lines:
             self.usage = _usage_from_sse(lines) or self.usage
 
-    def _release(self, lease: Lease) -> None:
-        """End the lease with the response's `usage`; without one, a stream is charged a token
-        per chunk it carried."""
+    def _report(self, lease: Lease) -> None:
+        """Tell the watch what the response says the request used: its `usage`; without one,
+        a stream is charged a token per chunk it carried (nothing relayed: the estimate)."""
         if self.sse_tail:  # a last line without its line end
             self._observe_sse_lines(bytes(self.sse_tail))
             self.sse_tail.clear()
-        usage = self.usage
-        if usage is None and self.sniffed:
-            with contextlib.suppress(ValueError, TypeError, AttributeError):
-                usage = read_usage(json.loads(bytes(self.sniffed)).get("usage"))
+        usage = self.usage or (None if self.response_is_stream else self.body_usage.usage)
         if usage is not None:
-            self.service.finish_with_usage(lease, usage)
-        else:
-            lease.release(tokens_used=self.stream_chunks or None)
+            self.watch.report(lease, *self.service.charge_of(lease.ticket.model, usage))
+        elif self.stream_chunks:
+            self.watch.report(lease, self.stream_chunks, None)
 
 
 def _names_a_model(body_bytes: bytes) -> bool:
@@ -416,8 +441,9 @@ def _bearer_key(headers: Headers) -> str | None:
 def _for_app(
     headers: Iterable[tuple[bytes, bytes]], length: int, deployment: str | None
 ) -> list[tuple[bytes, bytes]]:
-    """The request headers the app sees: the rewritten body's length, and the deployment the
-    request is bound to; a client's own `x-fair-sched-deployment` never reaches the app."""
+    """The request headers the app sees: the rewritten body's length, and the public name of
+    the deployment the request is bound to; a client's own `x-fair-sched-deployment` never
+    reaches the app."""
     kept = [
         (name, value)
         for name, value in headers

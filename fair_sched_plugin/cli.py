@@ -1,4 +1,4 @@
-"""The `fair-sched` command: `emulate`, `proxy`, `demo`, `bench`."""
+"""The `fair-sched` command: `emulate`, `proxy`, `demo`, `bench`, `make-trace`."""
 
 from __future__ import annotations
 
@@ -8,6 +8,7 @@ from collections.abc import Sequence
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from .bench.trace import add_make_trace_parser
     from .demo import add_demo_parsers
     from .emulator.server import add_emulate_parser
     from .proxy import add_proxy_parser
@@ -20,6 +21,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_emulate_parser(subparsers)
     add_proxy_parser(subparsers)
     add_demo_parsers(subparsers)
+    add_make_trace_parser(subparsers)
     return parser
 
 

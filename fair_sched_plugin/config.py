@@ -6,11 +6,13 @@ for example ``fair_sched.tiers[1].waiting_below: must be 0 or more (got -1)``.
 
 from __future__ import annotations
 
+import difflib
 import os
 import re
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from pathlib import Path
-from typing import Annotated, Any, Literal, NamedTuple
+from types import UnionType
+from typing import Annotated, Any, Literal, NamedTuple, Union, get_args, get_origin
 from urllib.parse import urlsplit, urlunsplit
 
 import yaml
@@ -146,8 +148,16 @@ class TierSettings(_Frozen):
                 return AutoWaitingBelow.model_validate(value)
             except ValidationError as exc:
                 first = exc.errors()[0]
-                where = ".".join(str(part) for part in first["loc"])
-                raise ValueError(f"{where}: {first['msg']}") from None
+                location, message = tuple(first["loc"]), first["msg"]
+                if first["type"] == "extra_forbidden":
+                    # As `_format_errors` words an unknown key (named only when it looks like one).
+                    message = "unknown key"
+                    if not _SAFE_KEY.match(str(location[-1])):
+                        location = (*location[:-1], "<a key not shown>")
+                    elif nearest := _nearest_key(("tiers", 0, "waiting_below", *location)):
+                        message += f", did you mean {nearest}?"
+                where = ".".join(str(part) for part in location)
+                raise ValueError(f"{where}: {message}") from None
         raise ValueError(f"must be a whole number, auto or {{auto: {{min, max}}}} (got {value!r})")
 
     @model_validator(mode="after")
@@ -665,6 +675,38 @@ def deployment_key(api_base: str) -> str:
     return api_base.rstrip("/")
 
 
+def safe_url(url: str) -> str:
+    """A URL without credentials, query or fragment (fit for a label, a log or a status page)."""
+    parts = urlsplit(url)
+    host = parts.hostname or ""
+    if ":" in host:
+        host = f"[{host}]"
+    try:
+        port = parts.port
+    except ValueError:  # a port out of range: nothing of it is shown
+        port = None
+    netloc = f"{host}:{port}" if port else host
+    return urlunsplit((parts.scheme, netloc, parts.path, "", ""))
+
+
+def deployment_names(keys: Iterable[str]) -> dict[str, str]:
+    """Each deployment key's public name: what responses, the status document, metric labels
+    and logs call it, since the key (an api_base) may carry a password or a `?token=`.
+
+    The name is the key as `safe_url` shows it (`http://user:pw@h:8000/v1?token=t` ->
+    `http://h:8000/v1`); keys that would share a name are told apart by `#1`, `#2`, ... in the
+    order given (the configuration's, so every replica names them alike)."""
+    unique = list(dict.fromkeys(keys))
+    by_name: dict[str, list[str]] = {}
+    for key in unique:
+        by_name.setdefault(safe_url(key), []).append(key)
+    names = {}
+    for name, same in by_name.items():
+        for number, key in enumerate(same, start=1):
+            names[key] = name if len(same) == 1 else f"{name}#{number}"
+    return names
+
+
 def default_metrics_url(api_base: str) -> str:
     """`http://host:8000/v1` -> `http://host:8000/metrics` (LiteLLM's `api_base` to /metrics)."""
     parts = urlsplit(api_base.rstrip("/"))
@@ -681,6 +723,48 @@ def _format_location(location: tuple[int | str, ...]) -> str:
     return path
 
 
+def _annotations_at(annotation: Any, part: int | str) -> list[Any]:
+    """What `part` of a location reaches inside a value of type `annotation`."""
+    found: list[Any] = []
+    for kind in _alternatives(annotation):
+        origin = get_origin(kind)
+        if isinstance(kind, type) and issubclass(kind, BaseModel):
+            if part in kind.model_fields:
+                found.append(kind.model_fields[str(part)].annotation)
+        elif origin in (tuple, list) and isinstance(part, int):
+            found.extend(arg for arg in get_args(kind) if arg is not Ellipsis)
+        elif origin in (dict, Mapping) and isinstance(part, str):
+            found.append(get_args(kind)[-1])
+    # Pydantic names the member of a union it tried (`...waiting_below.AutoWaitingBelow.auto`).
+    members = [kind for kind in _alternatives(annotation) if getattr(kind, "__name__", "") == part]
+    return found or members
+
+
+def _alternatives(annotation: Any) -> list[Any]:
+    """`annotation` without `Annotated`, `X | None` split into its members."""
+    if get_origin(annotation) is Annotated:
+        return _alternatives(get_args(annotation)[0])
+    if get_origin(annotation) in (Union, UnionType):
+        return [kind for member in get_args(annotation) for kind in _alternatives(member)]
+    return [annotation]
+
+
+def _nearest_key(location: tuple[int | str, ...]) -> str | None:
+    """The known key closest to the unknown one at the end of `location` (a typo's fix)."""
+    annotations: list[Any] = [FairSchedSettings]
+    for part in location[:-1]:
+        annotations = [found for kind in annotations for found in _annotations_at(kind, part)]
+    known = {
+        name
+        for annotation in annotations
+        for kind in _alternatives(annotation)
+        if isinstance(kind, type) and issubclass(kind, BaseModel)
+        for name in kind.model_fields
+    }
+    matches = difflib.get_close_matches(str(location[-1]), sorted(known), n=1)
+    return matches[0] if matches else None
+
+
 def _format_errors(error: ValidationError) -> str:
     lines = []
     for detail in error.errors(include_url=False):
@@ -693,6 +777,9 @@ def _format_errors(error: ValidationError) -> str:
         kind = detail["type"]
         if kind == "extra_forbidden":
             message = "unknown key"
+            nearest = _nearest_key(location) if _SAFE_KEY.match(str(location[-1])) else None
+            if nearest is not None:
+                message += f", did you mean {nearest}?"
         bad_value = detail.get("input")
         # Only numbers and booleans are echoed: any string may be a key pasted in the wrong
         # place (a name, a URL with a password, a tier), and a config error ends up in logs.

@@ -2,6 +2,7 @@
 
     fair-sched demo  [--out demo-output] [--flood 100] [--quick] [--replicas]
     fair-sched bench [--out report] [--engine URL] [--quick] [--scenarios flood,tiers,...]
+    fair-sched bench --target [NAME=]URL --keys K1,K2 --model NAME [--trace FILE] [--out DIR]
 
 Both start their own emulators and proxies as child processes and stop them however the run ends.
 """
@@ -22,9 +23,11 @@ from .bench.flood import (
     run_flood,
     standard_variants,
 )
+from .bench.open_bench import DEFAULT_SCENARIOS, add_open_arguments
 from .bench.processes import kill_leftover_groups, plugin_available, terminate_as_interrupt
 from .bench.report import STAND_IN_NOTE, Progress, write_flood_outputs
 from .bench.runner import ALL_SCENARIOS, replica_sections, run_bench
+from .bench.trace import SHAPES
 
 __all__ = ["add_demo_parsers"]
 
@@ -103,7 +106,14 @@ def add_demo_parsers(subparsers: argparse._SubParsersAction[argparse.ArgumentPar
     )
     demo.set_defaults(handler=run_demo)
 
-    bench = subparsers.add_parser("bench", help="run the DESIGN.md scenarios, write a report")
+    bench = subparsers.add_parser(
+        "bench",
+        help="run the benchmark scenarios (docs/results.md), write a report; with --target, "
+        "measure your own stack (docs/measure-your-stack.md)",
+        description="Run the benchmark scenarios on the built-in emulator (or --engine) and "
+        "write a report; docs/results.md discusses their results. With --target, measure "
+        "OpenAI-compatible endpoints this command did not start (docs/measure-your-stack.md).",
+    )
     bench.add_argument("--out", default="report", help="directory for index.md and plots")
     bench.add_argument("--engine", default=None, help="a real engine's base URL (with /metrics)")
     bench.add_argument(
@@ -111,10 +121,20 @@ def add_demo_parsers(subparsers: argparse._SubParsersAction[argparse.ArgumentPar
         action="store_true",
         help="the --engine was started with priority scheduling (vLLM --scheduling-policy)",
     )
-    bench.add_argument("--quick", action="store_true", help="smaller scenarios (~1 minute)")
+    bench.add_argument(
+        "--quick",
+        action="store_true",
+        # Measured (3 Dec, a 2-core machine also running other work): 448 s in all; flood 87,
+        # tiers 37, many-users 2, overhead 34, speed-change 210, unequal-replicas 50,
+        # shared-prefixes 25, core 2.
+        help="smaller scenarios: all of them took 7.5 minutes on a busy 2-core machine "
+        "(speed-change 3.5, the flood 1.5); pick some with --scenarios",
+    )
     bench.add_argument(
         "--scenarios",
-        default=",".join(ALL_SCENARIOS),
-        help=f"comma-separated subset of {','.join(ALL_SCENARIOS)}",
+        default=None,
+        help=f"comma-separated subset of {','.join(ALL_SCENARIOS)} (all); with --target, of "
+        f"{','.join(SHAPES)} ({','.join(DEFAULT_SCENARIOS)})",
     )
+    add_open_arguments(bench)
     bench.set_defaults(handler=run_bench)

@@ -4,8 +4,9 @@
 
 Each model named in `fair_sched.backends` with an `api_base` (or `api_bases`) is served: `POST
 /v1/chat/completions`, `/v1/completions` and `/v1/responses` are forwarded to
-`{api_base}/chat/completions` (and so on) with the body as the scheduler left it, to the
-deployment the scheduler bound the request to where the model has several `api_bases`; `GET
+`{api_base}/chat/completions` (and so on; a query in the api_base stays after the path) with the
+body as the scheduler left it, to the deployment the scheduler bound the request to where the
+model has several `api_bases` (logs name it by its public name, never the URL); `GET
 /v1/models` lists the models, `GET /health` answers, `GET /fair-sched/metrics` and
 `/fair-sched/status` show the scheduler (behind `observability.admin_key` when set), and `GET
 /fair-sched/ui` is a live page over the status.
@@ -27,6 +28,7 @@ import sys
 import uuid
 from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Mapping
 from typing import Any
+from urllib.parse import urlsplit, urlunsplit
 
 import httpx
 from starlette.applications import Starlette
@@ -217,18 +219,19 @@ class _ProxyRoutes:
             # A leader whose `api_bases` differ (a config change rolling out) bound it to an
             # engine this replica does not serve: sent to another, it would run where the
             # leader did not count it.
+            shown = self._service.deployment_name(deployment)
             logger.warning(
                 "fair_sched proxy: a request for model %r was bound to %s, which this proxy "
                 "does not serve (do the replicas' api_bases differ?)",
                 model,
-                deployment,
+                shown,
             )
             _abandon_leases()
             return _json_error(
                 _responses.error_response(
                     EngineUnavailable(
                         f"the request was bound to a deployment this proxy does not serve "
-                        f"({deployment})",
+                        f"({shown})",
                         retry_after_s=1.0,
                     )
                 )
@@ -249,18 +252,20 @@ class _ProxyRoutes:
         api_key = self._api_keys.get(model)
         if api_key is not None:
             headers["authorization"] = f"Bearer {api_key}"
-        url = api_base + suffix
+        url = upstream_url(api_base, suffix)
         # A client that leaves before the engine answers (for a non-streamed completion: before
         # it has generated everything) makes the middleware cancel this await, which closes the
         # upstream connection: the engine aborts the request.
         try:
-            upstream = await _send_retrying_once(client, url, body, headers)
+            upstream = await _send_retrying_once(
+                client, url, body, headers, self._service, api_base
+            )
         except httpx.TransportError as exc:
             logger.warning(
                 "fair_sched proxy: cannot reach %s for model %r: %s",
-                api_base,
+                self._service.deployment_name(api_base),
                 model,
-                _describe(exc),
+                self._service.redact(_describe(exc)),
             )
             _abandon_leases()
             # Retry when the queue ahead would have drained at the measured rate, or at least
@@ -290,6 +295,13 @@ class _ProxyRoutes:
         return JSONResponse({"status": "ok"})
 
 
+def upstream_url(api_base: str, suffix: str) -> str:
+    """`suffix` appended to the api_base's path, its query kept after it
+    (`http://h/v1?k=v` + `/chat/completions` -> `http://h/v1/chat/completions?k=v`)."""
+    parts = urlsplit(api_base)
+    return urlunsplit(parts._replace(path=parts.path.rstrip("/") + suffix))
+
+
 def _abandon_leases() -> None:
     """The engine never had the running request: its turn passes on uncharged, and our own
     answer is not the engine's first byte (the gate would count a slot taken there)."""
@@ -299,9 +311,15 @@ def _abandon_leases() -> None:
 
 
 async def _send_retrying_once(
-    client: httpx.AsyncClient, url: str, body: bytes, headers: dict[str, str]
+    client: httpx.AsyncClient,
+    url: str,
+    body: bytes,
+    headers: dict[str, str],
+    service: SchedulingService,
+    api_base: str,
 ) -> httpx.Response:
-    """Send the request; after a connection-level failure, once more on a fresh connection."""
+    """Send the request; after a connection-level failure, once more on a fresh connection.
+    The log names the deployment by its public name (the URL may carry credentials)."""
 
     def send() -> Awaitable[httpx.Response]:
         request = client.build_request("POST", url, content=body, headers=headers)
@@ -310,7 +328,11 @@ async def _send_retrying_once(
     try:
         return await send()
     except _RETRIED_ONCE as exc:
-        logger.info("fair_sched proxy: %s failed (%s); sending it once more", url, _describe(exc))
+        logger.info(
+            "fair_sched proxy: a request to %s failed (%s); sending it once more",
+            service.deployment_name(api_base),
+            service.redact(_describe(exc)),
+        )
     return await send()
 
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import math
 import time
 from collections import OrderedDict
 from collections.abc import Callable, Hashable, Iterable, Mapping, MutableMapping, Sequence
@@ -18,6 +19,7 @@ from typing import Any, Literal, Protocol
 
 import httpx
 
+from ._http import hide_url_secrets_in_httpx_logs
 from ._usage import Usage
 from .config import (
     BUDGET_WINDOWS_S,
@@ -25,9 +27,13 @@ from .config import (
     FairSchedSettings,
     PriceSettings,
     QueueSettings,
+    deployment_names,
     load_settings,
+    safe_url,
 )
 from .core import (
+    MAX_REQUEST_COST,
+    MAX_REQUEST_TOKENS,
     BackendGroup,
     BackendSnapshot,
     BudgetBook,
@@ -45,10 +51,11 @@ from .core import (
     Ticket,
     TierLimits,
     UserBacklog,
-    estimate_position,
+    request_cost_in_range,
     retry_after_s,
 )
 from .core.clock import TimerHandle
+from .core.standing import ArrivalRanks
 from .errors import (
     BudgetExceeded,
     ClientDisconnected,
@@ -86,6 +93,10 @@ DEFAULT_MAX_TOKENS = 256
 UNKNOWN_MODELS = "(unknown models)"
 # `fair_engine_queue`: engine priorities per tier (a tier's band for its users' ranks).
 ENGINE_RANKS = 1000
+# The fields that bound a request's output tokens, most specific first.
+OUTPUT_TOKEN_FIELDS = ("max_completion_tokens", "max_tokens", "max_output_tokens")
+# OpenAI's own limit on `n` (choices generated per request).
+MAX_CHOICES = 128
 # Longer names are refused before anything is queued (LiteLLM's own names are far shorter).
 MAX_MODEL_NAME_CHARS = 256
 # Deeper request bodies are refused with a 400 before any work (real ones nest < 20 levels).
@@ -150,7 +161,7 @@ class WaitObserver(Protocol):
 class ParkedRequest:
     """One request waiting in this process: what it waits for and where it stands."""
 
-    __slots__ = ("_service", "principal", "queue", "since", "ticket")
+    __slots__ = ("_ranks", "_service", "principal", "queue", "since", "ticket")
 
     def __init__(
         self, service: SchedulingService, principal: Principal, ticket: Ticket, since: float
@@ -160,18 +171,58 @@ class ParkedRequest:
         self.ticket = ticket
         self.since = since
         self.queue: QueueSettings = service.settings.queue
+        # Its caller's requests parked here in its tier, while it is one of them (`_ParkedOf`).
+        self._ranks: ArrivalRanks[ParkedRequest] | None = None
 
     def wait_s(self) -> float:
         return max(0.0, self._service.clock.now() - self.since)
 
     def position(self) -> int:
-        """Estimated release position for its model (1: next); see `core.estimate_position`."""
-        return self._service.positions_of(self.ticket.user, self.ticket.model).get(self, 1)
+        """Estimated release position for its model (1: next); see `core.estimate_position`.
+        O(tiers + log n): read from counts the scheduler keeps, no scan of the backlog."""
+        return self._service.position_of(self)
 
     def eta_s(self) -> float | None:
-        """Estimated seconds until release at the measured drain rate; None before it is known."""
+        """Estimated seconds until release at the measured drain rate; None while it is not
+        known (see `DrainMeter.eta_s`)."""
+        return self.standing()[1]
+
+    def standing(self) -> tuple[int, float | None, float]:
+        """`position()`, `eta_s()` and `wait_s()` at once (what a keep-alive comment says)."""
         service = self._service
-        return service.drain.eta_s(self.ticket.model, self.position(), service.clock.now())
+        position = service.position_of(self)
+        now = service.clock.now()
+        eta = service.drain.eta_s(self.ticket.model, position, now)
+        wait_s = now - self.since
+        return position, eta, wait_s if wait_s > 0.0 else 0.0
+
+
+class _ParkedOf:
+    """One caller's requests parked here for one model: in arrival order, and ranked in
+    arrival order per tier (a request's own index in `core.estimate_position`)."""
+
+    __slots__ = ("by_tier", "requests")
+
+    def __init__(self) -> None:
+        self.requests: dict[ParkedRequest, None] = {}
+        self.by_tier: dict[str, ArrivalRanks[ParkedRequest]] = {}
+
+    def add(self, parked: ParkedRequest) -> None:
+        self.requests[parked] = None
+        ranks = self.by_tier.get(parked.ticket.tier)
+        if ranks is None:
+            ranks = self.by_tier[parked.ticket.tier] = ArrivalRanks()
+        ranks.add(parked)
+        parked._ranks = ranks
+
+    def discard(self, parked: ParkedRequest) -> None:
+        self.requests.pop(parked, None)
+        parked._ranks = None
+        ranks = self.by_tier.get(parked.ticket.tier)
+        if ranks is not None:
+            ranks.discard(parked)
+            if not ranks:
+                del self.by_tier[parked.ticket.tier]
 
 
 @dataclass(frozen=True)
@@ -181,6 +232,13 @@ class Admission:
     lease: Lease
     principal: Principal
     engine_priority: int | None
+    # The bound deployment's public name (`SchedulingService.deployment_name`), for headers.
+    deployment_name: str | None = None
+
+
+def bounded_cost(money: float) -> float:
+    """A money estimate within the core's range (a huge or non-finite one is its ceiling)."""
+    return money if request_cost_in_range(money) else MAX_REQUEST_COST
 
 
 def estimate_prompt_tokens(body: Mapping[str, Any]) -> int:
@@ -206,11 +264,39 @@ def estimate_prompt_tokens(body: Mapping[str, Any]) -> int:
 
 
 def requested_max_tokens(body: Mapping[str, Any]) -> int:
-    for field in ("max_completion_tokens", "max_tokens"):
-        value = body.get(field)
-        if isinstance(value, int) and not isinstance(value, bool) and value > 0:
-            return value
-    return DEFAULT_MAX_TOKENS
+    """The most output tokens the request may generate, per choice: the first of the OpenAI
+    fields present (chat's `max_completion_tokens` and `max_tokens`, the responses API's
+    `max_output_tokens`), else `DEFAULT_MAX_TOKENS`. Each present field must be a whole number
+    in [1, MAX_REQUEST_TOKENS] (`InvalidRequest` naming it): the engine would refuse anything
+    else, and an unbounded one must never reach the scheduler's charge."""
+    found = None
+    for field in OUTPUT_TOKEN_FIELDS:
+        value = bounded_count(body, field, 1, MAX_REQUEST_TOKENS)
+        if found is None:
+            found = value
+    return DEFAULT_MAX_TOKENS if found is None else found
+
+
+def requested_choices(body: Mapping[str, Any]) -> int:
+    """How many sequences the engine generates for the request (`n`, `best_of`; 1 if absent),
+    each up to `requested_max_tokens`; `InvalidRequest` outside [1, MAX_CHOICES]."""
+    n = bounded_count(body, "n", 1, MAX_CHOICES) or 1
+    best_of = bounded_count(body, "best_of", 1, MAX_CHOICES) or 1
+    return max(n, best_of)
+
+
+def bounded_count(body: Mapping[str, Any], field: str, low: int, high: int) -> int | None:
+    """`body[field]` as a whole number in [low, high]; None where the field is absent or null;
+    `InvalidRequest` naming the field for anything else (a string, a list, NaN, 1e400, a
+    400-digit integer, a negative count). The value is not echoed: it may be anything."""
+    value = body.get(field)
+    if value is None:
+        return None
+    if isinstance(value, float) and value.is_integer() and low <= value <= high:
+        return int(value)
+    if isinstance(value, int) and not isinstance(value, bool) and low <= value <= high:
+        return value
+    raise InvalidRequest(f"`{field}` must be a whole number from {low} to {high}", param=field)
 
 
 class SchedulingService:
@@ -240,6 +326,29 @@ class SchedulingService:
         # Names scheduled as themselves: configured backends, the deployments behind a LiteLLM
         # proxy, and whatever else the adapter knows it serves (`models`).
         self.known_models = frozenset(self.backends) | frozenset(deployments or ()) | set(models)
+        # What responses, the status document, metric labels and logs call each deployment: its
+        # key (an api_base) may carry credentials or a `?token=`; only the app gets the key.
+        # Metrics URLs too (named alike, for the `url` labels): a deployment known by its
+        # metrics URL has it as its key.
+        self._deployment_names = deployment_names(
+            [key for backend in self.backends.values() for key, _ in backend.deployments()]
+            + [url for backend in self.backends.values() for _, url in backend.deployments()]
+        )
+        # Every configured URL that shows more than its name, longest first (see `redact`).
+        self._redactions = sorted(
+            {
+                (url, name)
+                for backend in self.backends.values()
+                for key, metrics_url in backend.deployments()
+                for url, name in (
+                    (key, self._deployment_names[key]),
+                    (metrics_url, self._deployment_names[metrics_url]),
+                    *((base, self._deployment_names[key]) for base in _raw_bases(backend, key)),
+                )
+                if url != name
+            },
+            key=lambda pair: -len(pair[0]),
+        )
         groups = [
             BackendGroup(
                 model=model,
@@ -325,8 +434,8 @@ class SchedulingService:
         self.scheduler.add_end_listener(self._count_spend)
         # Leases granted through admit() and not yet ended, for the per-principal in-flight view.
         self._running: dict[Lease, tuple[str, str, str]] = {}
-        # Requests parked in this process, per (user, model), in arrival order.
-        self._parked: dict[tuple[str, str], dict[ParkedRequest, None]] = {}
+        # Requests parked in this process, per user and model, in arrival order.
+        self._parked: dict[str, dict[str, _ParkedOf]] = {}
         # How fast each model's queue drains (releases per second), for estimates.
         self.drain = DrainMeter()
         # Granted leases whose request can be ended when a drain's grace period is over.
@@ -334,6 +443,7 @@ class SchedulingService:
         self._draining = False
         self._drain_timer: TimerHandle | None = None
         self.scheduler.add_end_listener(self._lease_ended)
+        self.scheduler.add_decider_listener(self._scrape_all_now)
         # Created now so the wait histogram sees every admission; reads happen at scrape time.
         self._observability = ServiceMetrics(self)
         self.add_admission_observer(self._observability.recorder)
@@ -352,6 +462,9 @@ class SchedulingService:
         if self._started:
             return
         self._started = True
+        if self._redactions:
+            # httpx logs each request's URL (ours: an engine's, maybe with credentials).
+            hide_url_secrets_in_httpx_logs(True)
         self.scheduler.start()
         settings = self.settings
         for model, backend in self.backends.items():
@@ -367,6 +480,9 @@ class SchedulingService:
                     client=self._http_client,
                     clock=self.clock.now,
                     name_filter=backend.metrics_filter,
+                    # While another replica decides, it reads the engine: one engine's worth of
+                    # scrapes, however many replicas share it.
+                    active=self._decides,
                 )
                 watcher.start()
                 self._watchers.setdefault(model, []).append(watcher)
@@ -407,6 +523,8 @@ class SchedulingService:
         if self._closed:
             return
         self._closed = True
+        if self._started and self._redactions:
+            hide_url_secrets_in_httpx_logs(False)
         if self._drain_timer is not None:
             self._drain_timer.cancel()
             self._drain_timer = None
@@ -446,16 +564,19 @@ class SchedulingService:
         return self.directory.resolve(credentials)
 
     def ticket_for(self, principal: Principal, model: str, body: Mapping[str, Any]) -> Ticket:
+        """The request as the core sees it. Its numbers are bounded here, where they are read
+        (`InvalidRequest` for a field out of its range; the estimates are capped at the core's
+        `MAX_REQUEST_TOKENS` and `MAX_REQUEST_COST`)."""
+        output_tokens = requested_max_tokens(body) * requested_choices(body)
         prompt_tokens = estimate_prompt_tokens(body)
-        output_tokens = requested_max_tokens(body)
         price = self.price_of(model)
         return Ticket(
             model=model,
             user=principal.name,
             tier=principal.tier,
             weight=principal.weight,
-            cost=prompt_tokens + output_tokens,
-            price=price.cost(prompt_tokens, output_tokens) if price is not None else 0.0,
+            cost=min(prompt_tokens + output_tokens, MAX_REQUEST_TOKENS),
+            price=bounded_cost(price.cost(prompt_tokens, output_tokens)) if price else 0.0,
             prefix=prompt_prefix(body),
         )
 
@@ -483,7 +604,7 @@ class SchedulingService:
         price = self.price_of(model)
         if price is None:
             return None
-        return price.cost(prompt_tokens, output_tokens, cached_tokens)
+        return bounded_cost(price.cost(prompt_tokens, output_tokens, cached_tokens))
 
     def _apply_budget(self, ticket: Ticket) -> Ticket:
         """Over budget: the ticket in the `demote_to` tier, or `BudgetExceeded` until the
@@ -572,14 +693,22 @@ class SchedulingService:
             raise
         self.drain.record(scheduled_as, self.clock.now())
         admission = Admission(
-            lease, principal, self.engine_priority(scheduled_as, ticket.tier, lease.engine_rank)
+            lease,
+            principal,
+            self.engine_priority(scheduled_as, ticket.tier, lease.engine_rank),
+            self.deployment_name(lease.deployment) if lease.deployment is not None else None,
         )
         if lease.active:
             self._running[lease] = (lease.ticket.model, lease.ticket.tier, lease.ticket.user)
             if waiting is not None:
                 self._holders[lease] = waiting
         for observer in self._admission_observers:
-            observer.admitted(admission)
+            # The lease is granted: an observer's failure must not lose it (no request would
+            # hold it) nor fail the request.
+            try:
+                observer.admitted(admission)
+            except Exception:
+                logger.exception("fair_sched: an admission observer failed")
         return admission
 
     async def _park(
@@ -591,8 +720,11 @@ class SchedulingService:
         max_wait_s: float | None,
     ) -> Lease:
         parked = ParkedRequest(self, principal, ticket, self.clock.now())
-        mine = self._parked.setdefault((ticket.user, ticket.model), {})
-        mine[parked] = None
+        models = self._parked.setdefault(ticket.user, {})
+        mine = models.get(ticket.model)
+        if mine is None:
+            mine = models[ticket.model] = _ParkedOf()
+        mine.add(parked)
         try:
             if waiting is not None:
                 waiting.parked(parked)
@@ -600,9 +732,11 @@ class SchedulingService:
         finally:
             if waiting is not None:
                 waiting.unparked()
-            mine.pop(parked, None)
-            if not mine:
-                self._parked.pop((ticket.user, ticket.model), None)
+            mine.discard(parked)
+            if not mine.requests and models.get(ticket.model) is mine:
+                del models[ticket.model]
+                if not models and self._parked.get(ticket.user) is models:
+                    del self._parked[ticket.user]
 
     async def _wait(
         self, ticket: Ticket, disconnected: asyncio.Event | None, max_wait_s: float | None
@@ -649,20 +783,22 @@ class SchedulingService:
             )
         return acquiring.result()
 
+    def position_of(self, parked: ParkedRequest) -> int:
+        """Estimated release position of a request parked here (`core.estimate_position`, its
+        own index counted among its caller's requests parked here in its tier): O(log n)."""
+        ranks = parked._ranks
+        if ranks is None:
+            return 1  # no longer parked
+        ticket = parked.ticket
+        own_index = ranks.rank(parked)
+        return self.scheduler.position_estimate(ticket.model, ticket.tier, ticket.user, own_index)
+
     def positions_of(self, user: str, model: str) -> dict[ParkedRequest, int]:
         """Estimated release positions of `user`'s requests parked here for `model`."""
-        mine = self._parked.get((user, model))
-        if not mine:
+        mine = self._parked.get(user, {}).get(model)
+        if mine is None:
             return {}
-        backlog = self.scheduler.backlog(model)
-        order = [tier.name for tier in self.scheduler.tiers]
-        positions: dict[ParkedRequest, int] = {}
-        index_in_tier: dict[str, int] = {}
-        for parked in mine:
-            tier = parked.ticket.tier
-            index_in_tier[tier] = index_in_tier.get(tier, 0) + 1
-            positions[parked] = estimate_position(index_in_tier[tier], user, tier, backlog, order)
-        return positions
+        return {parked: self.position_of(parked) for parked in mine.requests}
 
     def suggest_retry_after(
         self, model: str, *, user: str = "", tier: str | None = None, own_index: int = 1
@@ -675,8 +811,7 @@ class SchedulingService:
             return None
         order = [limits.name for limits in self.scheduler.tiers]
         tier = tier if tier in order else self.settings.default_tier_name
-        backlog = self.scheduler.backlog(model)
-        ahead = estimate_position(own_index, user, tier, backlog, order)
+        ahead = self.scheduler.position_estimate(model, tier, user, own_index)
         return retry_after_s(ahead, rate, ceiling_s=self.settings.queue.max_wait_s)
 
     def _estimate_retry_after(self, exc: Rejected, ticket: Ticket) -> None:
@@ -694,11 +829,7 @@ class SchedulingService:
             own_index = 1  # the caller's own cap: its oldest request's release frees a place
         else:
             # Sent again now, it would queue behind the caller's own parked requests.
-            own_index = 1 + sum(
-                row.depth
-                for row in self.scheduler.backlog(ticket.model)
-                if row.user == ticket.user and row.tier == ticket.tier
-            )
+            own_index = 1 + self.scheduler.queued_of(ticket.model, ticket.tier, ticket.user)
         estimate = self.suggest_retry_after(
             ticket.model, user=ticket.user, tier=ticket.tier, own_index=own_index
         )
@@ -707,11 +838,7 @@ class SchedulingService:
 
     def parked_of(self, user: str) -> dict[str, list[ParkedRequest]]:
         """`user`'s requests parked in this process, per model, in arrival order."""
-        result: dict[str, list[ParkedRequest]] = {}
-        for (owner, model), mine in self._parked.items():
-            if owner == user:
-                result[model] = list(mine)
-        return result
+        return {model: list(mine.requests) for model, mine in self._parked.get(user, {}).items()}
 
     def standing_of(self, principal: Principal) -> dict[str, Any]:
         """The where-do-I-stand document: `principal`'s own parked requests per model, with
@@ -719,19 +846,21 @@ class SchedulingService:
         now = self.clock.now()
         models: dict[str, Any] = {}
         for model, mine in self.parked_of(principal.name).items():
-            positions = self.positions_of(principal.name, model)
             rate = self.drain.rate(model, now)
-            models[model] = {
-                "drain_rate_per_s": round(rate, 3) if rate is not None else None,
-                "parked": [
+            parked_rows = []
+            for parked in mine:
+                position, eta, _ = parked.standing()
+                parked_rows.append(
                     {
-                        "position": positions.get(parked, 1),
+                        "position": position,
                         "tier": parked.ticket.tier,
                         "wait_s": round(now - parked.since, 3),
-                        "eta_s": round(positions.get(parked, 1) / rate, 1) if rate else None,
+                        "eta_s": round(eta, 1) if eta is not None else None,
                     }
-                    for parked in mine
-                ],
+                )
+            models[model] = {
+                "drain_rate_per_s": round(rate, 3) if rate is not None else None,
+                "parked": parked_rows,
             }
         document: dict[str, Any] = {"models": models}
         if self.names_principals and principal.known:
@@ -786,16 +915,47 @@ class SchedulingService:
         return lease.release(tokens_used=tokens_used)
 
     def finish_with_usage(self, lease: Lease, usage: Usage | None) -> bool:
-        """End the lease with what the engine reported (the one place every adapter turns a
-        response's `usage` into a charge): `tokens_used` is uncached prompt plus output tokens,
-        and the money cost is at the model's price when prompt and output are both known."""
+        """End the lease with what the engine reported (`charge_of`)."""
         if usage is None:
             return lease.release()
+        tokens_used, cost_used = self.charge_of(lease.ticket.model, usage)
+        return lease.release(tokens_used=tokens_used, cost_used=cost_used)
+
+    def charge_of(self, model: str, usage: Usage) -> tuple[int | None, float | None]:
+        """What a response's `usage` charges (the one place every adapter turns it into a
+        charge): uncached prompt plus output tokens, and the money cost at the model's price
+        when prompt and output are both known."""
         prompt, output = usage.prompt_tokens, usage.completion_tokens
         cost = None
         if prompt is not None and output is not None:
-            cost = self.cost_of_usage(lease.ticket.model, prompt, output, usage.cached_tokens)
-        return lease.release(tokens_used=usage.tokens_used, cost_used=cost)
+            cost = self.cost_of_usage(model, prompt, output, usage.cached_tokens)
+        return usage.tokens_used, cost
+
+    def interrupted_tokens(self, lease: Lease) -> int:
+        """What a request is charged whose client left after it went on to the engine, before
+        any answer: the output the engine can have generated since its release at the
+        deployment's recent time per output token (its abort reaches the engine about now),
+        within the request's estimate; the whole estimate where no speed is known."""
+        ticket = lease.ticket
+        tpot_s = self._recent_tpot_s(ticket.model, lease.deployment)
+        if tpot_s is None:
+            return ticket.cost
+        elapsed_s = max(0.0, self.clock.now() - lease.released_at)
+        return min(ticket.cost, max(1, math.ceil(elapsed_s / tpot_s)))
+
+    def _recent_tpot_s(self, model: str, deployment: str | None) -> float | None:
+        """The latest time per output token the deciding gate knows for the deployment (any of
+        the model's where the request was not bound to one); None: not known. The deciding
+        gate's: a follower replica reads no engine itself, the leader publishes its readings."""
+        for group in self.scheduler.gate_status():
+            if group.model != model:
+                continue
+            for row in group.per_deployment:
+                if deployment is not None and row.deployment != deployment:
+                    continue
+                if row.tpot_s is not None and row.tpot_s > 0:
+                    return row.tpot_s
+        return None
 
     # ------------------------------------------------------------------ observation (ServiceView)
 
@@ -864,6 +1024,19 @@ class SchedulingService:
             for watcher in group
         ]
 
+    def deployment_name(self, key: str) -> str:
+        """A deployment's public name, never its key (which may carry credentials): the key
+        as `safe_url` shows it, numbered where two would look alike (`config.deployment_names`).
+        A key the configuration does not know (a leader's differing config) is shown safely."""
+        return self._deployment_names.get(key) or safe_url(key)
+
+    def redact(self, text: str) -> str:
+        """`text` with every configured api_base and metrics URL replaced by its public form."""
+        for url, name in self._redactions:
+            if url in text:
+                text = text.replace(url, name)
+        return text
+
     def recent_transitions(self) -> Sequence[GateTransition]:
         return self.transitions
 
@@ -901,6 +1074,16 @@ class SchedulingService:
         self._running.pop(lease, None)
         self._holders.pop(lease, None)
 
+    def _decides(self) -> bool:
+        return self.scheduler.decides
+
+    def _scrape_all_now(self) -> None:
+        """This replica starts deciding: its engines' readings are the other replica's, so each
+        watcher reads its engine at once (a new leader's hold waits for such a scrape)."""
+        for group in self._watchers.values():
+            for watcher in group:
+                watcher.request_early_scrape()
+
     def _request_scrape(self, model: str) -> None:
         for watcher in self._watchers.get(model, ()):
             watcher.request_early_scrape()
@@ -934,7 +1117,10 @@ class SchedulingService:
                 },
             )
         for observer in self._admission_observers:
-            observer.rejected(principal, ticket, exc)
+            try:
+                observer.rejected(principal, ticket, exc)
+            except Exception:
+                logger.exception("fair_sched: an admission observer failed")
 
     def _log_transition(self, transition: GateTransition) -> None:
         self.transitions.append(transition)
@@ -945,15 +1131,15 @@ class SchedulingService:
                 "fair_sched gate model=%s deployment=%s mode=fallback reason=%r: engine metrics "
                 "unavailable, limiting it to %d in flight",
                 transition.model,
-                transition.deployment,
-                transition.reason,
+                self.deployment_name(transition.deployment),
+                self.redact(transition.reason),
                 cap,
             )
         elif transition.old == "fallback":
             logger.warning(
                 "fair_sched gate model=%s deployment=%s mode=metrics: engine metrics recovered",
                 transition.model,
-                transition.deployment,
+                self.deployment_name(transition.deployment),
             )
         else:
             logger.info("fair_sched gate model=%s mode=%s", transition.model, transition.new)
@@ -995,6 +1181,12 @@ def _resolve_backends(
             continue
         resolved[model] = (backend or BackendSettings()).with_api_bases(bases, model=model)
     return resolved
+
+
+def _raw_bases(backend: BackendSettings, key: str) -> tuple[str, ...]:
+    """The api_bases as configured (a trailing "/" and all) whose deployment key is `key`."""
+    bases = ((backend.api_base,) if backend.api_base else ()) + backend.api_bases
+    return tuple(base for base in bases if base.rstrip("/") == key)
 
 
 def _budget_rules(settings: FairSchedSettings) -> dict[str, BudgetRule]:

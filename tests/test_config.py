@@ -156,6 +156,7 @@ def test_bad_config_names_the_key_path(case: str, section: Any, expected: str) -
         {"default_tier": "sk-live-pasted-by-mistake"},
         {"principals": [{"name": "a", "keys": ["k"], "tier": "sk-live-pasted-by-mistake"}]},
         {"principals": [{"name": "a", "keys": ["k"], "sk-live-pasted-by-mistake": 1}]},
+        {"tiers": [{"name": "i", "waiting_below": {"auto": {"sk-live-pasted-by-mistake": 1}}}]},
         {"principals": [{"name": "sk-live-pasted by mistake", "keys": ["k"]}]},
         {"backends": {"m": {"api_base": "sk-live-pasted-by-mistake"}}},
         {"backends": {"m": {"engine": "sk-live-pasted-by-mistake"}}},
@@ -289,3 +290,65 @@ def test_metrics_urls_without_api_base_are_deployments_keyed_by_themselves() -> 
     urls = ["http://a:8000/metrics", "http://b:8000/metrics"]
     backend = load_settings({"backends": {"m": {"metrics_urls": urls}}}).backends["m"]
     assert backend.deployments() == tuple((url, url) for url in urls)
+
+
+def test_deployment_names_hide_credentials_and_tell_look_alikes_apart() -> None:
+    """A deployment's public name is its key without credentials, query or fragment; two keys
+    that would look alike are numbered in the order given (every replica's config order)."""
+    from fair_sched_plugin.config import deployment_names
+
+    names = deployment_names(
+        [
+            "http://a:pw1@h:8000/v1?token=t1",
+            "http://b:pw2@h:8000/v1?token=t2",
+            "http://other:8000/v1",
+            "http://other:8000/v1",
+        ]
+    )
+    assert names == {
+        "http://a:pw1@h:8000/v1?token=t1": "http://h:8000/v1#1",
+        "http://b:pw2@h:8000/v1?token=t2": "http://h:8000/v1#2",
+        "http://other:8000/v1": "http://other:8000/v1",
+    }
+
+
+@pytest.mark.parametrize(
+    ("section", "expected"),
+    [
+        (
+            {"principals": [{"name": "a", "keys": ["k"]}, {"name": "b", "key": ["k"]}]},
+            "fair_sched.principals[1].key: unknown key, did you mean keys?",
+        ),
+        (
+            {"metrics_pol_ms": 100},
+            "fair_sched.metrics_pol_ms: unknown key, did you mean metrics_poll_ms?",
+        ),
+        (
+            {"tiers": [{"name": "i", "waiting_bellow": 3}]},
+            "fair_sched.tiers[0].waiting_bellow: unknown key, did you mean waiting_below?",
+        ),
+        (
+            {"backends": {"m": {"placement": {"prefix_afinity": True}}}},
+            "fair_sched.backends.m.placement.prefix_afinity: unknown key, did you mean "
+            "prefix_affinity?",
+        ),
+        (
+            {"queue": {"max_per_usr": 3}},
+            "fair_sched.queue.max_per_usr: unknown key, did you mean max_per_user?",
+        ),
+        (
+            {"tiers": [{"name": "i", "tpot_below_ms": 100, "waiting_below": {"auto": {"mn": 1}}}]},
+            "fair_sched.tiers[0].waiting_below.auto.mn: unknown key, did you mean min?",
+        ),
+    ],
+)
+def test_an_unknown_key_names_the_nearest_known_one(section: Any, expected: str) -> None:
+    with pytest.raises(ConfigError) as caught:
+        parse_settings(section)
+    assert expected in str(caught.value).splitlines()[1]
+
+
+def test_an_unknown_key_like_no_known_one_gets_no_suggestion() -> None:
+    with pytest.raises(ConfigError) as caught:
+        parse_settings({"observability": {"zzzz": 1}})
+    assert str(caught.value).splitlines()[1].strip() == "fair_sched.observability.zzzz: unknown key"

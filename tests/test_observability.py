@@ -28,7 +28,7 @@ from starlette.responses import PlainTextResponse
 from starlette.routing import Route, Router
 
 from fair_sched_plugin.asgi import FairSchedulerMiddleware
-from fair_sched_plugin.config import load_settings
+from fair_sched_plugin.config import load_settings, safe_url
 from fair_sched_plugin.core import (
     BackendSnapshot,
     GateTransition,
@@ -700,6 +700,12 @@ class StaticView:
     def recent_transitions(self) -> list[GateTransition]:
         return []
 
+    def deployment_name(self, key: str) -> str:
+        return safe_url(key)
+
+    def redact(self, text: str) -> str:
+        return text
+
     def budget_standings(self) -> list[BudgetStanding]:
         return [BudgetStanding("alice", "usd", 5.0, 6.0, 0.0, 120.0, True, "reject", None)]
 
@@ -921,7 +927,7 @@ async def test_ui_page_is_served_without_a_key_and_holds_no_data() -> None:
 def test_ui_page_is_self_contained_and_never_puts_the_key_in_a_url() -> None:
     from fair_sched_plugin.observability import _ui
 
-    html = _ui.PAGE.decode()
+    html = _ui.page().decode()
     # Nothing loaded from elsewhere: no external script, style, font or image.
     assert re.findall(r"https?://[^\s\"'`]+", html) == ["http://www.w3.org/2000/svg"]
     assert "<link" not in html and " src=" not in html and "@import" not in html

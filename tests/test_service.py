@@ -8,14 +8,15 @@ from typing import Any
 
 import pytest
 
-from fair_sched_plugin.core import BackendSnapshot
-from fair_sched_plugin.errors import ConfigError, QueueFull, QueueTimeout
+from fair_sched_plugin.core import MAX_REQUEST_TOKENS, BackendSnapshot
+from fair_sched_plugin.errors import ConfigError, InvalidRequest, QueueFull, QueueTimeout
 from fair_sched_plugin.identity import Credentials
 from fair_sched_plugin.service import (
     ClientDisconnected,
     RejectionLogLimiter,
     SchedulingService,
     estimate_prompt_tokens,
+    requested_choices,
     requested_max_tokens,
 )
 from fair_sched_plugin.testing import FakeClock, settle
@@ -299,3 +300,39 @@ async def test_one_injected_clock_drives_the_gate_the_queue_and_the_rejection_lo
     holder.lease.release()
     (await asyncio.wait_for(parked, 5)).lease.release()
     await svc.aclose()
+
+
+ODD_COUNTS = [10**400, float("inf"), float("nan"), -1, 0, "256", [256], {"n": 1}, True, 2.5]
+
+
+@pytest.mark.parametrize("field", ["max_tokens", "max_completion_tokens", "max_output_tokens"])
+@pytest.mark.parametrize("value", ODD_COUNTS, ids=repr)
+def test_an_output_bound_out_of_range_is_a_400_naming_the_field(field: str, value: Any) -> None:
+    """Before: any positive int was taken as the request's cost, and a 400-digit one made the
+    charge raise OverflowError after the lease was marked ended (a slot leaked for good)."""
+    with pytest.raises(InvalidRequest) as refused:
+        requested_max_tokens({field: value})
+    assert refused.value.param == field
+    assert field in str(refused.value)
+
+
+@pytest.mark.parametrize("field", ["n", "best_of"])
+@pytest.mark.parametrize("value", [*ODD_COUNTS, 129], ids=repr)
+def test_a_choice_count_out_of_range_is_a_400_naming_the_field(field: str, value: Any) -> None:
+    with pytest.raises(InvalidRequest) as refused:
+        requested_choices({field: value})
+    assert refused.value.param == field
+
+
+def test_counts_in_range_are_taken_and_bound_the_estimate() -> None:
+    assert requested_max_tokens({"max_tokens": 100.0}) == 100
+    assert requested_max_tokens({"max_tokens": None}) == 256
+    assert requested_max_tokens({"max_output_tokens": 9}) == 9
+    assert requested_choices({"n": 4, "best_of": 6}) == 6
+    service = SchedulingService({"tiers": [{"name": "t"}]})
+    principal = service.identify(Credentials(api_key="k"))
+    body = {"model": "m", "max_tokens": 10**8, "n": 128, "messages": []}
+    ticket = service.ticket_for(principal, "m", body)
+    # Capped at the core's range: 10^8 tokens for each of 128 choices is beyond it.
+    assert ticket.cost == MAX_REQUEST_TOKENS
+    assert service.ticket_for(principal, "m", {"max_tokens": 10, "n": 3}).cost == 1 + 30

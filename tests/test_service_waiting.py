@@ -236,3 +236,113 @@ async def test_a_request_that_ends_within_the_grace_is_not_ended_again() -> None
     clock.advance(5.0)
     assert not running.ended
     await svc.aclose()
+
+
+class _CountingBacklog:
+    """Wraps the scheduler's `backlog()` (an O(backlogged users) scan) to count its calls."""
+
+    def __init__(self, svc: SchedulingService) -> None:
+        self.calls = 0
+        self._backlog = svc.scheduler.backlog
+
+        def counted(model: str | None = None) -> Any:
+            self.calls += 1
+            return self._backlog(model)
+
+        svc.scheduler.backlog = counted  # type: ignore[method-assign]
+
+
+async def test_estimates_read_counts_and_never_scan_the_backlog() -> None:
+    """Positions, ETAs, `Retry-After` and the where-do-I-stand document per request cost
+    O(log n): none of them lists the backlog (which costs O(everything queued))."""
+    clock = FakeClock()
+    svc = make_service(clock, queue={"max_per_user": 30, "max_wait_s": 600})
+    alice = svc.identify(Credentials(api_key="sk-a"))
+    bob = svc.identify(Credentials(api_key="sk-b"))
+    for _ in range(3):  # a measured drain rate, so ETAs and Retry-After are computed
+        clock.advance(1.0)
+        (await svc.admit(bob, "m", BODY)).lease.release()
+    holder = await svc.admit(bob, "m", BODY)
+    recorders = [Recorder() for _ in range(30)]
+    parked = [asyncio.ensure_future(svc.admit(alice, "m", BODY, waiting=r)) for r in recorders]
+    parked += [asyncio.ensure_future(svc.admit(bob, "m", BODY)) for _ in range(2)]
+    await settle()
+    scans = _CountingBacklog(svc)
+    standings = [r.parked_request.standing() for r in recorders if r.parked_request]
+    assert [position for position, _, _ in standings][:3] == [2, 4, 5]
+    assert all(eta is not None for _, eta, _ in standings)
+    document = svc.standing_of(alice)
+    assert [row["position"] for row in document["models"][UNKNOWN_MODELS]["parked"]][:3] == [
+        2,
+        4,
+        5,
+    ]
+    assert svc.suggest_retry_after(UNKNOWN_MODELS, user="carol") is not None
+    with pytest.raises(QueueFull) as full:
+        await svc.admit(alice, "m", BODY)
+    assert full.value.retry_after_s >= 1.0
+    assert scans.calls == 0
+    holder.lease.release()
+    for task in parked:
+        task.cancel()
+    await asyncio.gather(*parked, return_exceptions=True)
+    await svc.aclose()
+
+
+async def test_keepalive_comments_never_scan_the_backlog() -> None:
+    """A parked stream's comments (real loop, real `RequestWatch`) read the counts only."""
+    from fair_sched_plugin._request import RequestWatch
+
+    svc = make_service(
+        FakeClock(), queue={"keepalive_after_s": 0.001, "keepalive_interval_s": 0.001}
+    )
+    alice = svc.identify(Credentials(api_key="sk-a"))
+    holder = await svc.admit(alice, "m", BODY)
+    scans = _CountingBacklog(svc)
+    comments: list[bytes] = []
+    three_comments = asyncio.Event()
+
+    async def send(message: Any) -> None:
+        if message["type"] == "http.response.body":
+            comments.append(message["body"])
+            if len(comments) >= 3:
+                three_comments.set()
+
+    watch = RequestWatch(None, send)
+    watch.streaming = True
+    waiting = asyncio.ensure_future(svc.admit(alice, "m", {**BODY, "stream": True}, waiting=watch))
+    await asyncio.wait_for(three_comments.wait(), 10)
+    assert all(comment.startswith(b": queued position=1 ") for comment in comments)
+    assert scans.calls == 0
+    holder.lease.release()
+    (await asyncio.wait_for(waiting, 5)).lease.release()
+    await svc.aclose()
+
+
+async def test_a_parked_requests_eta_never_grows_while_nothing_drains() -> None:
+    """The keep-alive bug: position 1 stayed and its ETA grew every second (0.5, 1.0, ...)
+    until the request timed out. Now it counts down from the last release and, once the
+    request should have gone at the measured rate, there is no ETA at all."""
+    clock = FakeClock()
+    svc = make_service(clock)
+    alice = svc.identify(Credentials(api_key="sk-a"))
+    for _ in range(3):  # two releases a second
+        (await svc.admit(alice, "m", BODY)).lease.release()
+        clock.advance(0.5)
+    holder = await svc.admit(alice, "m", BODY)
+    recorder = Recorder()
+    waiting = asyncio.ensure_future(svc.admit(alice, "m", BODY, waiting=recorder))
+    await settle()
+    assert recorder.parked_request is not None
+    etas = []
+    for _ in range(6):
+        assert recorder.parked_request.position() == 1
+        etas.append(recorder.parked_request.eta_s())
+        clock.advance(0.25)
+    known = [eta for eta in etas if eta is not None]
+    assert known == sorted(known, reverse=True) and known[0] == pytest.approx(0.5)
+    assert etas[-1] is None
+    assert svc.standing_of(alice)["models"][UNKNOWN_MODELS]["parked"][0]["eta_s"] is None
+    holder.lease.release()
+    (await asyncio.wait_for(waiting, 5)).lease.release()
+    await svc.aclose()

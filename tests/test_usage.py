@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import json
 from types import SimpleNamespace
 
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 
-from fair_sched_plugin._usage import Usage, read_usage
+from fair_sched_plugin._usage import JsonUsageFinder, Usage, read_usage
 from fair_sched_plugin.identity import Credentials
 from fair_sched_plugin.service import SchedulingService
 from fair_sched_plugin.testing import FakeClock
@@ -95,3 +98,79 @@ async def test_finishing_with_usage_charges_tokens_and_money_without_the_cached_
     (standing,) = svc.budget_standings()
     assert standing.spent == 104 + 10
     await svc.aclose()
+
+
+# ----------------------------------------------------------------- bounds and large answers
+
+
+def test_a_count_beyond_the_cores_range_is_not_reported() -> None:
+    """A misbehaving engine's 400-digit count must not reach the charge (it overflowed there)."""
+    huge = 10**400
+    assert read_usage({"prompt_tokens": huge, "completion_tokens": 5}) is None
+    usage = read_usage({"prompt_tokens": 5, "completion_tokens": huge, "total_tokens": 9})
+    assert usage is not None and usage.tokens_used == 9
+    assert read_usage({"prompt_tokens": "5", "total_tokens": -1}) is None
+
+
+def _answer(text_tokens: int, usage: dict[str, int]) -> bytes:
+    content = " ".join(f"w{index}" for index in range(text_tokens))
+    return json.dumps(
+        {
+            "id": "x",
+            "object": "chat.completion",
+            "choices": [{"index": 0, "message": {"role": "assistant", "content": content}}],
+            "usage": usage,
+            # vLLM puts fields after `usage`; a token text "usage" appears as a value there.
+            "prompt_logprobs": [
+                {"1": {"decoded_token": "usage"}},
+                {"2": {"decoded_token": '"usage":'}},
+            ],
+        }
+    ).encode()
+
+
+def test_usage_is_found_at_the_end_of_a_large_answer_fed_in_pieces() -> None:
+    """Before: only the first 256 KiB of a non-streamed answer were kept, so a 46,000-token
+    answer's `usage` was lost and the request charged its estimate."""
+    usage = {"prompt_tokens": 12, "completion_tokens": 46_000, "total_tokens": 46_012}
+    body = _answer(46_000, usage)
+    assert len(body) > 256 * 1024
+    for piece_size in (1, 7, 4096, 65_536, len(body)):
+        if piece_size == 1:
+            # Byte by byte around the key only (the whole body byte by byte is slow to build).
+            head, tail = body[:-400], body[-400:]
+            pieces = [head, *[tail[i : i + 1] for i in range(len(tail))]]
+        else:
+            pieces = [body[i : i + piece_size] for i in range(0, len(body), piece_size)]
+        finder = JsonUsageFinder()
+        for piece in pieces:
+            finder.feed(piece)
+        assert finder.usage == Usage(12, 46_000, 46_012, 0), piece_size
+
+
+@given(
+    text=st.text(max_size=200),
+    prompt=st.integers(0, 10**7),
+    output=st.integers(0, 10**7),
+    cut=st.integers(0, 10_000),
+)
+def test_usage_finder_agrees_with_parsing_the_whole_body(
+    text: str, prompt: int, output: int, cut: int
+) -> None:
+    """Whatever the text says (quotes, the word usage, escapes) and wherever a piece ends."""
+    document = {
+        "choices": [{"message": {"content": text}}],
+        "usage": {"prompt_tokens": prompt, "completion_tokens": output},
+    }
+    body = json.dumps(document, ensure_ascii=bool(cut % 2)).encode()
+    finder = JsonUsageFinder()
+    cut %= len(body) + 1
+    finder.feed(body[:cut])
+    finder.feed(body[cut:])
+    assert finder.usage == read_usage(document["usage"])
+
+
+def test_a_body_without_usage_reports_none() -> None:
+    finder = JsonUsageFinder()
+    finder.feed(b'{"error": {"message": "\\"usage\\": {\\"prompt_tokens\\": 5}"}}')
+    assert finder.usage is None

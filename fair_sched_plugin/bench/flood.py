@@ -1,4 +1,4 @@
-"""The flood scenario (DESIGN.md, "How we measure"), played through several gateways.
+"""The flood scenario (docs/results.md, "The flood demo"), played through several gateways.
 
 One power user sends N streaming requests at once; one second later two light users send one
 each. Each variant has its own engine (a fresh emulator, so its statistics are its own) and its

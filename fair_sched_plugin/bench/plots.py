@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -189,6 +189,93 @@ def plot_hit_rates(results: Sequence[Any], best: float | None, path: Path) -> Pa
     ax.set_ylim(0, 1)
     ax.set_ylabel("prefix-cache hit rate (tokens)")
     ax.legend(fontsize="x-small", loc="upper left")
+    fig.tight_layout()
+    fig.savefig(path, dpi=90)
+    plt.close(fig)
+    return path
+
+
+def plot_service_curves(
+    times: Sequence[float],
+    curves: Mapping[str, Sequence[int]],
+    heavy: set[str],
+    title: str,
+    path: Path,
+) -> Path:
+    """Cumulative tokens per user over time: the heavy user(s) red, the ten next biggest in
+    colour, everybody else thin and grey."""
+    plt = _pyplot()
+    fig, ax = plt.subplots(figsize=(9, 4.5))
+    ranked = sorted(curves, key=lambda user: -curves[user][-1])
+    coloured = [user for user in ranked if user not in heavy][:10]
+    palette = plt.get_cmap("tab10")
+    for user in ranked:
+        if user in heavy:
+            ax.plot(times, curves[user], color="#c0504d", linewidth=2.2, label=f"{user} (heavy)")
+        elif user in coloured:
+            colour = palette(coloured.index(user) % 10)
+            ax.plot(times, curves[user], color=colour, linewidth=1.2, label=user)
+        else:
+            ax.plot(times, curves[user], color="#999999", linewidth=0.6, alpha=0.6)
+    ax.set_xlabel("seconds since the scenario started")
+    ax.set_ylabel("tokens streamed (cumulative)")
+    ax.set_title(title)
+    ax.legend(loc="upper left", fontsize=7, ncol=2)
+    fig.tight_layout()
+    fig.savefig(path, dpi=90)
+    plt.close(fig)
+    return path
+
+
+def plot_fairness_comparison(
+    cells: Sequence[tuple[str, str, Mapping[str, Any]]], path: Path
+) -> Path:
+    """Per scenario, a bar per target: Jain's index, the service gap over its VTC bound, and the
+    light users' TTFT p50 over the heavy user's."""
+    plt = _pyplot()
+    scenarios = list(dict.fromkeys(scenario for _, scenario, _ in cells))
+    targets = list(dict.fromkeys(target for target, _, _ in cells))
+    by_cell = {(target, scenario): summary for target, scenario, summary in cells}
+    panels: tuple[tuple[str, Callable[[Mapping[str, Any]], float | None]], ...] = (
+        ("Jain's index while backlogged (1 = equal)", lambda s: s.get("jain_index")),
+        (
+            "max service gap / VTC bound (<= 1: within)",
+            lambda s: max(0.01, s["max_service_gap_tokens"] / s["vtc_bound_tokens"]),
+        ),
+        ("light / heavy TTFT p50 (lower: light first)", lambda s: s.get("light_heavy_ttft_ratio")),
+    )
+    fig, axes = plt.subplots(1, 3, figsize=(13, 4))
+    width = 0.8 / max(len(targets), 1)
+    palette = plt.get_cmap("tab10")
+    for ax, (title, value) in zip(axes, panels, strict=True):
+        for t, target in enumerate(targets):
+            xs, ys = [], []
+            for s, scenario in enumerate(scenarios):
+                summary = by_cell.get((target, scenario))
+                number = value(summary) if summary else None
+                x = s + (t - (len(targets) - 1) / 2) * width
+                if number is not None:
+                    xs.append(x)
+                    ys.append(number)
+                elif summary:
+                    # No value (e.g. never two users backlogged at once): say so, not a gap.
+                    ax.text(
+                        x,
+                        0.02,
+                        "n/a",
+                        ha="center",
+                        va="bottom",
+                        fontsize=7,
+                        transform=ax.get_xaxis_transform(),
+                    )
+            ax.bar(xs, ys, width=width, color=palette(t % 10), label=target)
+        ax.set_xticks(range(len(scenarios)), scenarios)
+        ax.set_title(title, fontsize=9)
+        if "bound" in title:
+            ax.axhline(1.0, color="black", linewidth=0.8, linestyle="--")
+            ax.set_yscale("log")
+    axes[0].set_ylim(0, 1.05)
+    axes[0].legend(fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=90)
     plt.close(fig)

@@ -177,6 +177,21 @@ class EmulatorSettings:
             argv += ["--block-tokens", str(self.block_tokens)]
         return argv
 
+    def describe(self) -> str:
+        """These settings in words, for a report."""
+        words = [
+            f"{self.max_num_seqs} slots",
+            "priority scheduling" if self.policy == "priority" else "FCFS",
+            f"steps of {self.step_ms:g} ms + {self.step_ms_per_seq:g} ms per running sequence",
+        ]
+        if self.prefill_ms_per_token is not None:
+            words.append(f"{self.prefill_ms_per_token:g} ms prefill per prompt token")
+        if self.speed != 1.0:
+            words.append(f"speed {self.speed:g}")
+        if self.prefix_cache_blocks:
+            words.append(f"a prefix cache of {self.prefix_cache_blocks} blocks")
+        return f"the built-in emulator ({', '.join(words)})"
+
 
 @contextlib.asynccontextmanager
 async def emulator_process(settings: EmulatorSettings) -> AsyncIterator[ChildProcess]:

@@ -20,7 +20,12 @@ from .flood import (
     standard_variants,
     started_targets,
 )
-from .processes import kill_leftover_groups, plugin_available, terminate_as_interrupt
+from .processes import (
+    EmulatorSettings,
+    kill_leftover_groups,
+    plugin_available,
+    terminate_as_interrupt,
+)
 from .replicas import (
     QUICK_SHARED,
     QUICK_UNEQUAL,
@@ -98,7 +103,8 @@ async def _flood_section(args: argparse.Namespace, out: Path, progress: Progress
         "## Flood",
         "",
         f"One power user sends {size.power_requests} streaming requests at once "
-        f"({size.max_tokens} tokens each); 1 s later two light users send one each.",
+        f"({size.max_tokens} tokens each); 1 s later two light users send one each. "
+        f"{_engine_line(engine, args)}",
         "",
         flood_table(results, markdown=True),
         "",
@@ -145,6 +151,11 @@ def _seconds(value: float | None) -> str:
     return "-" if value is None else f"{value:.2f} s"
 
 
+def _engine_line(settings: EmulatorSettings, args: argparse.Namespace) -> str:
+    """What the scenario ran against: `--engine`, or the emulator with the settings it got."""
+    return f"Engine: {args.engine}." if args.engine else f"Engine: {settings.describe()}."
+
+
 async def _tiers_section(args: argparse.Namespace, out: Path, progress: Progress) -> list[str]:
     size = TiersSize(batch_alone_s=4, mixed_s=6) if args.quick else TiersSize()
     variants = _keep_runnable(_pick(standard_variants(), "direct", "plugin_priority"), args)
@@ -173,7 +184,7 @@ async def _tiers_section(args: argparse.Namespace, out: Path, progress: Progress
         f"A batch user keeps {size.batch_concurrency} requests in flight; after "
         f"{size.batch_alone_s:.0f} s alone, interactive users send one request every "
         f"{size.interactive_every_s} s for {size.mixed_s:.0f} s. Batch throughput is measured "
-        "while no interactive request is around.",
+        f"while no interactive request is around. {_engine_line(DEMO_ENGINE, args)}",
         "",
         markdown_table(header, rows),
         "",
@@ -245,7 +256,7 @@ async def _overhead_section(args: argparse.Namespace, out: Path, progress: Progr
         "## Overhead",
         "",
         f"{requests} requests of 64 tokens, one at a time. CPU is user + system time of the "
-        "proxy's process group from /proc/PID/stat.",
+        f"proxy's process group from /proc/PID/stat. {_engine_line(DEMO_ENGINE, args)}",
         "",
         markdown_table(header, rows),
         "",
@@ -346,7 +357,8 @@ async def _speed_change_section(
         f"one tier. The emulator's `slow` fault makes it {size.slow:g}x slower from "
         f"{size.before_s:.0f} s to {size.before_s + size.slow_s:.0f} s of "
         f"{size.total_s:.0f} s. Transitions: the {size.transition_s:.0f} s after each switch. "
-        f"TTFT target of `auto`: {size.ttft_target_ms:.0f} ms.",
+        f"TTFT target of `auto`: {size.ttft_target_ms:.0f} ms. Engine: "
+        f"{SPEED_ENGINE.describe()}.",
         "",
         markdown_table(header, rows),
         "",
@@ -563,7 +575,12 @@ async def _http_sections(
 
 
 def run_bench(args: argparse.Namespace) -> int:
-    scenarios = [name.strip() for name in args.scenarios.split(",") if name.strip()]
+    if getattr(args, "target", None) or getattr(args, "trace", None):
+        from .open_bench import run_open_bench
+
+        return run_open_bench(args)
+    chosen = args.scenarios or ",".join(ALL_SCENARIOS)
+    scenarios = [name.strip() for name in chosen.split(",") if name.strip()]
     unknown = sorted(set(scenarios) - set(ALL_SCENARIOS))
     if unknown:
         print(
@@ -574,7 +591,7 @@ def run_bench(args: argparse.Namespace) -> int:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     progress = Progress()
-    engine = args.engine or "the built-in emulator (8 slots, 12 ms + 0.5 ms per running sequence)"
+    engine = args.engine or "the built-in emulator, set up per scenario as each section says"
     lines = [
         "# fair-sched benchmark report",
         "",

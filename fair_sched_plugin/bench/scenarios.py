@@ -1,4 +1,5 @@
-"""The other DESIGN.md scenarios: tiers, many users, overhead, core decisions."""
+"""The other `fair-sched bench` scenarios (docs/results.md): tiers, many users, overhead, core
+decisions."""
 
 from __future__ import annotations
 

@@ -13,7 +13,6 @@ relative to now, so another process (with another monotonic clock) can take it o
 
 from __future__ import annotations
 
-import math
 from collections.abc import Mapping
 from typing import Literal, NamedTuple
 
@@ -151,7 +150,8 @@ def _parse_snapshot(snapshot: object) -> dict[str, tuple[float, float]]:
             value = entry.get(field)
             if isinstance(value, bool) or not isinstance(value, (int, float)):
                 raise ValueError(f"budget snapshot entry {principal!r}: {field} is {value!r}")
-            if not math.isfinite(value) or (field == "spent" and value < 0):
+            # Compared before any conversion: an integer too large for a float fails here.
+            if not -1e300 < value < 1e300 or (field == "spent" and value < 0):
                 raise ValueError(f"budget snapshot entry {principal!r}: {field} is {value!r}")
             numbers.append(float(value))
         windows[principal] = (numbers[0], numbers[1])

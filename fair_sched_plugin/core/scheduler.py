@@ -15,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import heapq
 import itertools
+import logging
 import math
 from collections import OrderedDict, deque
 from collections.abc import Callable, Iterable, Mapping
@@ -23,7 +24,10 @@ from typing import Literal, NamedTuple
 from ..errors import QueueFull, QueueTimeout, SchedulerClosed
 from .clock import Clock, LoopClock, TimerHandle
 from .gate import AdmissionGate
+from .standing import DepthIndex, position_in
 from .ticket import Lease, Ticket, TierLimits
+
+logger = logging.getLogger("fair_sched")
 
 FairnessPolicy = Literal["round_robin", "weighted", "tokens", "cost"]
 QueueOrder = Literal["fifo", "shortest_first"]
@@ -158,6 +162,7 @@ class _UserQueue:
 
 class _TierQueue:
     __slots__ = (
+        "depths",
         "heap",
         "idle",
         "limits",
@@ -199,6 +204,8 @@ class _TierQueue:
         self.stale_entries = 0
         self.virtual_time = 0.0
         self.queued = 0
+        # The users' depths, for position estimates in O(log n) (`position_estimate`).
+        self.depths = DepthIndex()
 
 
 class _ModelQueues:
@@ -441,6 +448,31 @@ class FairScheduler:
                     )
         return result
 
+    def queued_of(self, model: str, tier: str, user: str) -> int:
+        """How many requests `user` has queued in `tier` of `model` (O(1))."""
+        queues = self._models.get(model)
+        index = self._tier_index.get(tier)
+        if queues is None or index is None:
+            return 0
+        user_queue = queues.tiers[index].users.get(user)
+        return user_queue.depth if user_queue is not None else 0
+
+    def position_estimate(self, model: str, tier: str, user: str, own_index: int) -> int:
+        """`waiting.estimate_position` of `user`'s `own_index`-th request in `tier` of `model`
+        over this scheduler's backlog, from counts kept as queues change: O(tiers + log n)."""
+        queues = self._models.get(model)
+        index = self._tier_index.get(tier)
+        if queues is None or index is None:
+            return own_index
+        tiers = queues.tiers
+        ahead = 0
+        for upper in range(index):  # strict tiers: everything queued above goes first
+            ahead += tiers[upper].depths.total
+        tier_queue = tiers[index]
+        user_queue = tier_queue.users.get(user)
+        own_depth = user_queue.depth if user_queue is not None else 0
+        return position_in(own_index, own_depth, ahead, tier_queue.depths)
+
     def close(self) -> None:
         """Refuse new tickets and fail every queued waiter with `SchedulerClosed`.
 
@@ -535,6 +567,7 @@ class FairScheduler:
         else:
             user_queue.waiters.append(waiter)
         user_queue.depth += 1
+        tier.depths.deeper(user_queue.depth)
         if tier.limits.promote_after_s is not None and tier.position:
             self._track_promotion(tier, waiter)
         tier.queued += 1
@@ -570,6 +603,7 @@ class FairScheduler:
         """One waiter left `user_queue` (its entry is already gone or marked); True while the
         user still has requests queued in this tier, else the user leaves the tier's heap."""
         tier = user_queue.tier_queue
+        tier.depths.shallower(user_queue.depth)
         user_queue.depth -= 1
         tier.queued -= 1
         if user_queue.depth:
@@ -759,10 +793,13 @@ class FairScheduler:
         """Release `user_queue`'s head request (found by `_head_waiter`). The user's heap
         entry is the heap's top, or `off_heap_entry` when the look-ahead took it off; then
         `start_tag` is the passed-over head's virtual time."""
+        # Computed before anything changes: a release either happens whole or not at all.
+        charge = self._release_charge(self._head_waiter(user_queue).ticket)
         if self._shortest_first:
             waiter = heapq.heappop(user_queue.sized)[2]
         else:
             waiter = user_queue.waiters.popleft()
+        tier.depths.shallower(user_queue.depth)
         user_queue.depth -= 1
         if not user_queue.depth:
             user_queue.waiters.clear()
@@ -796,7 +833,12 @@ class FairScheduler:
             tier.virtual_time = start_tag
         deployment = self._gate.place(waiter.ticket, tier.limits)
         lease = self._make_lease(
-            queues, user_queue, waiter.ticket, enqueued_at=waiter.enqueued_at, deployment=deployment
+            queues,
+            user_queue,
+            waiter.ticket,
+            enqueued_at=waiter.enqueued_at,
+            charge=charge,
+            deployment=deployment,
         )
         if off_heap_entry is not None:
             if user_queue.depth:
@@ -828,7 +870,7 @@ class FairScheduler:
         deployment: str | None = None,
     ) -> Lease:
         if charge is None:
-            charge = 1.0 if self._fairness == "round_robin" else self._charge(ticket, ticket.cost)
+            charge = self._release_charge(ticket)
         user_queue.virtual_time += charge
         user_queue.in_flight += 1
         rank = self._engine_round(user_queue, ticket.weight)
@@ -886,13 +928,17 @@ class FairScheduler:
                 self._correct(tier, user_queue, correction)
         if not user_queue.depth:
             self._forget_if_idle(tier, user_queue)
-        if self._end_listeners:
-            for listener in self._end_listeners:
-                listener(lease, abandoned)
+        # The core and the gate have heard of the end before any observer runs: an observer's
+        # failure (a spend that cannot be counted) is logged and can leave nothing half-ended.
         self._gate.on_ended(lease)
+        notify_end_listeners(self._end_listeners, lease, abandoned)
         self._dispatch_queues(queues)
 
     # ------------------------------------------------------------------ fairness bookkeeping
+
+    def _release_charge(self, ticket: Ticket) -> float:
+        """What releasing `ticket` charges its user (finite: a ticket's fields are bounded)."""
+        return 1.0 if self._fairness == "round_robin" else self._charge(ticket, ticket.cost)
 
     def _charge(self, ticket: Ticket, tokens: int) -> float:
         if self._fairness == "round_robin":
@@ -1054,6 +1100,7 @@ class FairScheduler:
                 index -= 1
             waiters.insert(index, waiter)
         new_queue.depth += 1
+        upper.depths.deeper(new_queue.depth)
         upper.queued += 1
         if upper.limits.promote_after_s is not None and upper.position:
             self._track_promotion(upper, waiter)
@@ -1133,6 +1180,17 @@ class FairScheduler:
     def _retry_hint(self, queues: _ModelQueues) -> float:
         # A rough hint: a second per queued request per in-flight slot, between 1 s and 60 s.
         return min(60.0, max(1.0, queues.queued / max(queues.in_flight, 1)))
+
+
+def notify_end_listeners(
+    listeners: Iterable[Callable[[Lease, bool], None]], lease: Lease, abandoned: bool
+) -> None:
+    """Tell each end listener; one that raises is logged and the others still hear."""
+    for listener in listeners:
+        try:
+            listener(lease, abandoned)
+        except Exception:
+            logger.exception("fair_sched: a lease-end observer failed for %r", lease)
 
 
 def _arrival(waiter: _Waiter) -> float:

@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
-import math
+import logging
 from types import TracebackType
 from typing import NamedTuple, Protocol
+
+logger = logging.getLogger("fair_sched")
 
 # The documented ranges of what one request may claim or report. Every number that comes from
 # outside (a request body, a header, a Redis message, an engine's `usage`) is checked against
@@ -19,6 +21,17 @@ MIN_WEIGHT = 1e-6
 MAX_WEIGHT = 1e6
 
 
+def _left_out(field: str, value: object) -> None:
+    # The value itself may be anything (a 400-digit integer): only its kind and size are shown.
+    # (repr() of a huge integer raises ValueError past Python's digit limit.)
+    shown = f"an int of {value.bit_length()} bits" if isinstance(value, int) else repr(value)[:40]
+    logger.warning(
+        "fair_sched: a lease's end reported %s out of range (%s); its estimate stays charged",
+        field,
+        shown,
+    )
+
+
 def request_tokens_in_range(value: object) -> bool:
     """A token count (a ticket's cost, a lease's `tokens_used`) within [0, MAX_REQUEST_TOKENS]."""
     return (
@@ -28,11 +41,12 @@ def request_tokens_in_range(value: object) -> bool:
 
 def request_cost_in_range(value: object) -> bool:
     """A money amount (a ticket's price, a lease's `cost_used`) within [0, MAX_REQUEST_COST]."""
+    # Compared, never converted: NaN and infinities fail the comparison, and so does an
+    # integer too large for a float (which `math.isfinite` would raise OverflowError for).
     return (
         isinstance(value, (int, float))
         and not isinstance(value, bool)
-        and math.isfinite(value)
-        and 0 <= value <= MAX_REQUEST_COST
+        and (0 <= value <= MAX_REQUEST_COST)
     )
 
 
@@ -200,10 +214,18 @@ class Lease:
         """End the lease; `tokens_used` (prompt + output) corrects the token-fair estimate and
         `cost_used` (money) the cost-fair one.
 
-        Returns True for the call that ended it, False for every later call.
+        Returns True for the call that ended it, False for every later call. A count outside
+        the core's range (`MAX_REQUEST_TOKENS`, `MAX_REQUEST_COST`) is taken as not reported:
+        the estimate stays charged.
         """
         if self._ended:
             return False
+        if tokens_used is not None and not request_tokens_in_range(tokens_used):
+            _left_out("tokens used", tokens_used)
+            tokens_used = None
+        if cost_used is not None and not request_cost_in_range(cost_used):
+            _left_out("cost used", cost_used)
+            cost_used = None
         self._ended = True
         self.cost_used = cost_used
         self.tokens_used = tokens_used

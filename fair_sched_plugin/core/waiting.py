@@ -71,9 +71,22 @@ class DrainMeter:
         return (len(times) - 1) / span if span > 0 else None
 
     def eta_s(self, model: str, position: int, now: float) -> float | None:
-        """Seconds until the request at `position` is released at the measured rate."""
-        rate = self.rate(model, now)
-        return position / rate if rate else None
+        """Seconds until the request at `position` is released if the queue keeps draining as
+        it did: `position` releases at the rate measured between the recent releases, counted
+        from the last one. None before two releases were seen, and None once that time has
+        passed without the request being released: the queue stalled, and no honest ETA is
+        left (the rate up to now, `rate()`, would make the ETA grow with the stall instead,
+        a client being told "almost there" later and later until it timed out)."""
+        times = self._released.get(model)
+        if not times:
+            return None
+        while times and now - times[0] > self._window_s:
+            times.popleft()
+        if len(times) < 2 or times[-1] <= times[0]:
+            return None
+        rate = (len(times) - 1) / (times[-1] - times[0])
+        remaining = times[-1] + position / rate - now
+        return remaining if remaining > 0 else None
 
 
 def retry_after_s(

@@ -35,6 +35,19 @@ GARBAGE_METRICS = b"<html><body><h1>502 Bad Gateway</h1>{{{ not prometheus ]]]</
 SSE_DONE = b"data: [DONE]\n\n"
 
 
+# Output token i reads `filler_word` followed by the digit i % 10. A stream of identical chunks
+# is what LiteLLM takes for a model stuck in a loop: it fails the stream after 100 of them in a
+# row ("The model is repeating the same chunk"), so no two neighbouring tokens are the same.
+TOKEN_VARIANTS = 10
+# Stands for the varying digit in a preformatted chunk (JSON writes it as \u0000).
+_VARIANT_MARK = "\x00"
+
+
+def token_text(filler_word: str, index: int) -> str:
+    """The text of output token `index` (0-based) of every response."""
+    return f"{filler_word}{index % TOKEN_VARIANTS}"
+
+
 def _dumps(payload: object) -> str:
     return json.dumps(payload, separators=(",", ":"))
 
@@ -184,8 +197,18 @@ class CompletionRenderer:
         is_chat = request.kind == "chat"
         self.object_name = "chat.completion" if is_chat else "text_completion"
         self.chunk_object_name = "chat.completion.chunk" if is_chat else "text_completion"
-        self.token_event = self._sse(self._chunk_choice(filler_word, None))
-        self.last_token_event = self._sse(self._chunk_choice(filler_word, "length"))
+        # Every token event, all of one length, in order twice over: a run of them is a slice.
+        self._token_cycle = self._variants(None) * 2
+        self._token_event_bytes = len(self._token_cycle) // (2 * TOKEN_VARIANTS)
+        self._last_token_events = self._variants("length")
+        self._last_token_event_bytes = len(self._last_token_events) // TOKEN_VARIANTS
+        self._tokens_sent = 0
+
+    def _variants(self, finish_reason: str | None) -> bytes:
+        # One JSON dump per request, the digit put in afterwards: a token costs a copy.
+        template = self._sse(self._chunk_choice(self.filler_word + _VARIANT_MARK, finish_reason))
+        head, tail = template.rsplit(b"\\u0000", 1)
+        return b"".join(head + str(digit).encode() + tail for digit in range(TOKEN_VARIANTS))
 
     def _envelope(self, object_name: str) -> dict[str, Any]:
         return {
@@ -237,9 +260,19 @@ class CompletionRenderer:
         return self._sse(chunk)
 
     def token_events(self, count: int, ends_stream: bool) -> bytes:
-        if not ends_stream:
-            return self.token_event * count
-        return self.token_event * (count - 1) + self.last_token_event
+        """The next `count` token events; with `ends_stream`, the last carries finish_reason."""
+        start = self._tokens_sent % TOKEN_VARIANTS
+        self._tokens_sent += count
+        size = self._token_event_bytes
+        plain = count - 1 if ends_stream else count
+        rounds, rest = divmod(plain, TOKEN_VARIANTS)
+        one_round = self._token_cycle[start * size : (start + TOKEN_VARIANTS) * size]
+        body = one_round * rounds + one_round[: rest * size]
+        if ends_stream:
+            last = (start + count - 1) % TOKEN_VARIANTS
+            size = self._last_token_event_bytes
+            body += self._last_token_events[last * size : (last + 1) * size]
+        return body
 
     def stream_end(self, completion_tokens: int, cached_tokens: int = 0) -> bytes:
         if not self.request.include_usage:
@@ -252,7 +285,7 @@ class CompletionRenderer:
         return self._sse(usage_chunk) + SSE_DONE
 
     def full_response(self, completion_tokens: int, cached_tokens: int = 0) -> dict[str, Any]:
-        text = self.filler_word * completion_tokens
+        text = "".join(token_text(self.filler_word, i) for i in range(completion_tokens))
         choice: dict[str, Any]
         if self.request.kind == "chat":
             choice = {
@@ -405,6 +438,8 @@ class Emulator:
             success_counter=self.config.success_counter,
         )
         self.engine = EmulatedEngine(self.config, observer=self.metrics)
+        # `/metrics` pages asked for (the filtered page included): how often gateways read us.
+        self.metrics_requests = 0
         self._completion_requests = 0
         self.app = Starlette(
             routes=[
@@ -486,6 +521,7 @@ class Emulator:
         return await self.render_metrics(request, request.query_params.getlist("name[]"))
 
     async def render_metrics(self, request: Request, names: list[str] | None = None) -> Response:
+        self.metrics_requests += 1
         faults = self.engine.faults
         if faults.metrics_delay_s > 0:
             await asyncio.sleep(faults.metrics_delay_s)

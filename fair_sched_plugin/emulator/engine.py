@@ -103,6 +103,7 @@ class EmulatorConfig:
     TGI's profiles have none), so the gate counts arrivals from its own ends instead."""
     default_max_tokens: int = 16
     filler_word: str = " token"
+    """Output token i reads this word and the digit i % 10 (never two equal chunks in a row)."""
     request_log_size: int = 10_000
     """How many received / finished requests the engine remembers for tests (bounded memory)."""
     speed: float = 1.0

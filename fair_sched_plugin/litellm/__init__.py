@@ -17,7 +17,6 @@ loop.
 from __future__ import annotations
 
 import asyncio
-import hmac
 from typing import Any
 
 from fastapi import HTTPException, Request
@@ -25,7 +24,8 @@ from litellm.integrations.custom_logger import CustomLogger
 from litellm.proxy._types import LitellmUserRoles, UserAPIKeyAuth
 from starlette.routing import Router
 
-from ._callback import PRINCIPAL_KEY, FairSchedCallback
+from ..observability import keys_match
+from ._callback import PRINCIPAL_KEY, FairSchedCallback, VouchedPrincipal
 from ._compat import auth_module_source, check_litellm, installed_litellm_version
 from ._proxy import build_proxy_service, install_request_watch, running_proxy
 from ._routes import add_routes_to_litellm_app, litellm_admin_routes
@@ -78,14 +78,16 @@ async def authenticate(request: Request, api_key: str | None) -> UserAPIKeyAuth:
         raise HTTPException(status_code=401, detail="fair_sched: missing API key")
     proxy_server = running_proxy()
     master_key = getattr(proxy_server, "master_key", None) if proxy_server else None
-    if master_key and hmac.compare_digest(api_key.encode(), str(master_key).encode()):
+    # On SHA-256 digests (`keys_match`): a comparison of the raw keys returns early on
+    # unequal lengths, so its timing would tell the master key's length.
+    if master_key and keys_match(api_key, str(master_key)):
         return UserAPIKeyAuth(
             api_key=api_key, user_role=LitellmUserRoles.PROXY_ADMIN, user_id="admin"
         )
     principal = scheduler.service.directory.principal_for_key(api_key)
     if principal is None:
         raise HTTPException(status_code=401, detail="fair_sched: unknown API key")
-    metadata: dict[str, Any] = {PRINCIPAL_KEY: principal.name}
+    metadata: dict[str, Any] = {PRINCIPAL_KEY: VouchedPrincipal(principal.name)}
     return UserAPIKeyAuth(
         api_key=api_key,
         user_id=principal.name,

@@ -31,7 +31,7 @@ from litellm.integrations.custom_logger import CustomLogger
 from .._request import current_request, ensure_current_request
 from .._responses import error_response
 from .._usage import read_usage
-from ..config import PriceSettings, deployment_key
+from ..config import PriceSettings, deployment_key, safe_url
 from ..core import Lease
 from ..errors import ClientDisconnected, InvalidRequest, Rejected
 from ..identity import Credentials, Principal
@@ -40,8 +40,20 @@ from ._proxy import running_proxy
 
 logger = logging.getLogger("fair_sched")
 
-# Principal name our own `authenticate` vouched for (set on UserAPIKeyAuth.metadata).
+# Principal name our own `authenticate` vouched for (set on UserAPIKeyAuth.metadata), as a
+# `VouchedPrincipal`: a virtual key's stored metadata is JSON (plain strings), which anyone who
+# may create a key can fill in, so a plain string under this key is never believed.
 PRINCIPAL_KEY = "fair_sched_principal"
+
+
+class VouchedPrincipal(str):
+    """A principal name set by this process's `authenticate`, never read from stored data.
+
+    A `str` so that LiteLLM, which copies and logs the key's metadata, handles it as the name."""
+
+    __slots__ = ()
+
+
 # LiteLLM's pass-through routes (`/vllm/...`, ...) forward the body to the engine verbatim.
 PASS_THROUGH_CALL_TYPE = "pass_through_endpoint"
 # Call types whose upstream body is an object the client wrote, nested in `data` under this key:
@@ -51,6 +63,14 @@ NESTED_CLIENT_BODY = {
     "acreate_realtime_client_secret": "session",
     "acreate_realtime_transcription_session": "transcription_session",
 }
+# Call types whose upstream request LiteLLM builds without `extra_body`, so an engine cannot be
+# told the tier's priority: Gemini's `:generateContent` to an OpenAI-compatible engine goes
+# through LiteLLM's translation to a chat completion, which keeps only the fields it knows. Where
+# the engine schedules by priority such a request would run as the most urgent tier (an absent
+# priority is vLLM's 0), so it is refused instead. Found by the route walk.
+DROPS_ENGINE_PRIORITY = frozenset(
+    {"agenerate_content", "agenerate_content_stream", "generate_content", "generate_content_stream"}
+)
 
 
 class FairSchedCallback(CustomLogger):
@@ -95,6 +115,17 @@ class FairSchedCallback(CustomLogger):
         try:
             if not pass_through:
                 model = router_model_group(model, service.known_models)
+            if (
+                call_type in DROPS_ENGINE_PRIORITY
+                and isinstance(model, str)
+                and service.engine_priority(model, principal.tier) is not None
+            ):
+                raise InvalidRequest(
+                    f"model `{model}` runs on an engine that schedules by priority, and this "
+                    "route cannot carry the request's priority to it (LiteLLM translates it to "
+                    "a chat completion without it); send it to /v1/chat/completions instead",
+                    param="model",
+                )
             admission = await service.admit(
                 principal,
                 model,
@@ -112,6 +143,10 @@ class FairSchedCallback(CustomLogger):
             ) from None
         request.hold(admission.lease)
         request.admitted(admission, name_principal=service.names_principals)
+        # LiteLLM sends it on when this hook returns: a client that leaves from now on is
+        # charged what the engine can have generated.
+        request.forwarded = True
+        request.interrupted_tokens = service.interrupted_tokens
         service.rewrite_priority(data, admission.engine_priority, via_extra_body=via_extra_body)
         return data
 
@@ -120,7 +155,9 @@ class FairSchedCallback(CustomLogger):
     ) -> Principal:
         auth_metadata = getattr(auth, "metadata", None) or {}
         vouched = auth_metadata.get(PRINCIPAL_KEY) if isinstance(auth_metadata, Mapping) else None
-        if isinstance(vouched, str):
+        # Only our own `authenticate` names a principal this way; a key's stored metadata (which
+        # a non-admin may write on a key it creates) holds plain strings and is ignored.
+        if isinstance(vouched, VouchedPrincipal):
             principal = service.directory.principal_named(vouched)
             if principal is not None:
                 return principal
@@ -156,12 +193,13 @@ class FairSchedCallback(CustomLogger):
         lease = _bound_lease(self._service)
         if lease is None:
             return healthy_deployments
-        _check_same_model(lease, model)
+        _check_same_model(lease, model, self._service)
         bound = [entry for entry in healthy_deployments if _key_of(entry) == lease.deployment]
         if not bound:
             # LiteLLM took it out of rotation (cooldown after failures, health checks).
+            shown = _public_name(self._service, lease.deployment)
             raise _unavailable(
-                lease, f"LiteLLM has no healthy deployment at {lease.deployment} (cooldown?)"
+                lease, f"LiteLLM has no healthy deployment at {shown} (cooldown?)", self._service
             )
         return bound
 
@@ -169,8 +207,10 @@ class FairSchedCallback(CustomLogger):
         self, deployment: dict[str, Any], parent_otel_span: Any
     ) -> dict[str, Any] | None:
         lease = _bound_lease(self._service)
-        if lease is not None and _key_of(deployment) != lease.deployment:
-            raise _unavailable(lease, f"LiteLLM's router picked {_key_of(deployment)} instead")
+        picked = _key_of(deployment)
+        if lease is not None and picked != lease.deployment:
+            shown = _public_name(self._service, picked)
+            raise _unavailable(lease, f"LiteLLM's router picked {shown} instead", self._service)
         return None
 
     # ------------------------------------------------------------------ the end of a request
@@ -194,7 +234,10 @@ class FairSchedCallback(CustomLogger):
                 yield chunk
         finally:
             # Also on a mid-stream disconnect (the generator is closed or cancelled).
-            _end(lease, self._service, usage)
+            if lease.started:
+                _release_with_usage(lease, self._service, usage)
+            else:
+                lease.abandon()  # no chunk came: the engine failed before its answer
 
     async def async_post_call_success_hook(
         self, data: dict[str, Any], user_api_key_dict: Any, response: Any
@@ -215,8 +258,10 @@ class FairSchedCallback(CustomLogger):
         traceback_str: str | None = None,
     ) -> None:
         lease = _request_lease()
-        if lease is not None:
-            _end(lease, None, None)
+        if lease is not None and not lease.started:
+            # Refused on the way (another hook, the router) or failed before any answer: the
+            # turn passes on uncharged. A started one ends with its response (the watch).
+            lease.abandon()
 
     async def async_log_success_event(
         self, kwargs: dict[str, Any], response_obj: Any, start_time: Any, end_time: Any
@@ -316,15 +361,23 @@ def _key_of(deployment: Any) -> str | None:
     return deployment_key(api_base) if isinstance(api_base, str) and api_base else None
 
 
-def _check_same_model(lease: Lease, model: str) -> None:
+def _check_same_model(lease: Lease, model: str, service: SchedulingService | None) -> None:
     if model != lease.ticket.model:
         # A fallback to another model group: its engines never counted this request.
-        raise _unavailable(lease, f"not falling back to model group `{model}`")
+        raise _unavailable(lease, f"not falling back to model group `{model}`", service)
 
 
-def _unavailable(lease: Lease, why: str) -> Exception:
+def _public_name(service: SchedulingService | None, key: str | None) -> str | None:
+    """A deployment's public name (its api_base may carry credentials)."""
+    if key is None:
+        return None
+    return service.deployment_name(key) if service is not None else safe_url(key)
+
+
+def _unavailable(lease: Lease, why: str, service: SchedulingService | None) -> Exception:
+    shown = _public_name(service, lease.deployment)
     message = (
-        f"fair_sched: the deployment this request was scheduled to ({lease.deployment}, model "
+        f"fair_sched: the deployment this request was scheduled to ({shown}, model "
         f"`{lease.ticket.model}`) is not available: {why}; retry to be placed again"
     )
     # LiteLLM's router retries a refused attempt (and tries each fallback): one warning per
@@ -345,24 +398,18 @@ def _request_lease() -> Lease | None:
     return request.lease if request is not None else None
 
 
-def _end(lease: Lease, service: SchedulingService | None, usage: Any) -> None:
-    # Completed once the engine demonstrably took it (a byte came back); otherwise the request
-    # never got to the engine (another hook refused it, the router failed): the turn passes on
-    # uncharged.
-    if lease.started:
-        _release_with_usage(lease, service, usage)
-    else:
-        lease.abandon()
-
-
 def _release_with_usage(lease: Lease, service: SchedulingService | None, usage: Any) -> None:
-    """End the lease with what the engine reported (`SchedulingService.finish_with_usage`:
-    uncached prompt plus output tokens, and their money cost at the model's price —
-    `backends.<model>.price`, else LiteLLM's own cost data)."""
-    if service is None:
-        lease.release()
-    else:
-        service.finish_with_usage(lease, read_usage(usage))
+    """Report what the engine said the request used (`SchedulingService.charge_of`: uncached
+    prompt plus output tokens, and their money cost at the model's price —
+    `backends.<model>.price`, else LiteLLM's own cost data) to the request's watch, which ends
+    the lease once the answer went out, after recording its first byte."""
+    found = read_usage(usage) if service is not None else None
+    tokens_used, cost_used = (
+        service.charge_of(lease.ticket.model, found)
+        if service is not None and found is not None
+        else (None, None)
+    )
+    ensure_current_request().report(lease, tokens_used, cost_used)
 
 
 class LiteLLMPrices:

@@ -30,7 +30,7 @@ from ..observability._endpoints import (
     status_response,
     unauthorized,
 )
-from ..observability._ui import ui_response
+from ..observability._ui import LITELLM_KEY_HINT, ui_response
 from ..service import SchedulingService
 
 logger = logging.getLogger("fair_sched")
@@ -60,7 +60,7 @@ def litellm_admin_routes(proxy_server: Any, service: SchedulingService) -> list[
         return endpoint
 
     async def page(request: Request) -> Response:
-        return ui_response()
+        return ui_response(LITELLM_KEY_HINT)
 
     return [
         Route(METRICS_PATH, guarded(metrics_response), methods=["GET"]),

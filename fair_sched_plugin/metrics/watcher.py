@@ -20,6 +20,7 @@ from types import TracebackType
 import httpx
 
 from .._http import KEEPALIVE_EXPIRY_S
+from ..config import safe_url
 from ..core.snapshot import BackendSnapshot
 from .parser import (
     MetricsParseError,
@@ -70,6 +71,8 @@ class MetricsWatcher:
     defaults to the running loop's time. Scheduling itself always uses the loop's time.
     `request_early_scrape()` starts the next scrape now, but never sooner than `min_gap_s`
     (default `interval_s / 4`) after the previous one started. Call it from the loop's thread.
+    `active()`, where given, is asked before each scrape: while it says False the engine is not
+    read at all.
     """
 
     def __init__(
@@ -87,12 +90,15 @@ class MetricsWatcher:
         max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
         longest_timeout_s: float | None = None,
         name_filter: bool = True,
+        active: Callable[[], bool] | None = None,
     ) -> None:
         if interval_s <= 0 or timeout_s <= 0:
             raise ValueError("interval_s and timeout_s must be greater than 0")
         if min_gap_s is not None and min_gap_s < 0:
             raise ValueError("min_gap_s must not be negative")
         self.url = url
+        # What logs call it: the URL may carry credentials (derived from such an api_base).
+        self._shown = safe_url(url)
         self._profile = profile
         # The page with only our series where the engine serves one (`name_filter` off: never).
         self._filtered_url = filtered_metrics_url(url, profile) if name_filter else None
@@ -111,6 +117,9 @@ class MetricsWatcher:
         self._min_gap_s = interval_s / 4 if min_gap_s is None else min(min_gap_s, interval_s)
         self._max_body_bytes = max_body_bytes
         self._on_snapshot = on_snapshot
+        # Asked before each scrape: False skips it (another replica decides and reads the
+        # engine; see `SchedulingService`). `request_early_scrape()` ends the wait at once.
+        self._active = active
         self._client = client
         self._owns_client = client is None
         self._clock = clock
@@ -138,7 +147,7 @@ class MetricsWatcher:
             limits = httpx.Limits(keepalive_expiry=KEEPALIVE_EXPIRY_S)
             self._client = httpx.AsyncClient(limits=limits)
         self._wake = asyncio.Event()
-        self._task = loop.create_task(self._run(), name=f"fair-sched metrics {self.url}")
+        self._task = loop.create_task(self._run(), name=f"fair-sched metrics {self._shown}")
 
     async def aclose(self) -> None:
         """Stop the task and close the client if this watcher created it. Idempotent."""
@@ -161,7 +170,7 @@ class MetricsWatcher:
         # asyncio.wait() neither raises the task's CancelledError nor swallows our own.
         await asyncio.wait([task])
         if not task.cancelled() and task.exception() is not None:
-            logger.error("metrics watcher for %s died", self.url, exc_info=task.exception())
+            logger.error("metrics watcher for %s died", self._shown, exc_info=task.exception())
 
     async def __aenter__(self) -> MetricsWatcher:
         self.start()
@@ -221,6 +230,9 @@ class MetricsWatcher:
             # A request made while this scrape is in flight may postdate what it reads, so only
             # requests made before it are cleared.
             wake.clear()
+            if self._active is not None and not self._active():
+                await self._wait_for_next_scrape(loop, wake, scrape_began)
+                continue
             snapshot = await self._scrape_once()
             self._publish(snapshot)
             await self._wait_for_next_scrape(loop, wake, scrape_began)
@@ -309,7 +321,7 @@ class MetricsWatcher:
                 logger.info(
                     "metrics of %s: the engine does not serve its page filtered by series name "
                     "(%s); reading the whole page from now on",
-                    self.url,
+                    self._shown,
                     exc,
                 )
         return parse_metrics(await self._fetch(self.url), self._profile, self._model_name)
@@ -347,7 +359,7 @@ class MetricsWatcher:
     def _failed(self, started_at: float, reason: str) -> BackendSnapshot:
         # DEBUG only: at 10 scrapes a second a dead engine would flood WARNING; the gate logs the
         # transition to and from "metrics unavailable" once.
-        logger.debug("metrics scrape of %s failed: %s", self.url, reason)
+        logger.debug("metrics scrape of %s failed: %s", self._shown, reason)
         return BackendSnapshot.failed(self.url, started_at, reason)
 
     def _publish(self, snapshot: BackendSnapshot) -> None:
@@ -364,10 +376,12 @@ class MetricsWatcher:
 
     def _log_bug_once(self, doing: str, exc: Exception) -> None:
         if doing in self._bug_streaks:
-            logger.debug("metrics watcher for %s: error %s: %r", self.url, doing, exc)
+            logger.debug("metrics watcher for %s: error %s: %r", self._shown, doing, exc)
             return
         self._bug_streaks.add(doing)
-        logger.error("metrics watcher for %s: unexpected error %s", self.url, doing, exc_info=exc)
+        logger.error(
+            "metrics watcher for %s: unexpected error %s", self._shown, doing, exc_info=exc
+        )
 
     def _now(self) -> float:
         return self._clock() if self._clock is not None else asyncio.get_running_loop().time()

@@ -19,6 +19,7 @@ and key fingerprints never become labels. The status document names callers by p
 
 from __future__ import annotations
 
+from ..config import safe_url
 from ._collector import FairSchedCollector
 from ._endpoints import (
     ADMIN_PATHS,
@@ -31,7 +32,7 @@ from ._endpoints import (
 )
 from ._metrics import ServiceMetrics, register_in_default_registry
 from ._recorder import REJECTION_REASONS, RequestRecorder, rejection_reason
-from ._view import BudgetStanding, DeploymentReading, ServiceView, safe_url
+from ._view import BudgetStanding, DeploymentReading, ServiceView
 
 __all__ = [
     "ADMIN_PATHS",

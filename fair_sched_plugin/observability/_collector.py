@@ -17,7 +17,7 @@ from prometheus_client.core import (
 
 from ..core import TierLimits
 from ._recorder import OTHER, REJECTION_REASONS, RequestRecorder
-from ._view import ViewReader, safe_url
+from ._view import ViewReader
 
 GATE_MODES = ("starting", "metrics", "fallback")
 
@@ -276,7 +276,7 @@ class FairSchedCollector:
         for group in state.gate or ():
             gate_deployments.add_metric([group.model], group.deployments)
             for row in group.per_deployment:
-                where = [group.model, safe_url(row.deployment)]
+                where = [group.model, self._reader.view.deployment_name(row.deployment)]
                 for mode in GATE_MODES:
                     gate_mode.add_metric([*where, mode], 1.0 if row.mode == mode else 0.0)
                 for name, reading in (
@@ -301,7 +301,7 @@ class FairSchedCollector:
                 tpot_threshold.add_metric([tier.name], tier.tpot_below_s)
 
         for deployment in state.deployments:
-            url = safe_url(deployment.url)
+            url = self._reader.view.deployment_name(deployment.url)
             scrapes.add_metric([deployment.model, url], deployment.scrapes_total)
             scrape_failures.add_metric([deployment.model, url], deployment.failures_total)
             if deployment.prefix_cache_hit_rate is not None:

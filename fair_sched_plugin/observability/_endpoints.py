@@ -18,7 +18,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route, Router
 
-from ._ui import ui_response
+from ._ui import ARGUMENT_KEY_HINT, SETTINGS_KEY_HINT, ui_response
 
 if TYPE_CHECKING:
     from ..service import SchedulingService
@@ -91,10 +91,6 @@ def _admin_key_not_configured() -> Response:
     )
 
 
-async def _ui_endpoint(request: Request) -> Response:
-    return ui_response()
-
-
 def endpoints(service: SchedulingService, *, admin_key: str | None = None) -> list[Route]:
     """Starlette routes for ``GET /fair-sched/metrics``, ``/fair-sched/status`` and ``/ui``.
 
@@ -106,6 +102,10 @@ def endpoints(service: SchedulingService, *, admin_key: str | None = None) -> li
     """
     metrics = service.observability
     key = admin_key or service.settings.observability.resolved_admin_key()
+    key_hint = ARGUMENT_KEY_HINT if admin_key else SETTINGS_KEY_HINT
+
+    async def ui_endpoint(request: Request) -> Response:
+        return ui_response(key_hint)
 
     def guarded(
         render: Renderer, *, open_without_key: bool
@@ -123,7 +123,7 @@ def endpoints(service: SchedulingService, *, admin_key: str | None = None) -> li
     return [
         Route(METRICS_PATH, guarded(metrics_response, open_without_key=True), methods=["GET"]),
         Route(STATUS_PATH, guarded(status_response, open_without_key=False), methods=["GET"]),
-        Route(UI_PATH, _ui_endpoint, methods=["GET"]),
+        Route(UI_PATH, ui_endpoint, methods=["GET"]),
     ]
 
 

@@ -1,8 +1,8 @@
 """The status document: per model its queues, who waits and who runs, gate and deployments.
 
 Callers are named by principal name (strangers by a key fingerprint), never by key; metrics
-URLs appear without credentials or query. Fields are only ever added, never renamed (the UI
-page, docs/operations.md and operators' scripts read them).
+URLs appear without credentials or query, deployments by their public names. Fields are only
+ever added, never renamed (the UI page, docs/operations.md and operators' scripts read them).
 """
 
 from __future__ import annotations
@@ -10,9 +10,10 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping
 from typing import Any
 
+from ..config import FairSchedSettings
 from ..core import GroupStatus, UserBacklog
 from ._recorder import REJECTION_REASONS, RequestRecorder
-from ._view import DeploymentReading, Reading, ServiceView, ViewReader, safe_url
+from ._view import DeploymentReading, Reading, ServiceView, ViewReader
 
 # Transitions and rejections kept in the status document.
 STATUS_TRANSITIONS = 20
@@ -30,22 +31,6 @@ class StatusDocument:
         self._view = view
         self._reader = reader
         self._recorder = recorder
-
-    def _redactor(self) -> Callable[[str], str]:
-        """Replace configured metrics URLs (which may carry credentials) by their safe form."""
-        replacements = [
-            (url, safe_url(url))
-            for urls in self._view.gated_models().values()
-            for url in urls
-            if url != safe_url(url)
-        ]
-
-        def redact(text: str) -> str:
-            for raw, safe in replacements:
-                text = text.replace(raw, safe)
-            return text
-
-        return redact
 
     def build(self) -> dict[str, Any]:
         state = self._reader.read()
@@ -86,7 +71,16 @@ class StatusDocument:
         for labels, count in self._recorder.copy_rejected().items():
             rejected_totals[labels[2]] = rejected_totals.get(labels[2], 0) + count
 
-        redact = self._redactor()
+        redact = view.redact
+        # The age of the reading each deployment's gate decides on (its last good scrape), by
+        # metrics URL: the gate's rows come in the order of its group's metrics URLs.
+        gated = view.gated_models()
+        reading_ages = {
+            url: row.last_scrape_age_s
+            for model, group in gate_by_model.items()
+            if len(gated.get(model, ())) == len(group.per_deployment)
+            for url, row in zip(gated[model], group.per_deployment, strict=True)
+        }
         document_models: dict[str, Any] = {}
         for model in models:
             entries = sorted(
@@ -132,9 +126,13 @@ class StatusDocument:
                     gate_by_model.get(model),
                     settings.unknown_model_max_inflight,
                     state.waiting_thresholds.get(model, {}),
+                    _fallback_cap(settings, model),
+                    view.deployment_name,
                 ),
                 "deployments": [
-                    _deployment_document(deployment, state, redact)
+                    _deployment_document(
+                        deployment, state, redact, view.deployment_name, reading_ages
+                    )
                     for deployment in deployments_by_model.get(model, ())
                 ],
             }
@@ -174,7 +172,7 @@ class StatusDocument:
             "transitions": [
                 {
                     "model": t.model,
-                    "deployment": safe_url(t.deployment),
+                    "deployment": view.deployment_name(t.deployment),
                     "from": t.old,
                     "to": t.new,
                     "reason": redact(t.reason),
@@ -214,14 +212,28 @@ class StatusDocument:
         ]
 
 
+def _fallback_cap(settings: FairSchedSettings, model: str) -> int:
+    """The in-flight cap per deployment while `model`'s engine metrics cannot be read."""
+    backend = settings.backend(model)
+    fallback = (backend and backend.on_metrics_unavailable) or settings.on_metrics_unavailable
+    return fallback.max_inflight
+
+
 def _gate_document(
-    group: GroupStatus | None, unknown_cap: int, waiting_threshold: Mapping[str, float]
+    group: GroupStatus | None,
+    unknown_cap: int,
+    waiting_threshold: Mapping[str, float],
+    fallback_cap: int,
+    deployment_name: Callable[[str], str],
 ) -> dict[str, Any]:
     if group is None:
         # No engine metrics for this model: the gate is a fixed in-flight cap.
         return {"mode": "inflight_cap", "max_inflight": unknown_cap}
     return {
         "mode": group.mode,
+        # The cap per deployment in force while it has no reading (modes starting, fallback):
+        # then it decides, not `waiting_threshold`.
+        "fallback_max_inflight": fallback_cap,
         "deployments": group.deployments,
         "waiting": group.waiting,
         "running": group.running,
@@ -238,7 +250,7 @@ def _gate_document(
         # KV usage, scrape age and mode).
         "per_deployment": [
             {
-                "deployment": safe_url(row.deployment),
+                "deployment": deployment_name(row.deployment),
                 "mode": row.mode,
                 "waiting": row.waiting,
                 "running": row.running,
@@ -257,7 +269,11 @@ def _gate_document(
 
 
 def _deployment_document(
-    deployment: DeploymentReading, state: Reading, redact: Callable[[str], str]
+    deployment: DeploymentReading,
+    state: Reading,
+    redact: Callable[[str], str],
+    deployment_name: Callable[[str], str],
+    reading_ages: Mapping[str, float | None],
 ) -> dict[str, Any]:
     snapshot = deployment.last_snapshot
     last: dict[str, Any] | None = None
@@ -275,8 +291,11 @@ def _deployment_document(
         if ok and deployment.prefix_cache_hit_rate is not None:
             last["prefix_cache_hit_rate"] = round(deployment.prefix_cache_hit_rate, 4)
     return {
-        "url": safe_url(deployment.url),
+        "url": deployment_name(deployment.url),
         "scrapes_total": deployment.scrapes_total,
         "failures_total": deployment.failures_total,
+        # Seconds since the last good scrape, the one the gate reads (None: none yet);
+        # `last_snapshot.age_s` is the last attempt's, failed or not.
+        "reading_age_s": _round(reading_ages.get(deployment.url)),
         "last_snapshot": last,
     }

@@ -13,7 +13,9 @@ connections to this origin.
 from __future__ import annotations
 
 import base64
+import functools
 import hashlib
+import html
 
 from starlette.responses import Response
 
@@ -135,9 +137,11 @@ function sparkline(points, field, label) {
     line.setAttribute("points", xy.map(([x, y]) => `${x.toFixed(1)},${y.toFixed(1)}`).join(" "));
     svg.append(area, line);
   }
-  const last = values.length ? values[values.length - 1] : null;
-  return h("figure", { "data-spark": field }, svg, h("figcaption", {},
-    `${label}: now ${num(last)}, max ${num(max)} (last ${span.toFixed(0)} s)`));
+  const caption = values.length
+    ? `${label}: now ${num(values[values.length - 1])}, max ${num(Math.max(...values))} ` +
+      `(last ${span.toFixed(0)} s)`
+    : `${label}: no reading yet`;
+  return h("figure", { "data-spark": field }, svg, h("figcaption", {}, caption));
 }
 
 function remember(model, doc) {
@@ -196,6 +200,13 @@ function gateLine(gate) {
 }
 
 function allowedQueue(gate) {
+  if ((gate.mode === "fallback" || gate.mode === "starting") && gate.fallback_max_inflight) {
+    // Without a reading the metric thresholds decide nothing: the in-flight cap does.
+    return h("p", { class: "muted allowed" }, (gate.mode === "starting"
+      ? "no engine reading yet" : "engine metrics unavailable") +
+      `: at most ${gate.fallback_max_inflight} in flight per deployment` +
+      ` · in flight now: ${gate.in_flight}`);
+  }
   const allowed = gate.waiting_threshold;
   if (!allowed) return null;
   const text = Object.entries(allowed).map(([tier, n]) => `${tier} < ${num(n, 0)}`).join(" · ");
@@ -213,7 +224,7 @@ function deploymentsTable(doc) {
       h("th", { class: "num" }, "running"), h("th", { class: "num" }, "TPOT"),
       h("th", {}, "KV cache"),
       anyPrefix ? h("th", { class: "num" }, "prefix hits") : null,
-      h("th", { class: "num" }, "scrape age"), h("th", {}, "scrapes"))),
+      h("th", { class: "num" }, "reading age"), h("th", {}, "scrapes"))),
     h("tbody", {}, deps.map((d) => {
       const s = d.last_snapshot || {};
       return h("tr", { "data-deployment": d.url },
@@ -223,7 +234,8 @@ function deploymentsTable(doc) {
         h("td", { class: "num tpot" }, ms(s.tpot_s)),
         h("td", { class: "kv" }, s.kv_usage == null ? DASH : [meter(s.kv_usage), pct(s.kv_usage)]),
         anyPrefix ? h("td", { class: "num" }, pct(s.prefix_cache_hit_rate)) : null,
-        h("td", { class: "num" }, s.age_s == null ? DASH : num(s.age_s, 1) + " s"),
+        h("td", { class: "num age" }, d.reading_age_s == null
+          ? (s.ok === false ? "none yet" : DASH) : num(d.reading_age_s, 1) + " s"),
         h("td", { class: s.ok === false ? "err" : "muted" },
           s.ok === false ? "failing: " + (s.error || "")
             : `${d.scrapes_total} (${d.failures_total} failed)`));
@@ -415,7 +427,7 @@ if (key) poll(); else showLogin("");
 _BODY = """
 <form id="login" class="hidden" autocomplete="off">
   <h2>fair-sched</h2>
-  <p>Type the admin key (the proxy's master key behind LiteLLM). It stays in this tab only.</p>
+  <p>Type the admin key: {key_hint}. It stays in this tab only.</p>
   <input id="key" type="password" placeholder="admin key" autocomplete="off" aria-label="admin key">
   <div id="login-error" role="alert"></div>
   <button class="primary" type="submit">Show the queues</button>
@@ -434,13 +446,24 @@ def _csp_hash(source: str) -> str:
     return "'sha256-" + base64.b64encode(digest).decode() + "'"
 
 
-PAGE = (
-    '<!doctype html>\n<html lang="en"><head><meta charset="utf-8">'
-    '<meta name="viewport" content="width=device-width, initial-scale=1">'
-    '<meta name="referrer" content="no-referrer">'
-    f"<title>fair-sched</title><style>{_STYLE}</style></head>"
-    f"<body>{_BODY}<script>{_SCRIPT}</script></body></html>\n"
-).encode()
+# Which key the prompt asks for, per integration.
+LITELLM_KEY_HINT = "the LiteLLM proxy's master key (general_settings.master_key)"
+SETTINGS_KEY_HINT = "observability.admin_key of the fair_sched settings"
+ARGUMENT_KEY_HINT = "the admin_key this app gave FairSchedulerMiddleware"
+
+
+@functools.lru_cache(maxsize=8)
+def page(key_hint: str = SETTINGS_KEY_HINT) -> bytes:
+    """The page's bytes; only the prompt's text differs between integrations."""
+    body = _BODY.replace("{key_hint}", html.escape(key_hint))
+    return (
+        '<!doctype html>\n<html lang="en"><head><meta charset="utf-8">'
+        '<meta name="viewport" content="width=device-width, initial-scale=1">'
+        '<meta name="referrer" content="no-referrer">'
+        f"<title>fair-sched</title><style>{_STYLE}</style></head>"
+        f"<body>{body}<script>{_SCRIPT}</script></body></html>\n"
+    ).encode()
+
 
 _CSP = "; ".join(
     (
@@ -463,6 +486,6 @@ HEADERS = {
 }
 
 
-def ui_response() -> Response:
-    """The page (identical for everyone; it holds no data)."""
-    return Response(PAGE, media_type="text/html; charset=utf-8", headers=HEADERS)
+def ui_response(key_hint: str = SETTINGS_KEY_HINT) -> Response:
+    """The page (identical for everyone; it holds no data); `key_hint` names the key to type."""
+    return Response(page(key_hint), media_type="text/html; charset=utf-8", headers=HEADERS)

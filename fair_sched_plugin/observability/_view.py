@@ -13,7 +13,6 @@ import contextlib
 import logging
 from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, NamedTuple, Protocol
-from urllib.parse import urlsplit, urlunsplit
 
 from ..core import GateTransition, GroupStatus, SchedulerStatistics, TierLimits, UserBacklog
 
@@ -95,6 +94,15 @@ class ServiceView(Protocol):
 
     def recent_transitions(self) -> Sequence[GateTransition]: ...
 
+    def deployment_name(self, key: str) -> str:
+        """A deployment's (or metrics URL's) public name (never the URL as configured, which
+        may carry credentials)."""
+        ...
+
+    def redact(self, text: str) -> str:
+        """`text` with every configured URL in its public form."""
+        ...
+
     def state_statistics(self) -> StateStatistics:
         """Which replica these numbers describe, and whether replicas share a leader."""
         ...
@@ -135,6 +143,10 @@ class ViewReader:
     def __init__(self, view: ServiceView) -> None:
         self._view = view
         self._loop: asyncio.AbstractEventLoop | None = None
+
+    @property
+    def view(self) -> ServiceView:
+        return self._view
 
     def remember_loop(self) -> None:
         with contextlib.suppress(RuntimeError):
@@ -183,13 +195,3 @@ class ViewReader:
             result.cancel()
             logger.warning("fair_sched metrics: the event loop did not answer; partial scrape")
             return self._read(on_loop=False)
-
-
-def safe_url(url: str) -> str:
-    """A URL without credentials, query or fragment (fit for a label or a status page)."""
-    parts = urlsplit(url)
-    host = parts.hostname or ""
-    if ":" in host:
-        host = f"[{host}]"
-    netloc = f"{host}:{parts.port}" if parts.port else host
-    return urlunsplit((parts.scheme, netloc, parts.path, "", ""))

@@ -27,3 +27,38 @@ def corrupt_value(key: str, what: str, done: str = "replaced it") -> None:
         what,
         done,
     )
+
+
+# Counters the replicas send each other (sessions, ticket ids, barrier nonces, counts, ranks):
+# whole numbers every JSON reader agrees on. Epochs are what elect.lua hands out (15 digits).
+MAX_SERIAL = (1 << 53) - 1
+MAX_EPOCH = 10**15 - 1
+# Replica names, deployments, principals: far longer than any this package writes.
+MAX_NAME_CHARS = 512
+
+
+class OutOfRange(ValueError):
+    """A field of a message between replicas that is not what a replica of this version sends:
+    the message is dropped (or, for a lease's end, its usage is) and `field` is logged."""
+
+    def __init__(self, field: str, value: object) -> None:
+        super().__init__(f"{field}: {shown(value)}")
+        self.field = field
+
+
+def shown(value: object) -> str:
+    """A value for a log line, cut short (a hostile one may be huge)."""
+    if isinstance(value, int) and value.bit_length() > 128:
+        return f"<an integer of {value.bit_length()} bits>"
+    text = repr(value)
+    return text if len(text) <= 40 else f"{text[:40]}… ({len(text)} characters)"
+
+
+def whole(value: object, low: int, high: int) -> bool:
+    """An int (not a bool) within [low, high]."""
+    return isinstance(value, int) and not isinstance(value, bool) and low <= value <= high
+
+
+def short_text(value: object) -> bool:
+    """A non-empty string of at most MAX_NAME_CHARS characters."""
+    return isinstance(value, str) and 0 < len(value) <= MAX_NAME_CHARS

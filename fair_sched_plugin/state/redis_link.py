@@ -32,6 +32,7 @@ from redis.asyncio.retry import Retry
 from redis.backoff import NoBackoff
 from redis.exceptions import RedisError, ResponseError
 
+from ..config import safe_url
 from ..errors import StateStoreError
 from ._values import corrupt_value, parse_token
 
@@ -296,4 +297,5 @@ class RedisLink:
             raise self._error(name, exc) from exc
 
     def _error(self, what: str, exc: RedisError) -> StateStoreError:
-        return StateStoreError(f"redis {self.url}: {what} failed: {exc}")
+        # Without the password a `redis://:secret@host` URL carries (the error may be logged).
+        return StateStoreError(f"redis {safe_url(self.url)}: {what} failed: {exc}")

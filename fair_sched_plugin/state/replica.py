@@ -25,18 +25,43 @@ import contextlib
 import itertools
 import json
 import logging
-import math
 import uuid
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any, Literal, NamedTuple
+from typing import TYPE_CHECKING, Any, Literal, NamedTuple, TypeGuard
 
 from ..core.backpressure import GroupStatus, MetricsGate
 from ..core.budget import BudgetBook
 from ..core.gate import AdmissionGate
-from ..core.scheduler import FairScheduler, Reservation, SchedulerStatistics, UserBacklog
-from ..core.ticket import Lease, Ticket, TierLimits
+from ..core.scheduler import (
+    FairScheduler,
+    Reservation,
+    SchedulerStatistics,
+    UserBacklog,
+    notify_end_listeners,
+)
+from ..core.standing import BacklogIndex
+from ..core.ticket import (
+    MAX_REQUEST_COST,
+    MAX_REQUEST_TOKENS,
+    MAX_WEIGHT,
+    MIN_WEIGHT,
+    Lease,
+    Ticket,
+    TierLimits,
+    request_cost_in_range,
+    request_tokens_in_range,
+)
 from ..errors import QueueFull, QueueTimeout, Rejected, SchedulerClosed, StateStoreError
-from ._values import corrupt_value, parse_token
+from ._values import (
+    MAX_EPOCH,
+    MAX_SERIAL,
+    OutOfRange,
+    corrupt_value,
+    parse_token,
+    short_text,
+    shown,
+    whole,
+)
 
 if TYPE_CHECKING:  # redis is an optional extra: imported only by `open_state` for redis://
     from .redis_link import Beat, RedisLink
@@ -178,14 +203,22 @@ class _Term:
         if lease is not None:
             lease.mark_started()
 
-    def end(self, key: _Key, tokens_used: int | None, *, abandoned: bool) -> None:
+    def end(
+        self,
+        key: _Key,
+        tokens_used: int | None,
+        *,
+        abandoned: bool,
+        cost_used: float | None = None,
+    ) -> None:
+        """A lease's end with its usage (each value checked to its range by the caller)."""
         lease = self.leases.pop(key, None)
         if lease is None:
             return
         if abandoned:
             lease.abandon()
         else:
-            lease.release(tokens_used)
+            lease.release(tokens_used, cost_used=cost_used)
 
     def adopt(
         self, key: _Key, ticket: Ticket, *, started: bool, deployment: str | None = None
@@ -274,105 +307,206 @@ _OLDER_TICKET_FIELDS = 5
 # More leading blocks than any replica of this version sends (prefix.DEFAULT_MAX_BLOCKS).
 _MAX_PREFIX_BLOCKS = 1024
 _MAX_PREFIX_HASH = 1 << 52
+# The most one grant may charge: a whole request's tokens at the smallest weight (a money
+# charge, MAX_REQUEST_COST / MIN_WEIGHT, and a turn, 1 / MIN_WEIGHT, are below it).
+_MAX_CHARGE = MAX_REQUEST_TOKENS / MIN_WEIGHT
+# The longest Retry-After a rejection may carry: the core's hints stay within 60 s; a day (the
+# longest budget window, `per: day`) leaves room for hints to come.
+_MAX_RETRY_AFTER_S = 86_400.0
 
 
 def _ticket_fields(ticket: Ticket) -> list[Any]:
+    # `price` is not among them: it travels last in its message (see `_read_message`), so a
+    # leader older than the field reads the message as before.
     return [ticket.model, ticket.user, ticket.tier, ticket.weight, ticket.cost, list(ticket.prefix)]
 
 
-def _ticket_from(fields: list[Any]) -> Ticket:
-    """The ticket a message carries; TypeError/ValueError if it is not one (the core must never
-    hold a field of the wrong type: its heaps compare them later, for everyone)."""
+def _ticket_from(fields: list[Any], price: object = 0.0) -> Ticket:
+    """The ticket a message carries; `OutOfRange` (a ValueError) naming the first field that is
+    not what a replica sends (the core must never hold a field of the wrong type or out of its
+    documented range: its heaps compare them later, for everyone)."""
     if len(fields) == _OLDER_TICKET_FIELDS:
         fields = [*fields, []]
+    if len(fields) != _TICKET_FIELDS:
+        raise OutOfRange("ticket", f"{len(fields)} fields")
     model, user, tier, weight, cost, prefix = fields
-    if not all(isinstance(text, str) for text in (model, user, tier)):
-        raise TypeError(f"ticket names: {fields[:3]!r}")
-    if not _number(weight) or not isinstance(cost, int) or isinstance(cost, bool):
-        raise TypeError(f"ticket weight and cost: {weight!r}, {cost!r}")
-    if not math.isfinite(weight):
-        raise ValueError(f"ticket weight: {weight!r}")
+    for field, text in (("ticket model", model), ("ticket user", user), ("ticket tier", tier)):
+        if not short_text(text):
+            raise OutOfRange(field, text)
+    # NaN fails both comparisons.
+    if not (_number(weight) and MIN_WEIGHT <= weight <= MAX_WEIGHT):
+        raise OutOfRange("ticket weight", weight)
+    if not request_tokens_in_range(cost):
+        raise OutOfRange("ticket cost", cost)
+    if not _money(price):
+        raise OutOfRange("ticket price", price)
     if not isinstance(prefix, list) or len(prefix) > _MAX_PREFIX_BLOCKS:
-        raise TypeError(f"ticket prefix: {str(prefix)[:40]}")
-    if not all(
-        isinstance(block, int) and not isinstance(block, bool) and 0 <= block < _MAX_PREFIX_HASH
-        for block in prefix
-    ):
-        raise ValueError("ticket prefix: not 52-bit block hashes")
-    return Ticket(model, user, tier, weight, cost, prefix=tuple(prefix))
+        raise OutOfRange("ticket prefix", prefix)
+    if not all(whole(block, 0, _MAX_PREFIX_HASH - 1) for block in prefix):
+        raise OutOfRange("ticket prefix", "not 52-bit block hashes")
+    return Ticket(model, user, tier, weight, cost, float(price), prefix=tuple(prefix))
 
 
 def _number(value: Any) -> bool:
     return isinstance(value, int | float) and not isinstance(value, bool)
 
 
-_MESSAGE_KINDS = frozenset("scbeap$")
-
-
-def _read_message(text: str, tiers: tuple[TierLimits, ...]) -> list[Any]:
-    """A follower's message from the inbox: JSON `[kind, epoch, session, replica, tid, ...]`
-    (raises ValueError/TypeError if it is not one; the leader skips it)."""
-    message = json.loads(text)
-    if not isinstance(message, list) or len(message) < 5:
-        raise TypeError("not a message list")
-    kind, epoch, session, replica, tid = message[:5]
-    if kind not in _MESSAGE_KINDS or not isinstance(replica, str):
-        raise TypeError(f"kind {kind!r}, replica {replica!r}")
-    if not all(isinstance(n, int) and not isinstance(n, bool) for n in (epoch, session, tid)):
-        raise TypeError("epoch, session and id must be integers")
-    if kind in "sa" and message[7] not in {tier.name for tier in tiers}:
-        raise ValueError(f"unknown tier {message[7]!r}")
-    if kind == "$" and not _is_spend(message[5:8]):
-        raise ValueError("a spend needs a principal, usd >= 0 and tokens >= 0")
-    return message
-
-
-def _is_spend(fields: list[Any]) -> bool:
-    """`[principal, usd, tokens]` of a follower's spend message."""
-    if len(fields) != 3:
-        return False
-    principal, usd, tokens = fields
+def _money(value: object) -> TypeGuard[int | float]:
+    """A money amount within [0, MAX_REQUEST_COST] (compared first: `request_cost_in_range`
+    raises OverflowError on an integer too large for a float)."""
     return (
-        isinstance(principal, str)
-        and _number(usd)
-        and math.isfinite(usd)
-        and usd >= 0
-        and isinstance(tokens, int)
-        and not isinstance(tokens, bool)
-        and tokens >= 0
+        _number(value)
+        and 0 <= value <= MAX_REQUEST_COST  # type: ignore[operator]
+        and request_cost_in_range(value)
     )
 
 
-# Fields of each reply kind after (kind, epoch, session) and a check of each.
-_REPLY_SHAPES: dict[str, tuple[Callable[[Any], bool], ...]] = {
+def _usage(tokens: object, cost: object) -> tuple[int | None, float | None, list[str]]:
+    """A lease's reported usage with every value outside its documented range left out (the
+    lease still ends: charged its estimate for what is left out), and the names of those."""
+    tokens_used = tokens if isinstance(tokens, int) and request_tokens_in_range(tokens) else None
+    cost_used = float(cost) if _money(cost) else None
+    dropped = []
+    if tokens is not None and tokens_used is None:
+        dropped.append(f"tokens used {shown(tokens)}")
+    if cost is not None and cost_used is None:
+        dropped.append(f"cost used {shown(cost)}")
+    return tokens_used, cost_used, dropped
+
+
+class _Inbound(NamedTuple):
+    """A follower's message, read and checked: `body` by kind — "s": (ticket,); "a": (ticket,
+    started, deployment); "e": (tokens_used, cost_used, abandoned); "$": (principal, usd,
+    tokens); the others: ()."""
+
+    kind: str
+    epoch: int
+    session: int
+    replica: str
+    tid: int
+    body: tuple[Any, ...] = ()
+
+
+_MESSAGE_KINDS = frozenset("scbeap$")
+
+
+def _read_message(text: str, tiers: tuple[TierLimits, ...]) -> _Inbound:
+    """A follower's message from the inbox: JSON `[kind, epoch, session, replica, tid, ...]`.
+    Raises `OutOfRange` (naming the field), ValueError or TypeError if it is not one that a
+    replica of this version (or an older one) sends: the leader drops it.
+
+    Fields added since the first version go last, so a leader older than them reads the
+    message as before, and a message without them still reads here: a ticket's `price` (0.0
+    without), a lease end's `cost_used` (unknown without).
+    """
+    try:
+        message = json.loads(text)
+    except RecursionError:  # absurdly deep JSON
+        raise ValueError("nested too deeply") from None
+    if not isinstance(message, list) or len(message) < 5:
+        raise OutOfRange("message", text[:40])
+    kind, epoch, session, replica, tid = message[:5]
+    if not (isinstance(kind, str) and kind in _MESSAGE_KINDS):
+        raise OutOfRange("kind", kind)
+    for field, value, high in (("epoch", epoch, MAX_EPOCH), ("session", session, MAX_SERIAL)):
+        if not whole(value, 0, high):
+            raise OutOfRange(field, value)
+    if not short_text(replica):
+        raise OutOfRange("replica", replica)
+    if not whole(tid, 0, MAX_SERIAL):
+        raise OutOfRange("id", tid)
+    header = (kind, epoch, session, replica, tid)
+    rest = message[5:]
+    if kind == "s":
+        # [ticket..., price]; older: [ticket (5 or 6 fields)].
+        if len(rest) not in (_OLDER_TICKET_FIELDS, _TICKET_FIELDS, _TICKET_FIELDS + 1):
+            raise OutOfRange("ticket", f"{len(rest)} fields")
+        price = rest[_TICKET_FIELDS] if len(rest) > _TICKET_FIELDS else 0.0
+        return _Inbound(*header, (_known_tier(_ticket_from(rest[:_TICKET_FIELDS], price), tiers),))
+    if kind == "a":
+        # [ticket..., started, deployment, price]; older: without the price, or [ticket (5
+        # fields), started].
+        if len(rest) == _OLDER_TICKET_FIELDS + 1:
+            fields, started, deployment, price = rest[:-1], rest[-1], None, 0.0
+        elif len(rest) in (_TICKET_FIELDS + 2, _TICKET_FIELDS + 3):
+            fields, (started, deployment) = rest[:_TICKET_FIELDS], rest[_TICKET_FIELDS:][:2]
+            price = rest[_TICKET_FIELDS + 2] if len(rest) > _TICKET_FIELDS + 2 else 0.0
+        else:
+            raise OutOfRange("adopted lease", f"{len(rest)} fields")
+        if not isinstance(started, bool):
+            raise OutOfRange("started", started)
+        if deployment is not None and not short_text(deployment):
+            raise OutOfRange("deployment", deployment)
+        ticket = _known_tier(_ticket_from(fields, price), tiers)
+        return _Inbound(*header, (ticket, started, deployment))
+    if kind == "e":
+        # [tokens_used (-1: unknown), abandoned, cost_used (null: unknown)]; older: without
+        # the cost.
+        if len(rest) not in (2, 3):
+            raise OutOfRange("lease end", f"{len(rest)} fields")
+        tokens, abandoned, cost = (*rest, None)[:3]
+        if not isinstance(abandoned, bool):
+            raise OutOfRange("abandoned", abandoned)
+        return _Inbound(*header, (None if tokens == -1 else tokens, cost, abandoned))
+    if kind == "$":
+        if len(rest) != 3:
+            raise OutOfRange("spend", f"{len(rest)} fields")
+        principal, usd, tokens = rest
+        if not short_text(principal):
+            raise OutOfRange("spend principal", principal)
+        if not _money(usd):
+            raise OutOfRange("spend usd", usd)
+        if not request_tokens_in_range(tokens):
+            raise OutOfRange("spend tokens", tokens)
+        return _Inbound(*header, (principal, float(usd), tokens))
+    return _Inbound(*header)
+
+
+def _known_tier(ticket: Ticket, tiers: tuple[TierLimits, ...]) -> Ticket:
+    if ticket.tier not in {tier.name for tier in tiers}:
+        raise OutOfRange("ticket tier", ticket.tier)
+    return ticket
+
+
+def _serial(value: object) -> bool:
+    return whole(value, 0, MAX_SERIAL)
+
+
+def _retry_after(value: object) -> bool:
+    return value is None or (_number(value) and 0 <= value <= _MAX_RETRY_AFTER_S)  # type: ignore[operator]
+
+
+# Fields of each reply kind after (kind, epoch, session): each one's name and its check.
+_REPLY_SHAPES: dict[str, tuple[tuple[str, Callable[[Any], bool]], ...]] = {
     "g": (
-        lambda tid: isinstance(tid, int),
-        _number,
-        lambda deployment: deployment is None or isinstance(deployment, str),
-        lambda rank: isinstance(rank, int) and not isinstance(rank, bool) and rank >= 0,
+        ("id", _serial),
+        ("charged", lambda charged: _number(charged) and 0 <= charged <= _MAX_CHARGE),
+        ("deployment", lambda deployment: deployment is None or short_text(deployment)),
+        ("engine rank", _serial),
     ),
-    "p": (lambda nonce: isinstance(nonce, int),),
-    "h": (lambda leader: isinstance(leader, str),),
+    "p": (("nonce", _serial),),
+    "h": (("leader", short_text),),
     **{
         kind: (
-            lambda tid: isinstance(tid, int),
-            lambda message: isinstance(message, str),
-            lambda retry: retry is None or _number(retry),
-            lambda scope: isinstance(scope, str),
+            ("id", _serial),
+            ("message", lambda message: isinstance(message, str)),
+            ("retry after", _retry_after),
+            ("scope", lambda scope: isinstance(scope, str)),
         )
         for kind in "ftx"
     },
 }
 
 
-def _read_reply(text: str) -> _Reply | None:
-    """A reply from the leader's list, or None if it is not one (skipped)."""
+def _parse_reply(text: str) -> _Reply:
+    """A reply from the leader's list; `OutOfRange` naming the field (or ValueError) if it is
+    not one (the follower skips it)."""
     try:
         reply = json.loads(text)
-    except ValueError:
-        return None
+    except RecursionError:  # absurdly deep JSON
+        raise ValueError("nested too deeply") from None
     if not isinstance(reply, list) or len(reply) < 3:
-        return None
+        raise OutOfRange("reply", text[:40])
     kind, epoch, session, *rest = reply
     missing = len(_REPLY_SHAPES["g"]) - len(rest) if kind == "g" else 0
     if 0 < missing <= 2:
@@ -383,11 +517,26 @@ def _read_reply(text: str) -> _Reply | None:
         rest.extend(defaults)
         reply.extend(defaults)
     shape = _REPLY_SHAPES.get(kind) if isinstance(kind, str) else None
-    if shape is None or len(rest) != len(shape) or not all(map(lambda f, v: f(v), shape, rest)):
-        return None
-    if not all(isinstance(n, int) and not isinstance(n, bool) for n in (epoch, session)):
-        return None
+    if shape is None:
+        raise OutOfRange("kind", kind)
+    if len(rest) != len(shape):
+        raise OutOfRange(f"{kind!r} reply", f"{len(rest)} fields")
+    for (field, check), value in zip(shape, rest, strict=True):
+        if not check(value):
+            raise OutOfRange(field, value)
+    if not whole(epoch, 0, MAX_EPOCH):
+        raise OutOfRange("epoch", epoch)
+    if not whole(session, 0, MAX_SERIAL):
+        raise OutOfRange("session", session)
     return tuple(reply)
+
+
+def _read_reply(text: str) -> _Reply | None:
+    """A reply from the leader's list, or None if it is not one (skipped)."""
+    try:
+        return _parse_reply(text)
+    except ValueError:
+        return None
 
 
 class _Published(NamedTuple):
@@ -459,8 +608,9 @@ def _read_published(text: str) -> _Published:
         raise ValueError(str(exc)) from None
     counts = [value for value in statistics[:8]]
     counts += [*statistics.queued_by_model_tier.values(), *statistics.in_flight_by_model.values()]
-    if not all(isinstance(count, int) for count in counts):
-        raise ValueError("a scheduler count is not a whole number")
+    for count in counts:
+        if not whole(count, 0, MAX_SERIAL):
+            raise OutOfRange("a scheduler count", count)
     if not all(isinstance(row.model, str) and isinstance(row.mode, str) for row in gate):
         raise ValueError("a gate row's model or mode is not a string")
     return _Published(statistics, gate)
@@ -492,6 +642,8 @@ class ReplicaScheduler:
         self._tids = itertools.count(1)
         self._session = 0
         self._parked: dict[int, _Parked] = {}
+        # Their depths per (model, tier, user): a follower's position estimates, O(log n).
+        self._parked_index = BacklogIndex([tier.name for tier in core.tiers])
         self._held: dict[int, Lease] = {}
         self._end_listeners: list[Callable[[Lease, bool], None]] = []
         self._closed = False
@@ -504,6 +656,7 @@ class ReplicaScheduler:
         self._mode: StateMode = "shared" if link else "local"
         self._alive: list[str] = [self.replica]
         self._published: _Published | None = None
+        self._decider_listeners: list[Callable[[], None]] = []
         self._outbox: list[str] = []
         self._outbox_ready = asyncio.Event()
         self._outgoing: dict[str, list[str]] = {}
@@ -555,13 +708,13 @@ class ReplicaScheduler:
         self._check_tier(ticket.tier)
         loop = asyncio.get_running_loop()
         parked = _Parked(ticket, next(self._tids), loop.create_future(), loop.time())
-        self._parked[parked.tid] = parked
+        self._park(parked)
         self._submit(parked, raise_full=True)
         future = parked.future
         try:
             return await future
         except BaseException:
-            if self._parked.pop(parked.tid, None) is not None:
+            if self._unpark(parked.tid) is not None:
                 self._cancel(parked.tid)
             elif future.done() and not future.cancelled() and future.exception() is None:
                 # Granted, then cancelled before it could be used: hand it back.
@@ -628,6 +781,20 @@ class ReplicaScheduler:
             for (m, tier, user), times in rows.items()
         ]
 
+    def queued_of(self, model: str, tier: str, user: str) -> int:
+        """How many requests `user` has queued in `tier` of `model`: in the deciding core
+        while we decide, else this replica's own (O(1))."""
+        if self._term is not None:
+            return self._core.queued_of(model, tier, user)
+        return self._parked_index.depth(model, tier, user)
+
+    def position_estimate(self, model: str, tier: str, user: str, own_index: int) -> int:
+        """`waiting.estimate_position` over what `backlog(model)` lists, in O(tiers + log n)
+        (`FairScheduler.position_estimate`)."""
+        if self._term is not None:
+            return self._core.position_estimate(model, tier, user, own_index)
+        return self._parked_index.position(model, tier, user, own_index)
+
     def state_statistics(self) -> StateStatistics:
         c = self._counters
         return StateStatistics(
@@ -654,6 +821,7 @@ class ReplicaScheduler:
                     SchedulerClosed("the scheduler is shutting down", retry_after_s=1)
                 )
         self._parked.clear()
+        self._parked_index.clear()
         if self._term is not None and self._token is not None:
             self._resigning = self._token
             self._close_term()
@@ -716,7 +884,7 @@ class ReplicaScheduler:
             try:
                 term.submit((self.replica, self._session, parked.tid), parked.ticket)
             except QueueFull as exc:
-                self._parked.pop(parked.tid, None)
+                self._unpark(parked.tid)
                 if raise_full:
                     raise
                 if not parked.future.done():
@@ -730,8 +898,21 @@ class ReplicaScheduler:
                 self.replica,
                 parked.tid,
                 *_ticket_fields(parked.ticket),
+                parked.ticket.price,
             ]
         )
+
+    def _park(self, parked: _Parked) -> None:
+        self._parked[parked.tid] = parked
+        t = parked.ticket
+        self._parked_index.add(t.model, t.tier, t.user)
+
+    def _unpark(self, tid: int) -> _Parked | None:
+        parked = self._parked.pop(tid, None)
+        if parked is not None:
+            t = parked.ticket
+            self._parked_index.remove(t.model, t.tier, t.user)
+        return parked
 
     def _cancel(self, tid: int) -> None:
         if self._term is not None:
@@ -747,16 +928,37 @@ class ReplicaScheduler:
 
     def lease_ended(self, lease: Lease, tokens_used: int | None, *, abandoned: bool) -> None:
         self._held.pop(lease.lease_id, None)
-        for listener in self._end_listeners:
-            listener(lease, abandoned)
-        self._end(lease.lease_id, tokens_used, abandoned=abandoned)
+        # The deciding core hears of the end first: an observer that raises (a spend that cannot
+        # be counted) must not leave the lease counted in flight there for good.
+        self._end(lease.lease_id, tokens_used, abandoned=abandoned, cost_used=lease.cost_used)
+        notify_end_listeners(self._end_listeners, lease, abandoned)
 
-    def _end(self, tid: int, tokens_used: int | None, *, abandoned: bool) -> None:
+    def _end(
+        self,
+        tid: int,
+        tokens_used: int | None,
+        *,
+        abandoned: bool,
+        cost_used: float | None = None,
+    ) -> None:
+        """Tell the deciding core that a lease ended, with what it used (tokens and money:
+        `fairness: tokens` and `cost` correct the user's charge by them)."""
+        tokens, cost, dropped = _usage(tokens_used, cost_used)
+        if dropped:
+            logger.warning(
+                "fair_sched replica %s: a lease ended with %s out of range; it is charged its "
+                "estimate for that",
+                self.replica,
+                " and ".join(dropped),
+            )
         if self._term is not None:
-            self._term.end((self.replica, self._session, tid), tokens_used, abandoned=abandoned)
+            key = (self.replica, self._session, tid)
+            self._term.end(key, tokens, abandoned=abandoned, cost_used=cost)
         else:
-            tokens = -1 if tokens_used is None else tokens_used
-            self._send(["e", self._epoch, self._session, self.replica, tid, tokens, abandoned])
+            tokens_sent = -1 if tokens is None else tokens
+            self._send(
+                ["e", self._epoch, self._session, self.replica, tid, tokens_sent, abandoned, cost]
+            )
 
     def _on_reply(self, reply: _Reply) -> None:
         """A grant, rejection, barrier answer or new leader's hello (ours or from Redis)."""
@@ -773,7 +975,7 @@ class ReplicaScheduler:
                 barrier.set_result(None)
             return
         tid = reply[3]
-        parked = self._parked.pop(tid, None)
+        parked = self._unpark(tid)
         if kind != "g":
             if parked is not None and not parked.future.done():
                 parked.future.set_exception(_error_from(reply))
@@ -815,6 +1017,7 @@ class ReplicaScheduler:
                         *_ticket_fields(lease.ticket),
                         lease.started,
                         lease.deployment,
+                        lease.ticket.price,
                     ]
                 )
         for parked in sorted(self._parked.values(), key=lambda p: p.tid):
@@ -843,6 +1046,16 @@ class ReplicaScheduler:
 
     # ------------------------------------------------------------------ terms
 
+    @property
+    def decides(self) -> bool:
+        """Whether this replica's core decides now: with memory://, as the leader, or in a local
+        term while Redis is unreachable. Only a deciding replica needs its engines' metrics."""
+        return self._term is not None
+
+    def add_decider_listener(self, listener: Callable[[], None]) -> None:
+        """Call `listener()` each time this replica starts deciding."""
+        self._decider_listeners.append(listener)
+
     def _open_term(self, epoch: int, *, hold: bool = False) -> None:
         """Decide from now on. `hold`: grant nothing new until a scrape can show what an
         earlier leader (or the other replicas) released just before; running leases are
@@ -855,6 +1068,8 @@ class ReplicaScheduler:
         self._leader = self.replica
         self._outbox.clear()  # addressed to another leader: re-sent below
         self._resend()
+        for listener in self._decider_listeners:
+            listener()
 
     def _close_term(self) -> None:
         if self._hold is not None:
@@ -957,13 +1172,14 @@ class ReplicaScheduler:
                 self._store_failed(exc)
                 continue
             for message in raw:
-                reply = _read_reply(message)
-                if reply is None:
+                try:
+                    reply = _parse_reply(message)
+                except ValueError as exc:
                     logger.warning(
-                        "fair_sched replica %s skipped a malformed reply in Redis key %s: %.80r",
+                        "fair_sched replica %s skipped a malformed reply in Redis key %s (%.80s)",
                         self.replica,
                         self._link.replies_key(self.replica),
-                        message,
+                        exc,
                     )
                     continue
                 self._on_reply(reply)
@@ -1077,26 +1293,40 @@ class ReplicaScheduler:
                 return
             for message in raw:
                 try:
-                    self._handle(term, _read_message(message, self._core.tiers))
-                except (ValueError, TypeError, IndexError, KeyError) as exc:
+                    inbound = _read_message(message, self._core.tiers)
+                except ValueError as exc:
                     # Not from a replica of this version: skip it, keep leading.
                     logger.warning(
-                        "fair_sched leader skipped a malformed message in Redis key %s: %.80s",
+                        "fair_sched leader skipped a malformed message in Redis key %s (%.80s)",
                         self._link.inbox_key,
                         exc,
                     )
+                    continue
+                try:
+                    self._handle(term, inbound)
+                except Exception:
+                    # A bug must not end the inbox loop: every follower would wait for good
+                    # on a leader that keeps renewing its lease.
+                    logger.exception(
+                        "fair_sched leader failed on a %r message from replica %s",
+                        inbound.kind,
+                        shown(inbound.replica),
+                    )
 
-    def _handle(self, term: _Term, message: list[Any]) -> None:
-        if message[0] == "$":
-            self._spent_elsewhere(message)
+    def _handle(self, term: _Term, message: _Inbound) -> None:
+        """One follower's message, read and checked by `_read_message`."""
+        if message.kind == "$":
+            principal, usd, tokens = message.body
+            if self._budgets is not None:
+                self._budgets.spend(principal, usd=usd, tokens=tokens)
             return
-        kind, epoch, session, replica, tid = message[:5]
+        kind, epoch, session, replica, tid, body = message
         if epoch != term.epoch or not term.accepts(replica, session):
             return  # addressed to an earlier leader: its sender re-sends what still matters
         key = (replica, session, tid)
         if kind == "s":
             try:
-                term.submit(key, _ticket_from(message[5 : 5 + _TICKET_FIELDS]))
+                term.submit(key, body[0])
             except QueueFull as exc:
                 self._reply(replica, _rejection(term.epoch, key, exc))
         elif kind == "c":
@@ -1104,23 +1334,18 @@ class ReplicaScheduler:
         elif kind == "b":
             term.started(key)
         elif kind == "e":
-            tokens = message[5]
-            if not isinstance(tokens, int):
-                raise TypeError(f"tokens used: {tokens!r}")
-            term.end(key, None if tokens < 0 else tokens, abandoned=bool(message[6]))
+            tokens, cost, dropped = _usage(body[0], body[1])
+            if dropped:
+                # The lease still ends (its capacity comes back), charged its estimate.
+                logger.warning(
+                    "fair_sched leader ignored %s in a lease end from replica %s: out of range",
+                    " and ".join(dropped),
+                    shown(replica),
+                )
+            term.end(key, tokens, abandoned=body[2], cost_used=cost)
         elif kind == "a":
-            # [ticket..., started, deployment]; an older replica's: [ticket (5 fields), started].
-            older = len(message) <= 5 + _OLDER_TICKET_FIELDS + 1
-            fields = _OLDER_TICKET_FIELDS if older else _TICKET_FIELDS
-            deployment = None if older else message[6 + fields]
-            if deployment is not None and not isinstance(deployment, str):
-                raise TypeError(f"deployment: {deployment!r}")
-            term.adopt(
-                key,
-                _ticket_from(message[5 : 5 + fields]),
-                started=bool(message[5 + fields]),
-                deployment=deployment,
-            )
+            ticket, started, deployment = body
+            term.adopt(key, ticket, started=started, deployment=deployment)
         elif kind == "p":
             # After the grants this batch's messages caused (their callbacks come first).
             asyncio.get_running_loop().call_soon(
@@ -1182,11 +1407,6 @@ class ReplicaScheduler:
             # A fact, not a request: the leader counts it whatever epoch it was sent in.
             self._send(["$", self._epoch, self._session, self.replica, 0, principal, usd, tokens])
 
-    def _spent_elsewhere(self, message: list[Any]) -> None:
-        principal, usd, tokens = message[5:8]  # checked by _read_message
-        if self._budgets is not None:
-            self._budgets.spend(principal, usd=float(usd), tokens=tokens)
-
     async def _sync_budgets(self, link: RedisLink) -> None:
         """After a heartbeat: a leader stores its book (restoring the stored one first when its
         term is new); a follower takes the leader's."""
@@ -1217,10 +1437,11 @@ class ReplicaScheduler:
             return
         try:
             book.restore(json.loads(raw), replace=True)
-        except (ValueError, RecursionError) as exc:  # RecursionError: absurdly deep JSON
+        # RecursionError: absurdly deep JSON; OverflowError: an integer too large for a float.
+        except (ValueError, OverflowError, RecursionError) as exc:
             if raw != self._bad_budgets:
                 logger.error(
-                    "fair_sched budget state in Redis key %s is unreadable (%s): replica %s "
+                    "fair_sched budget state in Redis key %s is unreadable (%.200s): replica %s "
                     "starts from a fresh budget book",
                     link.budgets_key,
                     exc,

@@ -107,3 +107,10 @@ def test_a_malformed_snapshot_is_refused_and_changes_nothing(snapshot: object) -
 def test_the_longest_window_bounds_how_long_a_snapshot_matters() -> None:
     assert book(FakeClock()).longest_window_s() == 3600.0
     assert BudgetBook({}, clock=FakeClock()).longest_window_s() == 0.0
+
+
+def test_a_snapshot_with_a_number_too_large_for_a_float_is_refused() -> None:
+    """`ValueError`, never OverflowError: the snapshot comes from another process."""
+    book = BudgetBook({"a": BudgetRule(10.0, "tokens", 60.0, "reject")}, clock=FakeClock())
+    with pytest.raises(ValueError):
+        book.restore({"a": {"spent": 10**400, "resets_in_s": 5.0}})

@@ -44,7 +44,9 @@ def test_drain_rate_is_measured_over_recent_releases_and_falls_when_draining_sto
         clock.advance(0.5)
     # 4 intervals since the first release, counted up to now (2.5 s).
     assert meter.rate("m", clock.now()) == pytest.approx(4 / 2.5)
-    assert meter.eta_s("m", 8, clock.now()) == pytest.approx(8 / (4 / 2.5))
+    # The ETA counts 8 releases at the rate between the releases (4 in 2.0 s) from the last
+    # release (0.5 s ago): it does not take the falling rate, which would make it grow.
+    assert meter.eta_s("m", 8, clock.now()) == pytest.approx(8 / (4 / 2.0) - 0.5)
     clock.advance(5.0)
     assert meter.rate("m", clock.now()) == pytest.approx(4 / 7.5)
     clock.advance(10.0)  # everything left the window
@@ -58,3 +60,24 @@ def test_retry_after_follows_the_rate_within_bounds() -> None:
     assert retry_after_s(10, 2.0) == 5.0
     assert retry_after_s(1, 100.0) == 1.0
     assert retry_after_s(10_000, 0.01, ceiling_s=600) == 600
+
+
+def test_while_nothing_drains_the_eta_never_grows_and_ends_once_overdue() -> None:
+    """The keep-alive bug: position 1 stayed while the ETA grew (0.5, 1.0, ... s) until the
+    request timed out. Counted from the last release at the rate between releases, it only
+    falls; once the request should have gone and did not, there is no ETA."""
+    clock = FakeClock()
+    meter = DrainMeter()
+    for _ in range(3):  # two a second
+        clock.advance(0.5)
+        meter.record("m", clock.now())
+    etas = []
+    for _ in range(8):
+        etas.append(meter.eta_s("m", 1, clock.now()))
+        clock.advance(0.2)
+    known = [eta for eta in etas if eta is not None]
+    assert known and known == sorted(known, reverse=True)
+    assert etas[-1] is None
+    assert etas.index(None) == len(known)  # once gone, it stays gone while nothing drains
+    meter.record("m", clock.now())  # draining again: an ETA again
+    assert meter.eta_s("m", 1, clock.now()) == pytest.approx(1 / (3 / 2.6))

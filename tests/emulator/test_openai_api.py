@@ -2,12 +2,20 @@
 
 from __future__ import annotations
 
+import itertools
 import json
 from typing import Any
 
 import httpx
+import pytest
 
 from fair_sched_plugin.emulator import RunningEmulator
+from fair_sched_plugin.emulator.app import (
+    CompletionKind,
+    CompletionRenderer,
+    CompletionRequest,
+    token_text,
+)
 
 from .conftest import chat_body
 
@@ -95,3 +103,33 @@ async def test_unknown_model_is_404_and_bad_bodies_are_400(client: httpx.AsyncCl
 
 async def test_server_binds_loopback_only(emu: RunningEmulator) -> None:
     assert emu.base_url == f"http://127.0.0.1:{emu.port}"
+
+
+async def test_no_two_neighbouring_stream_chunks_repeat(client: httpx.AsyncClient) -> None:
+    """LiteLLM fails a stream after 100 identical chunks in a row ("The model is repeating the
+    same chunk"): the emulator's tokens vary, the same way in every response."""
+    events = await stream_events(client, "/v1/chat/completions", chat_body(250, stream=True))
+    chunks = [json.loads(event) for event in events[1:-1]]
+    content = [chunk["choices"][0]["delta"]["content"] for chunk in chunks]
+    assert content == [token_text(" token", i) for i in range(250)]
+    assert all(a != b for a, b in itertools.pairwise(content))
+    whole = await client.post("/v1/chat/completions", json=chat_body(250))
+    assert whole.json()["choices"][0]["message"]["content"] == "".join(content)
+
+
+@pytest.mark.parametrize("kind", ["chat", "text"])
+def test_token_events_read_the_same_however_the_steps_cut_them(kind: CompletionKind) -> None:
+    request = CompletionRequest(kind, "m", 1, 37, 0, True, False, None, ())
+    renderer = CompletionRenderer(request, "id-1", " word")
+    cuts = [1, 9, 10, 11, 3, 2, 1]  # 37 tokens in steps of several sizes
+    body = b"".join(
+        renderer.token_events(count, ends_stream=i == len(cuts) - 1) for i, count in enumerate(cuts)
+    )
+    chunks = [json.loads(line[6:]) for line in body.decode().split("\n\n") if line]
+    texts = [
+        chunk["choices"][0]["delta"]["content"] if kind == "chat" else chunk["choices"][0]["text"]
+        for chunk in chunks
+    ]
+    assert texts == [token_text(" word", i) for i in range(37)]
+    finish = [chunk["choices"][0]["finish_reason"] for chunk in chunks]
+    assert finish == [None] * 36 + ["length"]

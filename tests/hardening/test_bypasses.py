@@ -40,13 +40,9 @@ from ..integrations.conftest import (
     serve,
     wait_until,
 )
+from ..support import service_of
 
 CHAT = "/v1/chat/completions"
-
-
-def service_of(app: Any) -> SchedulingService:
-    service: SchedulingService = app.state.fair_sched
-    return service
 
 
 def aliasing_app(emu: RunningEmulator, *, default_model: str | None = MODEL) -> Starlette:
@@ -196,11 +192,12 @@ async def test_client_chosen_model_names_share_one_in_flight_cap() -> None:
                 for i in range(8)
             ]
             try:
+                scheduler = middleware_service(app).scheduler
+                # Once all eight are in the scheduler, none more can be on its way to the engine.
+                await wait_until(lambda: scheduler.statistics().queued == 6)
                 await wait_until(lambda: len(emu.engine.received) >= 2)
-                await asyncio.sleep(0.5)  # room for more to arrive, were they let through
+                assert scheduler.statistics().in_flight == 2
                 assert len(emu.engine.received) == 2
-                stats = middleware_service(app).scheduler.statistics()
-                assert stats.queued == 6
             finally:
                 await cancel_all(streams)
             await assert_idle(middleware_service(app))
@@ -309,20 +306,35 @@ async def test_send_timeout_ends_the_lease_of_a_client_that_stops_reading() -> N
         await assert_idle(service)
 
 
-async def test_a_client_leaving_a_non_streamed_request_stops_the_engine_and_is_not_charged() -> (
-    None
-):
+async def test_a_client_leaving_a_non_streamed_request_stops_the_engine_and_is_charged() -> None:
     """Before: the middleware left a non-streamed request running in the app when its client
-    left (the engine generated everything for nobody), and its lease, granted but with nothing
-    ever sent, was counted as completed."""
+    left (the engine generated everything for nobody). Then its lease, with nothing ever sent
+    back, was abandoned: the fairness charge refunded and the budget skipped, though the engine
+    had generated tokens for it (194 generated, 0 charged). Now it is completed and charged
+    about what the engine generated before the abort reached it."""
     async with emulator() as emu:
         app = aliasing_app(emu)
         async with middleware_app(app, fair_config(emu)) as url, open_client(url, "sk-a") as c:
             service = middleware_service(app)
+            charged: list[tuple[int | None, bool]] = []
+            service.scheduler.add_end_listener(
+                lambda lease, abandoned: charged.append((lease.tokens_used, abandoned))
+            )
             leaving = asyncio.ensure_future(c.post(CHAT, json=chat_body(max_tokens=100_000)))
-            await wait_until(lambda: emu.engine.statistics().running == 1)
+            # Long enough that the engine has generated some and its speed was scraped.
+            await wait_until(lambda: emu.engine.statistics().generation_tokens_total >= 40)
+            await wait_until(
+                lambda: any(
+                    r.last_snapshot and r.last_snapshot.tpot_s for r in service.deployments()
+                )
+            )
             await cancel_all([leaving])
             await wait_until(lambda: emu.engine.statistics().requests_aborted == 1)
             await assert_idle(service)
             stats = service.scheduler.statistics()
-            assert (stats.abandoned_total, stats.completed_total) == (1, 0)
+            generated = emu.engine.statistics().generation_tokens_total
+    assert (stats.abandoned_total, stats.completed_total) == (0, 1)
+    [(tokens_used, abandoned)] = charged
+    assert not abandoned and tokens_used is not None
+    # At the engine's recent speed from its release until now: within a factor of two.
+    assert generated / 2 <= tokens_used <= 2 * generated, (tokens_used, generated)

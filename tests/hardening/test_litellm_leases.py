@@ -12,7 +12,6 @@ import asyncio
 import contextlib
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
-from typing import Any
 
 import httpx
 import pytest
@@ -31,6 +30,7 @@ from ..integrations.litellm_harness import (
     proxy_config,
     shared_proxy_marks,
 )
+from ..support import find_int
 from .test_bypasses import raw_request
 
 pytestmark = shared_proxy_marks()
@@ -81,17 +81,7 @@ async def stack(tmp_path_factory: pytest.TempPathFactory) -> AsyncIterator[Stack
 async def in_flight(proxy: ProxyProcess) -> int:
     async with open_client(proxy.base_url, MASTER_KEY) as admin:
         status = (await admin.get("/fair-sched/status")).json()
-    return _find(status, "in_flight")
-
-
-def _find(document: Any, key: str) -> int:
-    if isinstance(document, dict):
-        if isinstance(document.get(key), int):
-            return int(document[key])
-        for value in document.values():
-            with contextlib.suppress(KeyError):
-                return _find(value, key)
-    raise KeyError(key)
+    return find_int(status, "in_flight")
 
 
 async def wait_in_flight_zero(proxy: ProxyProcess) -> None:

@@ -13,10 +13,9 @@ would leave 127.0.0.1. Their providers' base URLs point at a closed loopback por
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import json
 import re
-from collections.abc import AsyncIterator, Mapping
+from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -40,6 +39,7 @@ from ..integrations.litellm_harness import (
     proxy_config,
     shared_proxy_marks,
 )
+from ..support import find_int
 
 pytestmark = shared_proxy_marks()
 
@@ -68,6 +68,12 @@ HOSTED_ONLY = re.compile(
 )
 # Routes that only count tokens (see the walk's assertion).
 TOKEN_COUNTING = re.compile(r"count_tokens|countTokens|input_tokens|token_counter")
+# Requests LiteLLM sends to the engine's host that generate nothing there, so carry no priority:
+# realtime session settings (the client's `priority` is stripped from them, not rewritten) and
+# vector stores (no model at all).
+NOT_A_GENERATION = frozenset(
+    {"/v1/realtime/client_secrets", "/v1/realtime/transcription_sessions", "/v1/vector_stores"}
+)
 # Engine paths the emulator serves; the relay records every request but GETs (see Relay) and
 # forwards only these.
 ENGINE_PATHS = ("/v1/chat/completions", "/v1/completions")
@@ -216,23 +222,15 @@ def body_for(path: str) -> dict[str, Any]:
 
 async def released_total(admin: httpx.AsyncClient) -> int:
     status = (await admin.get("/fair-sched/status")).json()
-    return _find(status, "released")
-
-
-def _find(document: Any, key: str) -> int:
-    if isinstance(document, Mapping):
-        if isinstance(document.get(key), int):
-            return int(document[key])
-        for value in document.values():
-            with contextlib.suppress(KeyError):
-                return _find(value, key)
-    raise KeyError(key)
+    return find_int(status, "released")
 
 
 async def test_every_generation_route_is_scheduled_at_the_tiers_priority(stack: Stack) -> None:
     """Before: `/v1/messages`, `:generateContent` and `/vllm/...` reached the engine without a
-    lease, some with the batch key's `priority: -1000`. Now each request that reaches the engine
-    was released by the scheduler first, and carries the batch tier's priority."""
+    lease, some with the batch key's `priority: -1000`; then `:generateContent` reached it with
+    no priority at all (the interactive tier's 0). Now each request that reaches the engine was
+    released by the scheduler first and carries the batch tier's priority, or is refused with a
+    400 that says why (a route LiteLLM builds without `extra_body`)."""
     routes = walked_routes()
     assert len(routes) > 50  # the list is LiteLLM's, not ours
     reached: dict[str, int] = {}
@@ -266,7 +264,6 @@ async def test_every_generation_route_is_scheduled_at_the_tiers_priority(stack: 
         "/v1/chat/completions",
         "/v1/completions",
         "/v1/messages",
-        "/v1beta/models/tiny:generateContent",
         "/vllm/v1/chat/completions",
         "/v1/realtime/client_secrets",
         "/v1/realtime/transcription_sessions",
@@ -288,10 +285,18 @@ async def test_every_generation_route_is_scheduled_at_the_tiers_priority(stack: 
             body = json.loads(raw) if raw else {}
         except ValueError:
             continue  # not JSON (a multipart upload): no priority field to carry
-        assert body.get("priority", BATCH_PRIORITY) == BATCH_PRIORITY, (path, body)
+        if path in NOT_A_GENERATION:
+            assert body.get("priority", BATCH_PRIORITY) == BATCH_PRIORITY, (path, body)
+        else:
+            # Whatever the engine would run carries the tier's priority, never none.
+            assert body.get("priority") == BATCH_PRIORITY, (path, body)
     assert stack.emu.engine.received
-    # The tier's priority or none (the emulator records an absent priority as 0).
-    assert {request.priority for request in stack.emu.engine.received} <= {0, BATCH_PRIORITY}
+    # The tier's priority, on every request (the emulator records an absent one as 0).
+    assert {request.priority for request in stack.emu.engine.received} == {BATCH_PRIORITY}
+    # Gemini's route cannot carry a priority to an OpenAI-compatible engine: refused, saying so.
+    gemini = "/v1beta/models/tiny:generateContent"
+    assert gemini not in reached, statuses[gemini]
+    assert statuses[gemini].startswith("400") and "priority" in statuses[gemini], statuses[gemini]
 
 
 async def test_comma_separated_models_never_fan_out(stack: Stack) -> None:
@@ -323,7 +328,7 @@ async def test_a_non_streamed_client_that_leaves_stops_the_engine(stack: Stack) 
     async with open_client(stack.proxy.base_url, MASTER_KEY) as admin:
         for _ in range(100):  # bounded: the lease ends as the request's task is cancelled
             status = (await admin.get("/fair-sched/status")).json()
-            if _find(status, "in_flight") == 0:
+            if find_int(status, "in_flight") == 0:
                 break
             await asyncio.sleep(0.05)
-        assert _find(status, "in_flight") == 0
+        assert find_int(status, "in_flight") == 0

@@ -14,13 +14,19 @@ import hmac
 import inspect
 import json
 import logging
+import socket
 from collections.abc import AsyncIterator
 from typing import Any
 
 import httpx
 import pytest
+from starlette.applications import Starlette
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+from starlette.routing import Route
 
 from fair_sched_plugin import identity, observability
+from fair_sched_plugin.asgi import FairSchedulerMiddleware
 from fair_sched_plugin.config import parse_settings
 from fair_sched_plugin.identity import Credentials, PrincipalDirectory
 from fair_sched_plugin.proxy import build_proxy_app
@@ -38,6 +44,7 @@ from ..integrations.conftest import (
     serve,
     wait_until,
 )
+from ..support import service_of
 
 INTERACTIVE_PRIORITY, BATCH_PRIORITY = 0, 10
 
@@ -49,11 +56,6 @@ PRIORITY_SPOOFS: list[tuple[dict[str, Any], dict[str, str]]] = [
     ({}, {"x-priority": "-100", "priority": "-100"}),
     ({"metadata": {"priority": -100, "tier": "interactive"}}, {"x-fair-sched-tier": "interactive"}),
 ]
-
-
-def service_of(app: Any) -> SchedulingService:
-    service: SchedulingService = app.state.fair_sched
-    return service
 
 
 # ----------------------------------------------------------------------------- priority
@@ -327,6 +329,63 @@ def test_key_comparison_is_constant_time_on_digests(monkeypatch: pytest.MonkeyPa
     assert "hmac.compare_digest" in inspect.getsource(observability.keys_match)
 
 
+async def test_litellm_master_key_is_compared_on_digests(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Before: `authenticate` compared the raw master key with `hmac.compare_digest`, which
+    returns early on unequal lengths (its timing told the key's length). Now both sides are
+    SHA-256 digests of equal length."""
+    import sys
+    import types
+
+    from fair_sched_plugin.litellm import authenticate
+    from fair_sched_plugin.litellm._proxy import PROXY_MODULE
+
+    master = "sk-master-LEAKCHECK-77a1"
+    calls: list[tuple[Any, Any]] = []
+    real = hmac.compare_digest
+
+    def spy(a: Any, b: Any) -> bool:
+        calls.append((a, b))
+        return real(a, b)
+
+    monkeypatch.setattr(hmac, "compare_digest", spy)
+    monkeypatch.setitem(sys.modules, PROXY_MODULE, types.SimpleNamespace(master_key=master))
+    admin = await authenticate(None, master)  # type: ignore[arg-type]
+    assert admin.user_id == "admin"
+    assert calls == [(hashlib.sha256(master.encode()).digest(),) * 2]
+
+
+def test_a_virtual_keys_metadata_cannot_claim_a_principal() -> None:
+    """Before: `fair_sched_principal` in a LiteLLM virtual key's metadata (which a non-admin may
+    set on a key it creates) made the caller that principal: its tier, weight, caps, budget.
+    Now only a name our own `authenticate` vouched for counts; stored metadata is ignored."""
+    import types
+
+    from fair_sched_plugin.litellm._callback import (
+        PRINCIPAL_KEY,
+        FairSchedCallback,
+        VouchedPrincipal,
+    )
+
+    service = SchedulingService(
+        {"principals": [{"name": "vip", "keys": ["sk-vip-9d1c"], "weight": 10}]}
+    )
+    callback = FairSchedCallback(lambda: service)
+
+    def caller(vouched: str) -> Any:
+        return types.SimpleNamespace(
+            metadata={PRINCIPAL_KEY: vouched},
+            user_id="mallory",
+            team_id=None,
+            key_alias=None,
+            token=hashlib.sha256(b"sk-mallory").hexdigest(),
+        )
+
+    forged = callback._principal(service, caller("vip"), {})
+    assert (forged.name, forged.known) == ("user:mallory", False)
+    vouched = callback._principal(service, caller(VouchedPrincipal("vip")), {})
+    assert (vouched.name, vouched.known, vouched.weight) == ("vip", True, 10)
+
+
 # ----------------------------------------------------------------------------- no key leaks
 
 
@@ -440,3 +499,100 @@ async def test_keys_never_appear_in_logs_errors_status_or_metrics(
         and getattr(record, "principal", None) == "bob"
         for record in caplog.records
     )
+
+
+# ----------------------------------------------------------------------------- engine credentials
+
+ENGINE_PASSWORD = "pw-LEAKCHECK-0c4e91"
+ENGINE_TOKEN = "tok-LEAKCHECK-a7d253"
+
+
+def credentialed(base_url: str) -> str:
+    """`base_url`'s api_base with a password and a `?token=` in it, as some gateways want."""
+    host = base_url.removeprefix("http://")
+    return f"http://engine:{ENGINE_PASSWORD}@{host}/v1?token={ENGINE_TOKEN}"
+
+
+def assert_no_engine_credential(text: str, where: str) -> None:
+    for secret in (ENGINE_PASSWORD, ENGINE_TOKEN):
+        assert secret not in text, f"the engine's credential appears in {where}: {text[:800]}"
+
+
+async def test_engine_credentials_never_reach_clients_status_metrics_or_logs(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """Before: the deployment key was the raw api_base, so a password or a `?token=` in it came
+    back in every response's `x-fair-sched-deployment`, and in the proxy's "cannot reach" line,
+    the gate's transition lines and the metrics watcher's. Now every response header, status
+    field, metric label and log record names the deployment without them."""
+    caplog.set_level(logging.DEBUG)
+    with socket.socket() as closed:
+        closed.bind(("127.0.0.1", 0))
+        dead = f"http://127.0.0.1:{closed.getsockname()[1]}"
+    seen: list[str] = []
+    async with emulator() as emu:
+        config = fair_config(
+            emu,
+            backend={"api_base": credentialed(emu.base_url)},
+            observability={"admin_key": SECRETS["admin"], "user_labels": "principals"},
+            stale_after_ms=300,
+        )
+        config["backends"]["gone"] = {"api_base": credentialed(dead)}
+        app = build_proxy_app(config)
+        service = service_of(app)
+        async with serve(app) as url, open_client(url, key="sk-a") as client:
+            ok = await client.post("/v1/chat/completions", json=chat_body())
+            assert ok.status_code == 200, ok.text
+            assert ok.headers["x-fair-sched-deployment"] == f"{emu.base_url}/v1"
+            unreachable = await client.post("/v1/chat/completions", json=chat_body(model="gone"))
+            assert unreachable.status_code in (502, 503), unreachable.text
+            # The engine's metrics go and come back: the gate says so, naming the deployment.
+            emu.engine.faults.metrics_mode = "error"
+            await wait_until(
+                lambda: any(t.new == "fallback" for t in service.transitions if t.model == MODEL),
+                20,
+            )
+            emu.engine.faults.metrics_mode = "ok"
+            await wait_until(lambda: service.transitions[-1].new == "metrics", 20)
+            for response in (ok, unreachable):
+                seen.append(response.text + json.dumps(list(response.headers.items())))
+            admin = {"authorization": f"Bearer {SECRETS['admin']}"}
+            for path in (observability.STATUS_PATH, observability.METRICS_PATH):
+                answer = await client.get(path, headers=admin)
+                assert answer.status_code == 200
+                seen.append(answer.text)
+            await assert_idle(service)
+    assert "fair_sched_gate_mode" in seen[-1] and f"{emu.base_url}/v1" in seen[-1]
+    assert_no_engine_credential("\n".join(seen), "a response, the status or the metrics")
+    messages = [record.getMessage() for record in caplog.records]
+    assert any("cannot reach" in message for message in messages), messages
+    assert any("mode=fallback" in message for message in messages), messages
+    for record in caplog.records:
+        assert_no_engine_credential(record.getMessage(), f"log record {record.name}")
+        assert_no_engine_credential(repr(record.__dict__), f"log record {record.name} (args)")
+
+
+async def test_the_app_gets_the_key_in_request_state_and_only_the_name_in_its_header() -> None:
+    """Behind the middleware the app must reach the bound engine (credentials and all), from
+    `request.state`; the request header it might echo or forward carries the public name."""
+    async with emulator() as emu:
+        api_base = credentialed(emu.base_url)
+
+        async def endpoint(request: Request) -> Response:
+            return JSONResponse(
+                {
+                    "state": request.state.fair_sched_deployment,
+                    "header": request.headers.get("x-fair-sched-deployment"),
+                }
+            )
+
+        inner = Starlette(routes=[Route("/v1/chat/completions", endpoint, methods=["POST"])])
+        app = FairSchedulerMiddleware(inner, fair_config(emu, backend={"api_base": api_base}))
+        async with serve(app) as url, open_client(url, key="sk-a") as client:
+            response = await client.post("/v1/chat/completions", json=chat_body())
+            assert response.status_code == 200, response.text
+            assert response.json() == {
+                "state": api_base,
+                "header": f"{emu.base_url}/v1",
+            }
+            assert response.headers["x-fair-sched-deployment"] == f"{emu.base_url}/v1"

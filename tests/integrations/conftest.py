@@ -6,11 +6,10 @@ import asyncio
 import contextlib
 import functools
 import json
-from collections.abc import AsyncIterator, Callable, Mapping, Sequence
+from collections.abc import AsyncIterator, Callable, Mapping
 from typing import Any
 
 import httpx
-import pytest
 import uvicorn
 from starlette.applications import Starlette
 from starlette.requests import Request
@@ -22,7 +21,12 @@ from fair_sched_plugin.emulator.server import RunningEmulator, run_emulator
 from fair_sched_plugin.proxy import CLIENT_KEEP_ALIVE_S
 from fair_sched_plugin.service import SchedulingService
 
-LOOPBACK = "127.0.0.1"
+from ..support import LOOPBACK, cancel_all, eventually, open_client
+
+# The names the integration tests have always imported from here.
+wait_until = eventually
+__all__ = ["LOOPBACK", "cancel_all", "open_client", "wait_until"]
+
 MODEL = "tiny"
 STARTUP_TIMEOUT_S = 10.0
 # Orderings are what these tests check, so a step only needs to be long enough for the gate's
@@ -92,15 +96,6 @@ async def serve(app: Any) -> AsyncIterator[str]:
             await asyncio.gather(serving, return_exceptions=True)
 
 
-def open_client(base_url: str, key: str | None = None, timeout: float = 30.0) -> httpx.AsyncClient:
-    # Floods open more than httpx's default 100 connections at once.
-    limits = httpx.Limits(max_connections=500, max_keepalive_connections=500)
-    headers = {"authorization": f"Bearer {key}"} if key else {}
-    return httpx.AsyncClient(
-        base_url=base_url, limits=limits, timeout=timeout, headers=headers, trust_env=False
-    )
-
-
 def chat_body(max_tokens: int = 8, **extra: Any) -> dict[str, Any]:
     return {
         "model": MODEL,
@@ -112,16 +107,6 @@ def chat_body(max_tokens: int = 8, **extra: Any) -> dict[str, Any]:
 
 def completion_body(max_tokens: int = 8, **extra: Any) -> dict[str, Any]:
     return {"model": MODEL, "prompt": "Fair scheduling is", "max_tokens": max_tokens, **extra}
-
-
-async def wait_until(condition: Callable[[], bool], timeout_s: float = 10.0) -> None:
-    """Poll `condition` every few ms; fail after `timeout_s` (never loops unbounded)."""
-    loop = asyncio.get_running_loop()
-    give_up_at = loop.time() + timeout_s
-    while not condition():
-        if loop.time() > give_up_at:
-            pytest.fail(f"condition not met within {timeout_s} s")
-        await asyncio.sleep(0.005)
 
 
 async def assert_idle(service: SchedulingService) -> None:
@@ -239,12 +224,6 @@ async def park_behind_full_engine(
 
 def _engine_received_from(emu: RunningEmulator, user: str) -> bool:
     return any(request.user == user for request in emu.engine.received)
-
-
-async def cancel_all(tasks: Sequence[asyncio.Future[Any]]) -> None:
-    for task in tasks:
-        task.cancel()
-    await asyncio.gather(*tasks, return_exceptions=True)
 
 
 async def get_on_connection(

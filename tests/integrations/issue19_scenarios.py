@@ -23,7 +23,9 @@ import httpx
 from fair_sched_plugin.emulator.engine import EmulatorConfig
 from fair_sched_plugin.emulator.server import RunningEmulator, run_emulator
 
+from ..support import eventually
 from .litellm_harness import (
+    MASTER_KEY,
     litellm_proxy,
     model_entry,
     open_client,
@@ -158,6 +160,16 @@ async def cost_fairness(directory: Path, *, warmup_s: float, window_s: float) ->
     return CostResult(delivered, requests)
 
 
+async def queued_in_plugin(base_url: str, model: str, *, at_least: int) -> bool:
+    """Whether the plugin's status document shows at least `at_least` requests queued on
+    `model` (what a fixed sleep used to wait for)."""
+    async with open_client(base_url, MASTER_KEY) as admin:
+        response = await admin.get("/fair-sched/status")
+    assert response.status_code == 200, response.text
+    queued: dict[str, int] = response.json()["models"].get(model, {}).get("queued", {})
+    return sum(queued.values()) >= at_least
+
+
 # ---------------------------------------------------------------------------- tier shares
 
 
@@ -248,7 +260,8 @@ async def promotion(directory: Path, *, promote_after_s: float, count: int) -> P
         assert warmup.status_code == 200, warmup.text
         counts: list[int] = []
         async with backlogged(senders):
-            await asyncio.sleep(2.0)  # the interactive backlog is there
+            # The interactive backlog is there: the engine is full and the plugin holds more.
+            await eventually(lambda: queued_in_plugin(proxy.base_url, "tiny", at_least=4), 60)
             for _ in range(count):
                 sent_at = len(emu.engine.received)
                 sending = asyncio.create_task(
@@ -328,7 +341,8 @@ async def heavy_flood_with_light_user(
             )
             for _ in range(wave2)
         ]
-        await asyncio.sleep(0.5)
+        # The flood is parked in the plugin before the light user starts.
+        await eventually(lambda: queued_in_plugin(base_url, "tiny", at_least=wave2 - 2 * SLOTS), 60)
         ttfts = []
         overtaken = []
         async with open_client(base_url, "sk-light", 120.0) as client:

@@ -14,7 +14,6 @@ import importlib.util
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -30,8 +29,10 @@ import yaml
 from fair_sched_plugin._http import sse_lines
 
 from ..processes import own_process_group, process_cpu_seconds, process_cpu_wait_seconds
+from ..support import LOOPBACK, free_port, open_client
 
-LOOPBACK = "127.0.0.1"
+__all__ = ["LOOPBACK", "free_port", "open_client"]
+
 # Long and random enough that LiteLLM does not refuse it as a well-known weak key.
 MASTER_KEY = "sk-fairsched-test-master-7c41d9e2b8a6"
 CALLBACK = "fair_sched_plugin.litellm.scheduler"
@@ -55,13 +56,6 @@ def litellm_executable() -> str:
     """The `litellm` script next to the running interpreter (the dev venv's)."""
     candidate = Path(sys.executable).with_name("litellm")
     return str(candidate) if candidate.exists() else "litellm"
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind((LOOPBACK, 0))
-        port: int = sock.getsockname()[1]
-        return port
 
 
 def proxy_env(extra: Mapping[str, str] | None = None) -> dict[str, str]:
@@ -271,14 +265,6 @@ async def run_proxy_to_exit(
             await asyncio.to_thread(process.wait, timeout_s)
         code = process.poll()
     return code, log_path.read_text(encoding="utf-8", errors="replace")
-
-
-def open_client(base_url: str, key: str | None = None, timeout: float = 30.0) -> httpx.AsyncClient:
-    limits = httpx.Limits(max_connections=500, max_keepalive_connections=500)
-    headers = {"authorization": f"Bearer {key}"} if key else {}
-    return httpx.AsyncClient(
-        base_url=base_url, limits=limits, timeout=timeout, headers=headers, trust_env=False
-    )
 
 
 @dataclass

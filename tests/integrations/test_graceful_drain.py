@@ -1,7 +1,7 @@
 """Graceful drain on SIGTERM, with real server processes (issue 18).
 
 `fair-sched proxy` and a `litellm --config` proxy, each in front of the emulator (8 slots): 8
-streams run, 50 requests are parked (the gate's in-flight cap is 8: the engine's metrics URL
+streams run, 12 requests are parked (the gate's in-flight cap is 8: the engine's metrics URL
 answers nothing), then the server gets SIGTERM. Every parked client gets a clean 503
 `shutting_down` with `Retry-After`, every stream completes, the process exits within
 `drain_grace_s`, and nothing is left running in the engine.
@@ -16,7 +16,6 @@ import json
 import signal
 import subprocess
 import sys
-import time
 from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
@@ -41,14 +40,18 @@ from .litellm_harness import (
 
 pytestmark = pytest.mark.slow
 
-STREAMS, PARKED = 8, 50
+# Any number parked behind the full gate shows the drain; 12 keeps LiteLLM's per-refusal
+# traceback logging (CPU on two cores) small.
+STREAMS, PARKED = 8, 12
 STREAM_TOKENS = 200
 GRACE_S = 60.0
 ADMIN_KEY = "fair-sched-test-admin-3f9c2a"
-# A step of 100 ms: the streams run ~20 s, long enough for 50 requests to park behind them even
-# through a slow LiteLLM proxy on a busy machine, so the signal lands mid-stream.
 BODY = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
-ENGINE = emulator_config(max_num_seqs=STREAMS, base_step_ms=100.0)
+# Steps of 10 ms (a stream: ~2 s), stalled to 1 s (the `slow` fault) from the streams' start
+# until every parked client has its 503: the signal lands mid-stream however long parking takes
+# through a slow LiteLLM proxy, and no fixed stream length has to outlast it.
+ENGINE = emulator_config(max_num_seqs=STREAMS, base_step_ms=10.0)
+STALLED = {"slow": 100.0}
 
 
 def section(emu: RunningEmulator) -> dict[str, Any]:
@@ -166,6 +169,7 @@ async def drain_scenario(
         # Warm up (LiteLLM imports on its first request), while nothing is measured.
         assert (await waiter.post("/v1/chat/completions", json=BODY)).status_code == 200
         before = emu.engine.statistics().requests_received
+        emu.engine.faults.update(STALLED)
         streams = [asyncio.ensure_future(stream_text(streamer)) for _ in range(STREAMS)]
         await wait_until(lambda: emu.engine.statistics().running == STREAMS, timeout_s=60)
         parked = [
@@ -180,11 +184,13 @@ async def drain_scenario(
         assert not any(task.done() for task in streams)
 
         proxy.process.send_signal(signal.SIGTERM)
-        stopped_at = time.monotonic()
         refused = await asyncio.gather(*parked)
+        emu.engine.faults.update({"slow": 1.0})  # the streams may finish now
         texts = await asyncio.gather(*streams)
-        code = await asyncio.to_thread(proxy.process.wait, GRACE_S + 10)
-        exited_after = time.monotonic() - stopped_at
+        # Past `drain_grace_s` the server would be cut off; it exits once its streams are done.
+        # A wait past the grace period fails (subprocess.TimeoutExpired): that bound is the
+        # claim, not a measured duration.
+        code = await asyncio.to_thread(proxy.process.wait, GRACE_S)
 
     for response in refused:
         assert response.status_code == 503, response.text
@@ -192,7 +198,6 @@ async def drain_scenario(
         assert error["code"] == "shutting_down"
         assert int(response.headers["retry-after"]) >= 1
     assert len(set(texts)) == 1 and texts[0]  # every stream complete and alike
-    assert exited_after < GRACE_S, f"exited after {exited_after:.1f} s, code {code}"
     # Only the streams reached the engine; it has nothing left to run.
     assert emu.engine.statistics().requests_received == before + STREAMS
     await wait_until(lambda: emu.engine.statistics().running == 0, timeout_s=10)
@@ -200,7 +205,7 @@ async def drain_scenario(
         # (LiteLLM logs a traceback for every refusal a pre-call hook raises, 429 or 503.)
         log = proxy.log_text()
         assert "Traceback" not in log, log[-3000:]
-    print(f"\n{type(proxy).__name__} drained: exit {code} after {exited_after:.2f} s")
+    print(f"\n{type(proxy).__name__} drained: exit {code}")
 
 
 async def test_fair_sched_proxy_drains_on_sigterm(tmp_path: Path) -> None:

@@ -18,7 +18,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import statistics
-import time
 from collections.abc import AsyncIterator, Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -30,6 +29,7 @@ import pytest_asyncio
 from fair_sched_plugin.emulator.engine import EmulatedEngine, EmulatorConfig
 from fair_sched_plugin.emulator.server import RunningEmulator, run_emulator
 
+from ..support import cancel_all, eventually
 from .conftest import wait_until
 from .litellm_harness import (
     CHAT,
@@ -62,10 +62,8 @@ ENGINE_STEPS: dict[str, Any] = {
     "step_ms_per_running_seq": 0.0,
     "prefill_ms_per_token": 0.0,
 }
-# How long a request needs to get from the client into the plugin's queue. Nothing outside the
-# proxy shows that it is parked, so this is waited for; every check that depends on it fails
-# (rather than passes) when it is too short.
-SETTLE_S = 0.5
+# That a request is parked in the plugin is read from the proxy's `/fair-sched/status` document
+# (`wait_queued`), never waited for with a fixed sleep.
 
 
 def fair_sched_section(**overrides: Any) -> dict[str, Any]:
@@ -219,12 +217,6 @@ async def drain(client: httpx.AsyncClient, request_body: Mapping[str, Any]) -> N
             pass
 
 
-async def cancel_all(tasks: list[asyncio.Task[Any]]) -> None:
-    for task in tasks:
-        task.cancel()
-    await asyncio.gather(*tasks, return_exceptions=True)
-
-
 def share_started_before(flood: list[StreamResult], moment: float) -> float:
     started = [r.first_token_at for r in flood if r.first_token_at is not None]
     assert len(started) == len(flood), "every flood request must stream"
@@ -322,7 +314,7 @@ async def test_body_user_and_headers_do_not_change_the_callers_queue(stack: Stac
         parked = []
         for tag in (51, 52):
             parked.append(asyncio.create_task(alice.post(CHAT, json=body(tag, "tiny-capped"))))
-            await asyncio.sleep(SETTLE_S)
+            await wait_queued(stack.strict, "tiny-capped", len(parked))
         try:
             disguised = await alice.post(
                 CHAT,
@@ -335,7 +327,7 @@ async def test_body_user_and_headers_do_not_change_the_callers_queue(stack: Stac
             )
             assert disguised.status_code == 429, disguised.text
             other = asyncio.create_task(carol.post(CHAT, json=body(54, "tiny-capped")))
-            await asyncio.sleep(SETTLE_S)
+            await wait_queued(stack.strict, "tiny-capped", 3)
             assert not other.done(), "carol's request must park in her own queue"
             parked.append(other)
         finally:
@@ -357,7 +349,7 @@ async def test_queue_cap_is_429_with_retry_after(stack: Stack) -> None:
         for tag in (55, 56):
             parked.append(asyncio.create_task(carol.post(CHAT, json=body(tag, "tiny-capped"))))
             # Both must be queued before the third, else the third is queued in their place and
-            # waits for ever; on a loaded machine reaching the queue can take longer than SETTLE_S.
+            # waits for ever.
             await wait_queued(stack.strict, "tiny-capped", len(parked))
         try:
             for extra in ({}, {"stream": True}):
@@ -377,11 +369,14 @@ async def flood(
     base_url: str,
     keys: tuple[str, str, str],
     engine: EmulatedEngine,
+    proxy: ProxyProcess | None = None,
 ) -> tuple[list[StreamResult], list[StreamResult]]:
-    """`keys[0]` sends FLOOD_SIZE streams at once; once the engine is full (and 1 s later, as in
-    DESIGN.md) `keys[1]` and `keys[2]` send one each. Returns (flood, light users)."""
+    """`keys[0]` sends FLOOD_SIZE streams at once; once the engine is full and the whole flood
+    has arrived (at the engine, or parked in `proxy`'s plugin), `keys[1]` and `keys[2]` send one
+    each, as in DESIGN.md (there: 1 s later). Returns (flood, light users)."""
     heavy_key, *light_keys = keys
     request = body(FLOOD_TOKENS, stream=True)
+    received_before = engine.statistics().requests_received
     async with (
         open_client(base_url, heavy_key, timeout=60) as heavy,
         open_client(base_url, light_keys[0], timeout=60) as light_b,
@@ -392,7 +387,15 @@ async def flood(
         ]
         try:
             await wait_until(lambda: engine.statistics().running == MAX_NUM_SEQS)
-            await asyncio.sleep(1.0)
+
+            async def whole_flood_arrived() -> bool:
+                """At the engine, or parked in the plugin (`proxy`): the light users come last."""
+                arrived = engine.statistics().requests_received - received_before
+                if proxy is not None and arrived < FLOOD_SIZE:
+                    arrived += await queued_count(proxy, "tiny")
+                return arrived >= FLOOD_SIZE
+
+            await eventually(whole_flood_arrived, 60)
             light = await asyncio.gather(
                 stream_chat(light_b, CHAT, request), stream_chat(light_c, CHAT, request)
             )
@@ -407,7 +410,9 @@ async def flood(
 async def test_flood_light_users_overtake_the_power_user(stack: Stack) -> None:
     await engine_idle(stack.emu)
     stack.peak.reset()
-    heavy, light = await flood(stack.main.base_url, ("sk-a", "sk-b", "sk-c"), stack.emu.engine)
+    heavy, light = await flood(
+        stack.main.base_url, ("sk-a", "sk-b", "sk-c"), stack.emu.engine, stack.main
+    )
     plugin_peak = stack.peak.value
     with_plugin = [share_started_before(heavy, r.first_token_at or 0.0) for r in light]
 
@@ -454,12 +459,13 @@ async def test_disconnect_while_parked_never_reaches_the_engine(stack: Stack) ->
         try:
             await wait_until(lambda: hogs_arrived() >= hog_count)
             leaving = asyncio.create_task(drain(carol, body(61, stream=True)))
-            await asyncio.sleep(SETTLE_S)
+            await wait_queued(stack.main, "tiny", 1)
             staying = asyncio.create_task(carol_again.post(CHAT, json=body(62)))
-            await asyncio.sleep(SETTLE_S)
+            await wait_queued(stack.main, "tiny", 2)
             assert not leaving.done() and not staying.done()
             await cancel_all([leaving])
-            await asyncio.sleep(1.0)  # the plugin has ~1 s to drop it before the gate opens
+            # The gate stays closed until the plugin has dropped the one that left.
+            await eventually(lambda: queued_on(stack.main, "tiny", equals=1), 30)
         finally:
             await cancel_all(hogs)
         response = await asyncio.wait_for(staying, 30)
@@ -534,10 +540,9 @@ async def test_nothing_in_flight_or_queued_at_the_end(stack: Stack) -> None:
         assert stats.requests_received == stats.requests_finished + stats.requests_aborted
     for proxy, model in ((stack.main, "tiny"), (stack.strict, "tiny-capped")):
         async with open_client(proxy.base_url, "sk-a") as client:
-            started = time.perf_counter()
+            # A leaked lease would park the probe for ever; the bound only ends that wait.
             response = await asyncio.wait_for(client.post(CHAT, json=body(3, model)), 15)
             assert response.status_code == 200, response.text
-            assert time.perf_counter() - started < 5
         async with open_client(proxy.base_url, MASTER_KEY) as admin:
             status = await admin.get("/fair-sched/status")
         if status.status_code == 200:  # the plugin's status document, where it is installed
@@ -545,18 +550,26 @@ async def test_nothing_in_flight_or_queued_at_the_end(stack: Stack) -> None:
             assert all(value == 0 for value in counts.values()), counts
 
 
+async def queued_count(proxy: ProxyProcess, model: str) -> int:
+    """Requests the plugin holds queued on `model`, from its status document."""
+    async with open_client(proxy.base_url, MASTER_KEY) as admin:
+        response = await admin.get("/fair-sched/status")
+    assert response.status_code == 200, response.text
+    queued = response.json()["models"].get(model, {}).get("queued", {})
+    return sum(queued.values())
+
+
+async def queued_on(proxy: ProxyProcess, model: str, *, equals: int) -> bool:
+    return await queued_count(proxy, model) == equals
+
+
 async def wait_queued(proxy: ProxyProcess, model: str, count: int, timeout_s: float = 30) -> None:
     """Until the plugin's status document shows at least `count` requests queued on `model`."""
-    async with open_client(proxy.base_url, MASTER_KEY) as admin:
-        give_up_at = time.monotonic() + timeout_s
-        while True:
-            response = await admin.get("/fair-sched/status")
-            assert response.status_code == 200, response.text
-            queued = response.json()["models"].get(model, {}).get("queued", {})
-            if sum(queued.values()) >= count:
-                return
-            assert time.monotonic() < give_up_at, f"{count} not queued on {model}: {queued}"
-            await asyncio.sleep(0.05)
+
+    async def enough() -> bool:
+        return await queued_count(proxy, model) >= count
+
+    await eventually(enough, timeout_s, interval_s=0.05, what=f"{count} queued on {model}")
 
 
 def counters(document: Any, names: tuple[str, ...], path: str = "") -> list[tuple[str, int]]:

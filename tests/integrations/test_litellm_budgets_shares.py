@@ -38,6 +38,33 @@ async def test_cost_fairness_delivers_money_three_to_one(tmp_path: Path) -> None
 async def test_budgets_demote_to_the_lower_tier_and_reject_until_the_window_ends(
     tmp_path: Path,
 ) -> None:
+    """The smallest flood that shows the tiers' priorities at the engine (no light user: the
+    TTFT comparison is `test_budgets_light_user_ttft_with_a_demoted_heavy_user`, --full)."""
+    async with budget_stack(tmp_path) as (base_url, emu):
+        free = await heavy_flood_with_light_user(base_url, emu, "sk-heavy-free", wave2=8, light=0)
+        demoted = await heavy_flood_with_light_user(
+            base_url, emu, "sk-heavy-demote", wave2=8, light=0
+        )
+        demoted_again = await heavy_flood_with_light_user(
+            base_url, emu, "sk-heavy-demote", wave2=8, light=0
+        )
+        rejected, _ = await reject_until_429(base_url)
+    # Within budget everything runs in the principal's own tier; overspent, the engine gets the
+    # lower tier's priority for every later request (in the second round, for all of them).
+    assert set(free.wave1_priorities + free.wave2_priorities) == {0}
+    assert demoted.wave1_priorities == [0] * 4
+    assert demoted.wave2_priorities == [10] * len(demoted.wave2_priorities) != []
+    assert set(demoted_again.wave1_priorities + demoted_again.wave2_priorities) == {10}
+    # Reject: Retry-After is within the one-minute window opened by the first spend (the
+    # arithmetic of "the rest of the window" is the budget book's, on a fake clock:
+    # tests/test_service_budget.py).
+    assert rejected.status_code == 429
+    assert 1 <= int(rejected.headers["retry-after"]) <= 60
+
+
+@pytest.mark.full
+async def test_budgets_light_user_ttft_with_a_demoted_heavy_user(tmp_path: Path) -> None:
+    """Issue 19's full-size budget flood with a light user, numbers printed, never asserted."""
     async with budget_stack(tmp_path) as (base_url, emu):
         for key in ("sk-light", "sk-heavy-free"):
             await warm(base_url, key)
@@ -46,7 +73,6 @@ async def test_budgets_demote_to_the_lower_tier_and_reject_until_the_window_ends
         demoted = await heavy_flood_with_light_user(base_url, emu, "sk-heavy-demote")
         free_again = await heavy_flood_with_light_user(base_url, emu, "sk-heavy-free")
         demoted_again = await heavy_flood_with_light_user(base_url, emu, "sk-heavy-demote")
-        rejected, elapsed_s = await reject_until_429(base_url)
     free_ttft = statistics.median(free.light_ttft + free_again.light_ttft)
     demoted_ttft = statistics.median(demoted.light_ttft + demoted_again.light_ttft)
     ratio = demoted_ttft / free_ttft
@@ -58,23 +84,12 @@ async def test_budgets_demote_to_the_lower_tier_and_reject_until_the_window_ends
         f"got between a light request's sending and its arrival: {free_overtaken} without "
         f"overspend, {demoted_overtaken} demoted"
     )
-    # Within budget everything runs in the principal's own tier; overspent, the engine gets the
-    # lower tier's priority for every later request (in the second round, for all of them).
-    for run in (free, free_again):
-        assert set(run.wave1_priorities + run.wave2_priorities) == {0}
-    assert demoted.wave1_priorities == [0] * 4
-    assert demoted.wave2_priorities == [10] * len(demoted.wave2_priorities) != []
-    assert set(demoted_again.wave1_priorities + demoted_again.wave2_priorities) == {10}
     # Not asserted: the issue's "light TTFT ratio <= 1.2". On the shared two cores the ratio of
     # medians came out 0.76, 0.90 and 1.31 in three runs (proxy CPU time, the same in both
     # cases, dominates a sub-second TTFT). The release-order count printed above (heavy
     # requests reaching the engine while a light request was on its way) summed 0 vs 9 in one
     # run and 4 vs 4 in the next (single bursts of 3-4 when the proxy was slow to take the light
     # request): no stable difference found; reported as open in the h19 report.
-    # Reject: Retry-After is the rest of the one-minute window opened by the first spend.
-    assert rejected.status_code == 429
-    retry_after = int(rejected.headers["retry-after"])
-    assert 60 - elapsed_s - 1 <= retry_after <= 60
 
 
 async def test_tier_shares_split_eighty_twenty(tmp_path: Path) -> None:

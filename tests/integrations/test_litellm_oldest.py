@@ -15,6 +15,8 @@ from pathlib import Path
 
 import pytest
 
+from ..support import in_ci
+
 ROOT = Path(__file__).resolve().parents[2]
 # Known gap on the oldest release (see docs/litellm.md): after the per-request watch replaced
 # the disconnect wrapper, bob's streams cancelled mid-stream keep running in the engine for
@@ -29,10 +31,6 @@ KNOWN_GAPS_ON_OLDEST = [
 SELECTION = ["-m", "litellm_range", *KNOWN_GAPS_ON_OLDEST, "tests/integrations"]
 # Two LiteLLM proxies and the flood take ~1-2 min on two idle cores; slower under load.
 STAGE_TIMEOUT_S = 900
-
-
-def in_ci() -> bool:
-    return os.environ.get("CI", "").strip().lower() in {"1", "true", "yes"}
 
 
 @pytest.mark.litellm

@@ -6,16 +6,21 @@ import argparse
 import asyncio
 import contextlib
 import pathlib
-import socket
 from typing import Any
 
 import httpx
 import pytest
+import uvicorn
 
 from fair_sched_plugin.bench.processes import fair_proxy
-from fair_sched_plugin.proxy import CLIENT_KEEP_ALIVE_S, add_proxy_parser, build_proxy_app
-from fair_sched_plugin.service import SchedulingService
+from fair_sched_plugin.proxy import (
+    CLIENT_KEEP_ALIVE_S,
+    add_proxy_parser,
+    build_proxy_app,
+    upstream_url,
+)
 
+from ..support import free_port, service_of
 from .conftest import (
     MODEL,
     assert_idle,
@@ -35,18 +40,6 @@ from .conftest import (
 )
 
 FLOOD_SIZE = 60
-
-
-def service_of(app: Any) -> SchedulingService:
-    service: SchedulingService = app.state.fair_sched
-    return service
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port: int = sock.getsockname()[1]
-        return port
 
 
 # ----------------------------------------------------------------------------- plain routes
@@ -72,6 +65,27 @@ async def test_models_health_and_non_streamed_completion() -> None:
             await assert_idle(service_of(app))
 
 
+async def test_an_api_base_with_a_query_gets_the_path_before_the_query() -> None:
+    """Before: `api_base + "/chat/completions"` put the path after the query
+    (`/v1?api-version=1/chat/completions`), and the engine answered 404."""
+    async with emulator() as emu:
+        config = fair_config(emu, backend={"api_base": f"{emu.base_url}/v1?api-version=1"})
+        app = build_proxy_app(config)
+        async with serve(app) as url, open_client(url, key="sk-a") as client:
+            response = await client.post("/v1/chat/completions", json=chat_body(max_tokens=2))
+            assert response.status_code == 200, response.text
+            assert len(emu.engine.received) == 1
+            await assert_idle(service_of(app))
+
+
+def test_upstream_url_keeps_the_query_after_the_path() -> None:
+    assert (
+        upstream_url("http://u:p@h:8000/v1/?api-version=1&token=t", "/chat/completions")
+        == "http://u:p@h:8000/v1/chat/completions?api-version=1&token=t"
+    )
+    assert upstream_url("http://h/v1", "/completions") == "http://h/v1/completions"
+
+
 async def test_upstream_status_and_content_type_are_preserved() -> None:
     """The emulator has no /v1/responses: its 404 comes back as is; so does its 400."""
     async with emulator() as emu:
@@ -81,7 +95,8 @@ async def test_upstream_status_and_content_type_are_preserved() -> None:
             assert missing.status_code == 404
             assert missing.headers["content-type"].startswith("text/plain")
 
-            bad = await client.post("/v1/chat/completions", json=chat_body(max_tokens=0))
+            # Empty messages: within every bound of ours, refused by the engine.
+            bad = await client.post("/v1/chat/completions", json={**chat_body(), "messages": []})
             assert bad.status_code == 400
             assert json_error(bad)["type"] == "BadRequestError"
             await assert_idle(service_of(app))
@@ -226,7 +241,7 @@ async def test_stream_passes_through_unbuffered_and_ends_with_done() -> None:
             assert len(chunks) > 2  # many reads, not one buffered body
             events = sse_events(b"".join(chunks).decode())
             assert events[-1] == "[DONE]"
-            assert sum('"content":" token"' in event for event in events) == 30
+            assert sum('"content":" token' in event for event in events) == 30
             await assert_idle(service_of(app))
 
 
@@ -265,7 +280,7 @@ async def test_disconnect_mid_stream_releases_lease_and_engine_sequence() -> Non
             async with client.stream("POST", "/v1/chat/completions", json=body) as response:
                 tokens = 0
                 async for chunk in response.aiter_raw():
-                    tokens += chunk.count(b'"content":" token"')
+                    tokens += chunk.count(b'"content":" token')
                     if tokens >= 3:
                         break
             assert emu.engine.statistics().requests_received == 1
@@ -391,6 +406,25 @@ def test_client_connections_outlive_the_clients_own_pools() -> None:
     assert max(httpx_expiry, 15.0) < CLIENT_KEEP_ALIVE_S
 
 
+def test_fair_sched_proxy_serves_with_the_long_keep_alive(
+    tmp_path: pathlib.Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`fair-sched proxy` hands uvicorn `timeout_keep_alive=CLIENT_KEEP_ALIVE_S` (the setting;
+    the real idle wait past uvicorn's 5 s default runs with scripts/test --full)."""
+    served: dict[str, Any] = {}
+    monkeypatch.setattr(uvicorn, "run", lambda app, **options: served.update(options))
+    parser = argparse.ArgumentParser(prog="fair-sched")
+    add_proxy_parser(parser.add_subparsers(dest="command", required=True))
+    config = tmp_path / "fair.yaml"
+    config.write_text(
+        f"fair_sched:\n  backends:\n    m:\n      api_base: http://127.0.0.1:{free_port()}/v1\n"
+    )
+    args = parser.parse_args(["proxy", "--config", str(config), "--port", "0"])
+    assert args.handler(args) == 0
+    assert served["timeout_keep_alive"] == CLIENT_KEEP_ALIVE_S
+
+
+@pytest.mark.full
 @pytest.mark.timeout(90)
 async def test_fair_sched_proxy_keeps_an_idle_client_connection_past_uvicorns_default(
     tmp_path: pathlib.Path,

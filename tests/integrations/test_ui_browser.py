@@ -21,6 +21,7 @@ import pytest
 from fair_sched_plugin.bench.browser import chromium_page, log_in, missing_browser_parts
 from fair_sched_plugin.observability import STATUS_PATH, UI_PATH
 
+from ..support import eventually, in_ci
 from .conftest import MODEL, chat_body, emulator
 
 FLOODER_KEY = "sk-secret-flooder-ui-1"
@@ -28,11 +29,6 @@ LIGHT_KEY = "sk-secret-light-ui-2"
 FLOOD_SIZE = 30
 LIGHT_REQUESTS = 2
 FLOOD_TIMEOUT_S = 120.0
-SECOND_SHOT_AFTER_MS = 1500
-
-
-def in_ci() -> bool:
-    return os.environ.get("CI", "").strip().lower() in {"1", "true", "yes"}
 
 
 def require_browser() -> None:
@@ -187,8 +183,15 @@ async def test_the_page_shows_a_flood_live_and_nothing_without_the_key(
                 shot_1 = tmp_path / "ui-flood-1.png"
                 await page.screenshot(path=str(shot_1), full_page=True)
                 keep(shot_1)
-                await page.wait_for_timeout(SECOND_SHOT_AFTER_MS)
-                second = await page_numbers(page)
+                # The page polls: wait (bounded) until it shows more requests completed.
+                second = first
+
+                async def page_moved_on() -> bool:
+                    nonlocal second
+                    second = await page_numbers(page)
+                    return int(second["completed"] or 0) > int(first["completed"] or 0)
+
+                await eventually(page_moved_on, 30, interval_s=0.1, what="the page's next poll")
                 shot_2 = tmp_path / "ui-flood-2.png"
                 await page.screenshot(path=str(shot_2), full_page=True)
                 keep(shot_2)

@@ -349,9 +349,10 @@ async def test_errors_after_keepalive_arrive_as_an_error_event_and_a_clean_end(
                 async for _ in stream:
                     pass
 
-        # The engine refuses the request (max_tokens=0) after it was released.
+        # The engine refuses the request (no messages: within every bound of ours) after it
+        # was released.
         async with client.stream(
-            "POST", "/v1/chat/completions", json=chat_body(max_tokens=0, stream=True)
+            "POST", "/v1/chat/completions", json={**chat_body(stream=True), "messages": []}
         ) as response:
             await wait_until(lambda: service.scheduler.statistics().queued == 1)
             await cancel_all(hogs)
@@ -519,6 +520,9 @@ class _Parked:
 
     def eta_s(self) -> float | None:
         return None
+
+    def standing(self) -> tuple[int, float | None, float]:
+        return self.position(), self.eta_s(), self.wait_s()
 
 
 async def test_release_while_a_comment_is_being_sent_waits_for_it() -> None:

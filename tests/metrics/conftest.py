@@ -15,6 +15,8 @@ from starlette.requests import Request
 from starlette.responses import PlainTextResponse, Response
 from starlette.routing import Route
 
+from ..support import free_port
+
 FIXTURES = Path(__file__).resolve().parents[1] / "fixtures"
 MIDBURST = "vllm-0.32-cpu-metrics-midburst.txt"
 KVFULL = "vllm-0.32-cpu-metrics-kvfull.txt"
@@ -83,7 +85,7 @@ class LoopbackServer:
 
     def __init__(self, engine: FakeEngine) -> None:
         self.app = Starlette(routes=[Route("/metrics", engine.metrics)])
-        self.port = _free_port()
+        self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}/metrics"
         self._server: uvicorn.Server | None = None
         self._task: asyncio.Task[None] | None = None
@@ -111,13 +113,6 @@ class LoopbackServer:
         self._server.should_exit = True
         await asyncio.wait_for(self._task, timeout=5)
         self._server = self._task = None
-
-
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
-        probe.bind(("127.0.0.1", 0))
-        port: int = probe.getsockname()[1]
-        return port
 
 
 @pytest.fixture

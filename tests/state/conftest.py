@@ -15,18 +15,14 @@ import socket
 import subprocess
 import time
 from collections.abc import Iterator
+from typing import Any
 
 import pytest
 
+from ..support import eventually, free_port
+
 LOOPBACK = "127.0.0.1"
 _prefixes = itertools.count()
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind((LOOPBACK, 0))
-        port: int = sock.getsockname()[1]
-        return port
 
 
 def require_redis_server() -> str:
@@ -44,7 +40,7 @@ class RedisServer:
     def __init__(self, directory: pathlib.Path) -> None:
         self.binary = require_redis_server()
         self.directory = directory
-        self.port = _free_port()
+        self.port = free_port()
         self.process: subprocess.Popen[bytes] | None = None
 
     @property
@@ -115,3 +111,20 @@ def unique_prefix() -> str:
 
 async def bounded(awaitable: object, timeout_s: float = 10.0) -> object:
     return await asyncio.wait_for(awaitable, timeout_s)  # type: ignore[arg-type]
+
+
+async def heartbeats(raw: Any, replicas: int, rounds: int) -> None:
+    """Until `replicas` replicas on this redis-server have beaten `rounds` more times each: every
+    beat reads the leader lease's PTTL once and nothing else sends PTTL (Redis counts the calls),
+    so a test waits for heartbeats instead of sleeping for them."""
+
+    async def pttl_calls() -> int:
+        stats = await raw.info("commandstats")
+        return int(stats.get("cmdstat_pttl", {}).get("calls", 0))
+
+    target = await pttl_calls() + rounds * replicas
+
+    async def enough() -> bool:
+        return await pttl_calls() >= target
+
+    await eventually(enough, 10, what=f"{rounds} heartbeats of {replicas} replicas")

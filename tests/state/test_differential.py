@@ -12,7 +12,7 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 import pytest
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 from fair_sched_plugin.core import (
@@ -52,6 +52,37 @@ operations = st.lists(
     min_size=10,
     max_size=40,
 )
+# `fairness: cost`: tickets priced, ends reporting what they cost (or only their tokens, or
+# nothing), as `finish_with_usage` does.
+priced_submit = st.tuples(
+    st.just("submit"),
+    st.sampled_from("abc"),
+    st.sampled_from(["interactive", "batch"]),
+    st.sampled_from([10, 260]),
+    st.sampled_from([0.0, 0.002, 0.05]),
+)
+costed_end = st.tuples(
+    st.just("end"),
+    st.integers(0, 7),
+    st.sampled_from([None, 5, 500]),
+    st.sampled_from([None, 0.0005, 0.002, 0.05]),
+)
+cost_operations = st.lists(
+    st.one_of(
+        priced_submit,
+        priced_submit,
+        priced_submit,
+        cancel,
+        first_byte,
+        costed_end,
+        costed_end,
+        abandon,
+        scrape,
+        advance,
+    ),
+    min_size=10,
+    max_size=40,
+)
 
 
 class Side:
@@ -74,9 +105,9 @@ class Side:
         if kind == "submit":
             self.count += 1
             label = f"{operation[1]}{self.count}"
-            task = asyncio.ensure_future(
-                self._request(label, Ticket("m", operation[1], operation[2], cost=operation[3]))
-            )
+            price = operation[4] if len(operation) > 4 else 0.0
+            ticket = Ticket("m", operation[1], operation[2], cost=operation[3], price=price)
+            task = asyncio.ensure_future(self._request(label, ticket))
             self.parked.append((label, task))
         elif kind == "cancel" and self.parked:
             _, task = self.parked.pop(operation[1] % len(self.parked))
@@ -84,7 +115,8 @@ class Side:
         elif kind == "first_byte" and self.held:
             self.held[operation[1] % len(self.held)].mark_started()
         elif kind == "end" and self.held:
-            self.held.pop(operation[1] % len(self.held)).release(operation[2])
+            cost = operation[3] if len(operation) > 3 else None
+            self.held.pop(operation[1] % len(self.held)).release(operation[2], cost_used=cost)
         elif kind == "abandon" and self.held:
             self.held.pop(operation[1] % len(self.held)).abandon()
         elif kind == "scrape":
@@ -134,22 +166,24 @@ class Side:
         await asyncio.gather(*(task for _, task in self.parked), return_exceptions=True)
 
 
-def deciding_replica(url: str, clock: FakeClock, **options: Any) -> ReplicaScheduler:
+def deciding_replica(
+    url: str, clock: FakeClock, fairness: str = "tokens", **options: Any
+) -> ReplicaScheduler:
     gate = MetricsGate(
         [BackendGroup("m", (Deployment(URL, URL),), arrival_grace_s=0.5, fallback_max_inflight=2)],
         stale_after_s=1.0,
         clock=clock,
     )
     core = FairScheduler(
-        TIERS, gate, fairness="tokens", max_per_user=3, max_total=8, max_wait_s=5.0, clock=clock
+        TIERS, gate, fairness=fairness, max_per_user=3, max_total=8, max_wait_s=5.0, clock=clock
     )
     return open_state(url, core, gate, **options)
 
 
 @contextlib.asynccontextmanager
-async def memory_side() -> AsyncIterator[Side]:
+async def memory_side(fairness: str) -> AsyncIterator[Side]:
     clock = FakeClock()
-    replica = deciding_replica("memory://", clock)
+    replica = deciding_replica("memory://", clock, fairness)
     side = Side(replica, replica, [clock])
     try:
         yield side
@@ -159,11 +193,11 @@ async def memory_side() -> AsyncIterator[Side]:
 
 
 @contextlib.asynccontextmanager
-async def redis_side(url: str) -> AsyncIterator[Side]:
+async def redis_side(url: str, fairness: str) -> AsyncIterator[Side]:
     options = {"prefix": unique_prefix(), "heartbeat_s": 0.05, "lease_ttl_s": 5.0}
     clocks = [FakeClock(), FakeClock()]
-    leader = deciding_replica(url, clocks[0], replica="leader", **options)
-    follower = deciding_replica(url, clocks[1], replica="follower", **options)
+    leader = deciding_replica(url, clocks[0], fairness, replica="leader", **options)
+    follower = deciding_replica(url, clocks[1], fairness, replica="follower", **options)
     leader.start()
     try:
         for _ in range(400):
@@ -186,8 +220,8 @@ async def redis_side(url: str) -> AsyncIterator[Side]:
         await leader.aclose()
 
 
-async def play_both(url: str, ops: list[tuple[Any, ...]]) -> None:
-    async with memory_side() as memory, redis_side(url) as shared:
+async def play_both(url: str, ops: list[tuple[Any, ...]], fairness: str = "tokens") -> None:
+    async with memory_side(fairness) as memory, redis_side(url, fairness) as shared:
         for index, operation in enumerate(ops):
             await memory.play(operation)
             await shared.play(operation)
@@ -204,3 +238,32 @@ async def play_both(url: str, ops: list[tuple[Any, ...]]) -> None:
 @given(ops=operations)
 def test_memory_and_redis_grant_the_same(redis_server: RedisServer, ops: list[Any]) -> None:
     asyncio.run(asyncio.wait_for(play_both(redis_server.url, ops), 60))
+
+
+@settings(
+    max_examples=25,
+    deadline=None,
+    derandomize=True,
+    suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow],
+)
+@given(ops=cost_operations)
+# Two users backlogged behind an open gate, one asking for dear requests, one for cheap ones,
+# ends reporting their cost: the cheap one is served more often between the dear one's turns.
+@example(
+    ops=[
+        ("scrape", 0, 0, True),
+        *[("submit", "a", "interactive", 260, 0.05)] * 3,
+        *[("submit", "b", "interactive", 10, 0.002)] * 3,
+        ("end", 0, 500, 0.05),
+        ("end", 0, 5, 0.002),
+        ("end", 0, 5, 0.0005),
+        ("end", 0, 5, 0.0005),
+    ]
+)
+def test_memory_and_redis_grant_the_same_under_cost_fairness(
+    redis_server: RedisServer, ops: list[Any]
+) -> None:
+    """`fairness: cost` with each end's actual cost: a ticket's price and a lease's cost reach
+    the leader's core as they reach a memory:// one. Before: the follower's tickets reached it
+    priced at nothing and its ends without their cost, so users were served in turns there."""
+    asyncio.run(asyncio.wait_for(play_both(redis_server.url, ops, "cost"), 60))

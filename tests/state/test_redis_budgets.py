@@ -18,7 +18,7 @@ from fair_sched_plugin.identity import Credentials
 from fair_sched_plugin.service import SchedulingService
 
 from ..integrations.conftest import wait_until
-from .conftest import RedisServer, unique_prefix
+from .conftest import RedisServer, heartbeats, unique_prefix
 
 pytestmark = pytest.mark.redis
 
@@ -96,7 +96,8 @@ async def test_a_followers_spend_reaches_the_leader_and_every_replica_refuses(
         await spend(follower, 150)
         await wait_until(lambda: spent(leader) == 150)
         # The leader's snapshot comes back to the follower (not counted twice).
-        await asyncio.sleep(5 * HEARTBEAT_S)
+        async with redis_client(redis_server.url) as raw:
+            await heartbeats(raw, len(services), 5)
         await wait_until(lambda: spent(follower) == 150)
         for service in services:
             with pytest.raises(BudgetExceeded) as refused:
@@ -139,7 +140,16 @@ async def eventually_stored(client: redis_asyncio.Redis, prefix: str, expected: 
 
 
 @pytest.mark.parametrize(
-    "value", ["{not json", '{"heavy": {"spent": "lots"}}', "[1, 2]", "[" * 100_000]
+    "value",
+    [
+        "{not json",
+        '{"heavy": {"spent": "lots"}}',
+        "[1, 2]",
+        "[" * 100_000,
+        # Before: OverflowError on every heartbeat (a traceback each), the value never replaced.
+        '{"heavy": {"spent": %s, "resets_in_s": 60}}' % ("9" * 400),
+        '{"heavy": {"spent": 1, "resets_in_s": NaN}}',
+    ],
 )
 async def test_an_unreadable_budget_key_is_logged_and_a_fresh_book_started(
     redis_server: RedisServer, caplog: pytest.LogCaptureFixture, value: str
@@ -164,3 +174,4 @@ async def test_an_unreadable_budget_key_is_logged_and_a_fresh_book_started(
     errors = [r.getMessage() for r in caplog.records if r.levelno == logging.ERROR]
     assert len(errors) == 1
     assert f"{prefix}budgets is unreadable" in errors[0] and "fresh budget book" in errors[0]
+    assert "9" * 250 not in errors[0]  # a huge value is cut short

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import socket
 from collections.abc import Callable
 from typing import Any
 
@@ -19,17 +20,18 @@ import pytest
 import redis.asyncio as redis_asyncio
 
 from fair_sched_plugin.state import ReplicaScheduler
-from fair_sched_plugin.testing import make_ticket
+from fair_sched_plugin.testing import make_ticket, settle
 
-from .conftest import RedisServer
+from .conftest import RedisServer, heartbeats
 from .test_replicas import Cluster, eventually, pair
 
 pytestmark = pytest.mark.redis
 
 NON_UTF8 = b"\xff\xfe\x80 not utf-8"
 HUGE = b"9" * 2_000_000  # digits: also what a careless parser would take for an epoch
-# How many heartbeats the replicas run on a corrupt value before the checks.
-HEARTBEATS = 20
+# How many heartbeats the replicas run on a corrupt value before the checks (counted, not slept:
+# `heartbeats`).
+HEARTBEATS = 5
 
 Write = Callable[[redis_asyncio.Redis, str, ReplicaScheduler], Any]
 
@@ -83,13 +85,17 @@ CASES: dict[str, tuple[str, Write]] = {
 }
 
 
-async def schedules_with_a_cap_of_one(follower: ReplicaScheduler) -> None:
+async def schedules_with_a_cap_of_one(
+    follower: ReplicaScheduler, raw: redis_asyncio.Redis, cluster: Cluster
+) -> None:
     """Two requests at the follower: the second waits for the first (the cap is 1)."""
     first = await asyncio.wait_for(follower.acquire(make_ticket("A")), 10)
     second = asyncio.ensure_future(follower.acquire(make_ticket("B")))
-    for _ in range(10):  # a few heartbeats: still parked behind the first
-        await asyncio.sleep(0.05)
-        assert not second.done()
+    # A few heartbeats, then every reply the leader sent has arrived: still parked.
+    await heartbeats(raw, len(cluster.replicas), 3)
+    await follower.barrier()
+    await settle()
+    assert not second.done()
     first.release()
     (await asyncio.wait_for(second, 10)).release()
 
@@ -104,21 +110,23 @@ async def test_a_corrupt_value_is_named_and_does_not_stop_scheduling(
     key = cluster.prefix + suffix
     try:
         leader, follower = await pair(cluster)
-        await schedules_with_a_cap_of_one(follower)
+        await schedules_with_a_cap_of_one(follower, raw, cluster)
         with caplog.at_level(logging.WARNING, logger="fair_sched"):
             # Written a few times: the leader rewrites `stats` every heartbeat.
             for _ in range(3):
                 await write(raw, key, follower)
                 if suffix == "epoch":
                     await raw.delete(cluster.prefix + "leader")  # an election reads the epoch
-                await asyncio.sleep(0.05)
-            await asyncio.sleep(0.05 * HEARTBEATS)
+                await heartbeats(raw, len(cluster.replicas), 1)
+            await heartbeats(raw, len(cluster.replicas), HEARTBEATS)
             await eventually(lambda: all(r.mode == "shared" for r in cluster.replicas), 10)
             deciding = await cluster.leader()
-            await schedules_with_a_cap_of_one(follower)
-            await schedules_with_a_cap_of_one(leader)
+            await schedules_with_a_cap_of_one(follower, raw, cluster)
+            await schedules_with_a_cap_of_one(leader, raw, cluster)
             errors = [r.state_statistics().store_errors_total for r in cluster.replicas]
-            await asyncio.sleep(0.05 * HEARTBEATS)  # and no error comes back every heartbeat
+            await heartbeats(
+                raw, len(cluster.replicas), HEARTBEATS
+            )  # and no error comes back every heartbeat
             assert [r.state_statistics().store_errors_total for r in cluster.replicas] == errors
         for replica in cluster.replicas:
             assert replica.state_statistics().fallbacks_total <= 1, replica.replica
@@ -130,3 +138,22 @@ async def test_a_corrupt_value_is_named_and_does_not_stop_scheduling(
         await raw.delete(*(cluster.prefix + name for name in ("leader", "epoch", "inbox")))
         await raw.aclose()
         await cluster.aclose()
+
+
+async def test_a_redis_error_names_the_server_without_its_password() -> None:
+    """Before: a failed Redis call's error (logged, and in the replica's state) quoted the whole
+    `state` URL, password included."""
+    from fair_sched_plugin.errors import StateStoreError
+    from fair_sched_plugin.state.redis_link import RedisLink
+
+    with socket.socket() as closed:
+        closed.bind(("127.0.0.1", 0))
+        port = closed.getsockname()[1]
+    link = RedisLink(f"redis://:pw-LEAKCHECK-41aa@127.0.0.1:{port}/0", "r1", timeout_s=1.0)
+    try:
+        with pytest.raises(StateStoreError) as failed:
+            await link.load_budgets()
+    finally:
+        await link.aclose()
+    assert f"redis://127.0.0.1:{port}/0" in str(failed.value)
+    assert "LEAKCHECK" not in str(failed.value)

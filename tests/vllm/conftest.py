@@ -23,7 +23,6 @@ import hashlib
 import math
 import os
 import signal
-import socket
 import statistics
 import subprocess
 import sys
@@ -36,6 +35,7 @@ import httpx
 import pytest
 
 from ..processes import group_cpu_seconds, own_process_group
+from ..support import free_port, in_ci
 
 VLLM_VERSION = "0.32.0"  # keep in step with scripts/vllm_env.sh
 LAYOUTS = ("shared", "sessions")
@@ -47,10 +47,6 @@ MODEL_BUILD_TIMEOUT_S = 300.0
 # ~35-55 s on an idle 2-core machine; much longer while other processes compete for the cores.
 ENGINE_START_TIMEOUT_S = 300.0
 ENGINE_STOP_TIMEOUT_S = 15.0
-
-
-def in_ci() -> bool:
-    return os.environ.get("CI", "").strip().lower() in {"1", "true", "yes"}
 
 
 def layout() -> str:
@@ -269,13 +265,6 @@ def tiny_model(vllm_python: Path, vllm_scratch: Path) -> Path:
 
 
 # ----------------------------------------------------------------------------- engines
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind((LOOPBACK, 0))
-        port: int = sock.getsockname()[1]
-        return port
 
 
 def _die_with_parent() -> None:

@@ -503,6 +503,10 @@ async def test_watcher_sees_live_engine_queue_rise_and_fall(priority_engine: Vll
     )
 
 
+# The two baselines without the plugin (direct, plain LiteLLM) only show the problem, which the
+# emulator tests and the demo prove in CI; their throughputs are the printed ratios' baselines.
+# On demand: scripts/test --full.
+@pytest.mark.full
 async def test_direct_to_vllm_light_users_wait_behind_the_flood(
     priority_engine: VllmEngine,
 ) -> None:
@@ -654,6 +658,7 @@ async def trace_gate(base_url: str, *, enabled: bool) -> AsyncIterator[None]:
         print("\n[vllm trace] " + "\n[vllm trace] ".join(lines))
 
 
+@pytest.mark.full
 async def test_plain_litellm_proxy_light_users_wait_behind_the_flood(
     priority_engine: VllmEngine, tmp_path: Path
 ) -> None:
@@ -889,6 +894,11 @@ async def wait_until_scrapes(service: Any, count: int, timeout_s: float = 30.0) 
         await asyncio.sleep(0.05)
 
 
+# A second engine start (55-150 s) to prove that no `priority` field is sent under
+# `priority_scheduling: false`: in CI the emulator in fcfs mode, which refuses any `priority`,
+# proves it (tests/integrations/test_litellm.py::test_fcfs_backend_gets_no_priority_and_nothing_
+# errors). On demand: scripts/test --full.
+@pytest.mark.full
 async def test_fcfs_engine_gets_no_priority_and_every_request_succeeds(
     fcfs_engine: VllmEngine,
 ) -> None:
