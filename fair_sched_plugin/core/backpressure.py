@@ -275,7 +275,9 @@ class _DeploymentState:
     scrape_requested: bool = False
     # When each started lease's end was seen, not yet counted against a scrape (see
     # _settle_arrivals: an end counts in the first interval whose scrape was sent after it).
-    unattributed_ends: deque[float] = field(default_factory=deque)
+    # (Bounded like `ends`: while scrapes fail nothing takes them, and a long outage must not
+    # grow memory; the oldest are the ones a scrape would count first anyway.)
+    unattributed_ends: deque[float] = field(default_factory=lambda: deque(maxlen=_MAX_FIRST_BYTES))
     # Pending leases settled by their first byte or end since the last scrape: arrivals the
     # engine's growth may show too (see _settle_arrivals).
     settled_since_scrape: int = 0
