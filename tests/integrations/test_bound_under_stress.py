@@ -135,6 +135,9 @@ def busy_loops_beside(pid: int, count: int, seconds: float) -> Iterator[None]:
 
 @pytest.mark.litellm
 @pytest.mark.slow
+# A reproducer of an open defect (an xfail proves nothing in CI, and it holds a core for 3 min):
+# on demand with `scripts/test --full`.
+@pytest.mark.full
 @pytest.mark.xfail(
     strict=False,
     reason="open: about 1 run in 6 still peaks at 4-5 on the slow engine (cause not found)",
