@@ -12,7 +12,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 from collections.abc import AsyncIterator
-from pathlib import Path
 from typing import Any
 
 import pytest
@@ -29,7 +28,7 @@ from ..integrations.conftest import (
     serve,
     wait_until,
 )
-from .conftest import RedisServer, require_redis_server, unique_prefix
+from .conftest import RedisServer, unique_prefix
 
 pytestmark = [pytest.mark.redis]
 
@@ -89,77 +88,65 @@ async def engine_pages_per_leader_scrape(
     )
 
 
-async def test_only_the_leader_reads_the_engine_idle_and_under_a_flood(tmp_path: Path) -> None:
-    require_redis_server()
-    redis = RedisServer(tmp_path)
-    redis.start()
-    try:
-        async with emulator() as emu, replicas(emu, redis.url) as served:
-            services = [service_of(app) for app, _ in served]
-            leader, followers = services[0], services[1:]
-            idle = await engine_pages_per_leader_scrape(emu, leader, followers)
+async def test_only_the_leader_reads_the_engine_idle_and_under_a_flood(
+    own_redis_server: RedisServer,
+) -> None:
+    async with emulator() as emu, replicas(emu, own_redis_server.url) as served:
+        services = [service_of(app) for app, _ in served]
+        leader, followers = services[0], services[1:]
+        idle = await engine_pages_per_leader_scrape(emu, leader, followers)
 
-            async def flood(url: str, key: str) -> int:
-                async with open_client(url, key=key) as client:
-                    answers = await asyncio.gather(
-                        *(client.post(CHAT, json=chat_body(max_tokens=40)) for _ in range(12))
-                    )
-                return sum(answer.status_code == 200 for answer in answers)
-
-            flooding = asyncio.gather(
-                *(
-                    flood(url, key)
-                    for (_, url), key in zip(served, ("sk-a", "sk-b", "sk-c"), strict=True)
+        async def flood(url: str, key: str) -> int:
+            async with open_client(url, key=key) as client:
+                answers = await asyncio.gather(
+                    *(client.post(CHAT, json=chat_body(max_tokens=40)) for _ in range(12))
                 )
+            return sum(answer.status_code == 200 for answer in answers)
+
+        flooding = asyncio.gather(
+            *(
+                flood(url, key)
+                for (_, url), key in zip(served, ("sk-a", "sk-b", "sk-c"), strict=True)
             )
-            await wait_until(lambda: emu.engine.statistics().running > 0, 15)
-            busy = await engine_pages_per_leader_scrape(emu, leader, followers)
-            assert await flooding == [12, 12, 12]
-            for service in services:
-                await assert_idle(service)
-        for name, (pages, leader_scrapes, follower_scrapes) in (("idle", idle), ("flood", busy)):
-            print(f"\n{name}: engine pages {pages}, leader scrapes {leader_scrapes}")
-            assert follower_scrapes == [0] * (REPLICAS - 1), (name, follower_scrapes)
-            # One scrape may be in flight at either end of the window.
-            assert pages <= 1.2 * leader_scrapes + 1, (name, pages, leader_scrapes)
-    finally:
-        redis.stop()
+        )
+        await wait_until(lambda: emu.engine.statistics().running > 0, 15)
+        busy = await engine_pages_per_leader_scrape(emu, leader, followers)
+        assert await flooding == [12, 12, 12]
+        for service in services:
+            await assert_idle(service)
+    for name, (pages, leader_scrapes, follower_scrapes) in (("idle", idle), ("flood", busy)):
+        print(f"\n{name}: engine pages {pages}, leader scrapes {leader_scrapes}")
+        assert follower_scrapes == [0] * (REPLICAS - 1), (name, follower_scrapes)
+        # One scrape may be in flight at either end of the window.
+        assert pages <= 1.2 * leader_scrapes + 1, (name, pages, leader_scrapes)
 
 
-async def test_a_replica_that_takes_over_reads_its_engines(tmp_path: Path) -> None:
+async def test_a_replica_that_takes_over_reads_its_engines(own_redis_server: RedisServer) -> None:
     """A follower reads nothing while the leader lives; once the leader is gone it takes over
     within the lease's TTL, reads its engine at once and serves."""
-    require_redis_server()
-    redis = RedisServer(tmp_path)
-    redis.start()
-    try:
-        async with emulator() as emu, contextlib.AsyncExitStack() as second_running:
-            shared = {
-                "state": redis.url,
-                "state_prefix": unique_prefix(),
-                "state_heartbeat_s": 0.2,
-                "state_lease_ttl_s": 1.0,
-            }
-            first = build_proxy_app(fair_config(emu, **shared))
-            second = build_proxy_app(fair_config(emu, **shared))
-            leader, follower = service_of(first), service_of(second)
-            async with contextlib.AsyncExitStack() as first_running:
-                await first_running.enter_async_context(serve(first))
-                await wait_until(lambda: leader.scheduler.leading, 15)
-                second_url = await second_running.enter_async_context(serve(second))
-                await wait_until(
-                    lambda: follower.scheduler.coordinated and not follower.scheduler.decides, 15
-                )
-                _, _, [follower_scrapes] = await engine_pages_per_leader_scrape(
-                    emu, leader, [follower]
-                )
-                assert follower_scrapes == 0
-            # The leader is gone (its lease expires within the TTL).
-            await wait_until(lambda: follower.scheduler.decides, 15)
-            before = scrapes(follower)
-            await wait_until(lambda: scrapes(follower) >= before + 3, 15)
-            async with open_client(second_url, key="sk-a") as alice:
-                answer = await alice.post(CHAT, json=chat_body(max_tokens=4))
-            assert answer.status_code == 200
-    finally:
-        redis.stop()
+    async with emulator() as emu, contextlib.AsyncExitStack() as second_running:
+        shared = {
+            "state": own_redis_server.url,
+            "state_prefix": unique_prefix(),
+            "state_heartbeat_s": 0.2,
+            "state_lease_ttl_s": 1.0,
+        }
+        first = build_proxy_app(fair_config(emu, **shared))
+        second = build_proxy_app(fair_config(emu, **shared))
+        leader, follower = service_of(first), service_of(second)
+        async with contextlib.AsyncExitStack() as first_running:
+            await first_running.enter_async_context(serve(first))
+            await wait_until(lambda: leader.scheduler.leading, 15)
+            second_url = await second_running.enter_async_context(serve(second))
+            await wait_until(
+                lambda: follower.scheduler.coordinated and not follower.scheduler.decides, 15
+            )
+            _, _, [follower_scrapes] = await engine_pages_per_leader_scrape(emu, leader, [follower])
+            assert follower_scrapes == 0
+        # The leader is gone (its lease expires within the TTL).
+        await wait_until(lambda: follower.scheduler.decides, 15)
+        before = scrapes(follower)
+        await wait_until(lambda: scrapes(follower) >= before + 3, 15)
+        async with open_client(second_url, key="sk-a") as alice:
+            answer = await alice.post(CHAT, json=chat_body(max_tokens=4))
+        assert answer.status_code == 200
