@@ -269,6 +269,8 @@ def step(
     leader: Worker, followers: list[Worker], redis: int, rate: float, duration_s: float
 ) -> dict[str, Any]:
     """One step: `rate` admissions/s in total over `duration_s`, open-loop, spread evenly."""
+    leader.send({"do": "stats"})
+    before = leader.receive()  # before any admission of this step (the last step has drained)
     start_at = time.time() + 0.3
     for member in followers:
         member.send(
@@ -277,8 +279,6 @@ def step(
         )  # fmt: skip
     pids = {"leader": [leader.pid], "redis": [redis], "followers": [f.pid for f in followers]}
     time.sleep(max(0.0, start_at - time.time()))
-    leader.send({"do": "stats"})
-    before = leader.receive()
     cpu_before = {name: sum(map(cpu_seconds, group)) for name, group in pids.items()}
     began = time.perf_counter()
     time.sleep(duration_s)
