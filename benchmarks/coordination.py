@@ -1,7 +1,7 @@
 """The leader's ceiling: admissions per second one leader decides for K follower processes.
 
-    .venv/bin/python benchmarks/coordination.py --quick      # K = 1, 2; 3 rates; 1 s steps
-    .venv/bin/python benchmarks/coordination.py              # K = 1, 2, 4, 8; up to 16000/s; 3 s
+    .venv/bin/python benchmarks/coordination.py --quick # K = 1, 2; 3 rates; 1 s steps
+    .venv/bin/python benchmarks/coordination.py         # K = 1, 2, 4, 8; to 16000/s; 3 runs of 3 s
     .venv/bin/python benchmarks/coordination.py --followers 4 --rates 500,1000 --duration 5
 
 Without --redis-url a throw-away redis-server (no persistence) is started on a free port
@@ -19,8 +19,11 @@ admission (ticket, first byte, end) and sends one grant. Per step:
   (and its CPU per granted admission), redis-server, and the followers together;
 - the 1-minute load average at the step's end (the machine is shared).
 
-A step stops the climb for its K when the p99 passes 100 ms or fewer than 90% were granted within
-it. Per K the highest offered rate whose p99 stayed within 10 ms is printed, then a markdown table.
+Each step runs `--repeat` times (3; 1 with --quick) and shows the run with the median p99. A step
+stops the climb for its K when that p99 passes 100 ms or fewer than 90% were granted within it.
+Per K: the highest rate before the p99 first passed 10 ms, and the highest within 10 ms; then a
+markdown table. A step whose counts do not add up (an admission not granted once, or not
+released and ended once by the leader's core) is flagged.
 `--json PATH` writes every step (counts included) for tests and plots.
 """
 
@@ -321,6 +324,15 @@ def step(
     }
 
 
+def counts_add_up(row: dict[str, Any]) -> bool:
+    """Each admission granted once, and the leader's core released and ended exactly those."""
+    granted = row["granted"]
+    return (
+        row["errors"] == row["skipped"] == row["leader_in_flight_after"] == 0
+        and row["planned"] == granted == row["leader_released"] == row["leader_completed"]
+    )
+
+
 def show(row: dict[str, Any]) -> str:
     cpu = row["cpu"]
     return (
@@ -351,9 +363,18 @@ def run(url: str, args: argparse.Namespace) -> list[dict[str, Any]]:
             within: float | None = None  # the highest rate within 10 ms (noise can dip back)
             passed = False
             for rate in args.rates:
-                row = step(leader, members, redis, rate, args.duration)
+                # The median p99 of the repeats: a burst of the machine's other work lands
+                # in one step's p99 (tens of ms) and would end the climb early.
+                tries = [
+                    step(leader, members, redis, rate, args.duration) for _ in range(args.repeat)
+                ]
+                row = sorted(tries, key=lambda each: each["p99_ms"])[len(tries) // 2]
+                row["repeats_p99_ms"] = [each["p99_ms"] for each in tries]
+                row["repeats_counts_ok"] = all(counts_add_up(each) for each in tries)
                 rows.append(row)
                 print(show(row), flush=True)
+                if not row["repeats_counts_ok"]:
+                    print(f"COUNTS DO NOT ADD UP at K={followers}, {rate:g}/s: see --json")
                 if row["p99_ms"] <= P99_LIMIT_S * 1e3 and row["errors"] == 0:
                     within = rate
                     before_passed = before_passed if passed else rate
@@ -387,6 +408,7 @@ def cli() -> None:
     parser.add_argument("--followers", help="comma-separated K values (default 1,2,4,8)")
     parser.add_argument("--rates", help="comma-separated total offered rates per second")
     parser.add_argument("--duration", type=float, help="seconds per step (default 3)")
+    parser.add_argument("--repeat", type=int, help="runs per step, the median p99 shown (3)")
     parser.add_argument("--json", help="write every step's row to this file")
     parser.add_argument("--role", choices=("leader", "follower"), help=argparse.SUPPRESS)
     parser.add_argument("--index", type=int, default=0, help=argparse.SUPPRESS)
@@ -400,9 +422,10 @@ def cli() -> None:
     quick = args.quick
     fleets = args.followers or ("1,2" if quick else "1,2,4,8")
     args.followers = [int(k) for k in fleets.split(",")]
-    default_rates = "100,500,1000" if quick else "100,200,500,1000,2000,4000,8000,12000,16000"
+    default_rates = "100,500,1000" if quick else "100,200,500,1000,2000,4000,8000,16000"
     args.rates = [float(rate) for rate in (args.rates or default_rates).split(",")]
     args.duration = args.duration or (1.0 if quick else 3.0)
+    args.repeat = args.repeat or (1 if quick else 3)
     if args.redis_url:
         rows = run(args.redis_url, args)
     else:
