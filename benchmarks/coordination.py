@@ -326,11 +326,10 @@ def step(
 
 def counts_add_up(row: dict[str, Any]) -> bool:
     """Each admission granted once, and the leader's core released and ended exactly those."""
-    granted = row["granted"]
-    return (
-        row["errors"] == row["skipped"] == row["leader_in_flight_after"] == 0
-        and row["planned"] == granted == row["leader_released"] == row["leader_completed"]
-    )
+    granted: int = row["granted"]
+    clean = row["errors"] == row["skipped"] == row["leader_in_flight_after"] == 0
+    counted = {row["planned"], row["leader_released"], row["leader_completed"]} == {granted}
+    return clean and counted
 
 
 def show(row: dict[str, Any]) -> str:
