@@ -1,0 +1,53 @@
+"""Hostile clients and failing parts against this round's bounds and lease ends (one behaviour
+per test; plain ASGI callables or real loopback servers)."""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+from fair_sched_plugin._request import RequestWatch
+from fair_sched_plugin.core import Lease
+from fair_sched_plugin.testing import make_ticket
+
+
+class _RecordingOwner:
+    """A lease owner that records how each lease ended."""
+
+    def __init__(self) -> None:
+        self.ends: list[tuple[int | None, bool]] = []
+
+    def lease_started(self, lease: Lease) -> None:
+        pass
+
+    def lease_ended(self, lease: Lease, tokens_used: int | None, *, abandoned: bool) -> None:
+        self.ends.append((tokens_used, abandoned))
+
+
+async def _receive_forever() -> dict[str, Any]:
+    await asyncio.Event().wait()  # the client never leaves
+    raise AssertionError("unreachable")
+
+
+async def _discard(message: dict[str, Any]) -> None:
+    pass
+
+
+async def test_a_forwarded_request_that_outlives_max_lease_s_is_charged_not_abandoned() -> None:
+    """Race: max_lease_s ends a non-streamed request the engine has been generating for
+    (forwarded, no answer yet). Abandoning it passes the turn on uncharged, so a user whose
+    requests always outlive max_lease_s would use the engine for free."""
+    owner = _RecordingOwner()
+    lease = Lease(owner, make_ticket("heavy", cost=500), 1, 0.0, 0.0, 0.0)
+    holder: list[RequestWatch] = []
+
+    async def engine_still_working(scope: Any, receive: Any, send: Any) -> None:
+        holder[0].hold(lease)
+        holder[0].forwarded = True  # the app read the body: the engine has it
+        await asyncio.Event().wait()
+
+    watch = RequestWatch(_receive_forever, _discard, max_lease_s=0.05)
+    holder.append(watch)
+    await asyncio.wait_for(watch.run(engine_still_working, {"type": "http", "headers": []}), 10)
+    assert not lease.active
+    assert owner.ends == [(500, False)]  # no speed known: its whole estimate
