@@ -73,6 +73,18 @@ DROPS_ENGINE_PRIORITY = frozenset(
 )
 
 
+
+def _request_headers(data: Mapping[str, Any]) -> object:
+    """The headers the proxy received: `proxy_server_request.headers`, which LiteLLM writes
+    itself on every route. Not the body's `metadata.headers` first: on the routes where LiteLLM
+    keeps its own in `litellm_metadata` (/v1/responses, /v1/messages, ...), `metadata` is the
+    client's, so a client could name any user there. Outside the proxy: `metadata.headers`."""
+    request = data.get("proxy_server_request")
+    if isinstance(request, Mapping) and isinstance(request.get("headers"), Mapping):
+        return request["headers"]
+    metadata = data.get("metadata")
+    return metadata.get("headers") if isinstance(metadata, Mapping) else None
+
 class FairSchedCallback(CustomLogger):
     """Parks each call that reaches an engine until its fair turn; ends its lease exactly once."""
 
@@ -166,7 +178,7 @@ class FairSchedCallback(CustomLogger):
         if identity.source == "body_user" and isinstance(data.get("user"), str):
             claimed = data["user"]
         elif identity.source == "header":
-            headers = (data.get("metadata") or {}).get("headers") or {}
+            headers = _request_headers(data)
             if isinstance(headers, Mapping):
                 wanted = identity.header.lower()
                 claimed = next((v for k, v in headers.items() if str(k).lower() == wanted), None)
