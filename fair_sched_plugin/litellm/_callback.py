@@ -35,7 +35,7 @@ from ..config import PriceSettings, deployment_key, safe_url
 from ..core import Lease
 from ..errors import ClientDisconnected, InvalidRequest, Rejected
 from ..identity import Credentials, Principal
-from ..service import UNKNOWN_MODELS, SchedulingService
+from ..service import OUTPUT_TOKEN_FIELDS, UNKNOWN_MODELS, SchedulingService
 from ._proxy import running_proxy
 
 logger = logging.getLogger("fair_sched")
@@ -73,6 +73,21 @@ DROPS_ENGINE_PRIORITY = frozenset(
 )
 
 
+# The fields that size a request's output, which LiteLLM sends from `extra_body` over the
+# top-level ones (as it sends `extra_body.priority`).
+_SIZE_FIELDS = frozenset((*OUTPUT_TOKEN_FIELDS, "n", "best_of"))
+
+
+def _as_sent(data: dict[str, Any]) -> Mapping[str, Any]:
+    """`data` as the engine will read it: `extra_body`'s output sizes replace the top-level
+    ones, so a request with `max_tokens: 1` and 4000 in `extra_body` is estimated (and bounded)
+    at 4000."""
+    extra_body = data.get("extra_body")
+    if not isinstance(extra_body, Mapping):
+        return data
+    sizes = {field: value for field, value in extra_body.items() if field in _SIZE_FIELDS}
+    return {**data, **sizes} if sizes else data
+
 
 def _request_headers(data: Mapping[str, Any]) -> object:
     """The headers the proxy received: `proxy_server_request.headers`, which LiteLLM writes
@@ -84,6 +99,7 @@ def _request_headers(data: Mapping[str, Any]) -> object:
         return request["headers"]
     metadata = data.get("metadata")
     return metadata.get("headers") if isinstance(metadata, Mapping) else None
+
 
 class FairSchedCallback(CustomLogger):
     """Parks each call that reaches an engine until its fair turn; ends its lease exactly once."""
@@ -141,7 +157,7 @@ class FairSchedCallback(CustomLogger):
             admission = await service.admit(
                 principal,
                 model,
-                data,
+                _as_sent(data) if via_extra_body else data,
                 disconnected=request.watch(),
                 waiting=request,
                 max_wait_s=request.max_wait_s(service.settings.queue.max_wait_s),

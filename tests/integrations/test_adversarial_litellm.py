@@ -2,15 +2,19 @@
 
 from __future__ import annotations
 
-from pathlib import Path
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
 
 import pytest
+import pytest_asyncio
 
 from fair_sched_plugin.emulator.engine import EmulatorConfig
-from fair_sched_plugin.emulator.server import run_emulator
+from fair_sched_plugin.emulator.server import RunningEmulator, run_emulator
 
 from .litellm_harness import (
+    CHAT,
     MASTER_KEY,
+    ProxyProcess,
     litellm_proxy,
     model_entry,
     open_client,
@@ -21,13 +25,16 @@ from .litellm_harness import (
 pytestmark = shared_proxy_marks(pytest.mark.litellm_range)
 
 
-async def test_a_body_metadata_header_does_not_name_the_user_on_litellm_metadata_routes(
-    tmp_path: Path,
-) -> None:
-    """identity.source header: the trusted gateway in front sets `x-fair-sched-user: bob`. On
-    /v1/responses LiteLLM keeps the request's headers in `litellm_metadata` and leaves the body's
-    own `metadata` as the client wrote it, so a client that writes `metadata.headers` there
-    must not be queued as the user it names."""
+@dataclass
+class Stack:
+    emu: RunningEmulator
+    proxy: ProxyProcess
+
+
+@pytest_asyncio.fixture(loop_scope="module", scope="module")
+async def stack(tmp_path_factory: pytest.TempPathFactory) -> AsyncIterator[Stack]:
+    """One emulator behind one LiteLLM proxy with the plugin, trusting `x-fair-sched-user` (as
+    behind a gateway that sets it)."""
     async with run_emulator(EmulatorConfig(models=("tiny",), max_num_seqs=4)) as emu:
         config = proxy_config(
             [model_entry("tiny", f"{emu.base_url}/v1")],
@@ -40,18 +47,76 @@ async def test_a_body_metadata_header_does_not_name_the_user_on_litellm_metadata
                 ],
             },
         )
-        async with (
-            litellm_proxy(config, tmp_path) as proxy,
-            open_client(proxy.base_url, MASTER_KEY) as client,
-        ):
-            response = await client.post(
-                "/v1/responses",
-                json={
-                    "model": "tiny",
-                    "input": "hi",
-                    "max_output_tokens": 4,
-                    "metadata": {"headers": {"x-fair-sched-user": "alice"}},
-                },
-                headers={"x-fair-sched-user": "bob"},
-            )
-            assert response.headers.get("x-fair-sched-principal") == "bob"
+        async with litellm_proxy(config, tmp_path_factory.mktemp("adv")) as proxy:
+            yield Stack(emu, proxy)
+
+
+async def test_litellm_sends_extra_body_max_tokens_over_the_top_level_one(stack: Stack) -> None:
+    """Why the estimate below reads `extra_body`: the engine generates what it says."""
+    async with open_client(stack.proxy.base_url, MASTER_KEY) as client:
+        response = await client.post(
+            CHAT,
+            json={
+                "model": "tiny",
+                "messages": [{"role": "user", "content": "hi"}],
+                "max_tokens": 1,
+                "extra_body": {"max_tokens": 37},
+            },
+            headers={"x-fair-sched-user": "bob"},
+        )
+    assert response.status_code == 200, response.text
+    assert response.json()["usage"]["completion_tokens"] == 37
+    assert [r.max_tokens for r in stack.emu.engine.received][-1:] == [37]
+
+
+async def test_max_tokens_in_extra_body_is_what_the_request_is_estimated_at() -> None:
+    """LiteLLM sends `extra_body`'s fields as the engine's top-level ones, over the top-level
+    `max_tokens` (the way the tier's priority reaches the engine). A request that says
+    `max_tokens: 1` there and 4000 in `extra_body` generates 4000 tokens: its estimate (the
+    charge at its grant, and all it is charged if the client leaves mid-stream) must say so."""
+    import types
+
+    from fair_sched_plugin._request import ensure_current_request
+    from fair_sched_plugin.litellm._callback import FairSchedCallback
+    from fair_sched_plugin.service import SchedulingService
+
+    async with SchedulingService({"unknown_model_max_inflight": 4}) as service:
+        callback = FairSchedCallback(lambda: service)
+        auth = types.SimpleNamespace(
+            metadata={}, user_id="mallory", team_id=None, key_alias=None, token="h"
+        )
+        data: dict[str, object] = {
+            "model": "tiny",
+            "messages": [{"role": "user", "content": "hi"}],
+            "max_tokens": 1,
+            "extra_body": {"max_tokens": 4000},
+        }
+        await callback.async_pre_call_hook(auth, None, data, "acompletion")
+        lease = ensure_current_request().lease
+        assert lease is not None
+        try:
+            assert lease.ticket.cost >= 4000
+        finally:
+            lease.release()
+
+
+async def test_a_body_metadata_header_does_not_name_the_user_on_litellm_metadata_routes(
+    stack: Stack,
+) -> None:
+    """identity.source header: the trusted gateway in front sets `x-fair-sched-user: bob`. On
+    /v1/responses LiteLLM keeps the request's headers in `litellm_metadata` and leaves the body's
+    own `metadata` as the client wrote it, so a client that writes `metadata.headers` there
+    must not be queued as the user it names. (Last: the emulator's 404 to /v1/responses puts the
+    deployment in LiteLLM's cooldown.)"""
+    async with open_client(stack.proxy.base_url, MASTER_KEY) as client:
+        response = await client.post(
+            "/v1/responses",
+            json={
+                "model": "tiny",
+                "input": "hi",
+                "max_output_tokens": 4,
+                "metadata": {"headers": {"x-fair-sched-user": "alice"}},
+            },
+            headers={"x-fair-sched-user": "bob"},
+        )
+    assert response.headers.get("x-fair-sched-principal") == "bob"
