@@ -6,7 +6,10 @@ from __future__ import annotations
 import asyncio
 from typing import Any
 
+import pytest
+
 from fair_sched_plugin._request import RequestWatch
+from fair_sched_plugin.bench.trace import TraceError, parse_line
 from fair_sched_plugin.core import Lease
 from fair_sched_plugin.testing import make_ticket
 
@@ -51,3 +54,19 @@ async def test_a_forwarded_request_that_outlives_max_lease_s_is_charged_not_aban
     await asyncio.wait_for(watch.run(engine_still_working, {"type": "http", "headers": []}), 10)
     assert not lease.active
     assert owner.ends == [(500, False)]  # no speed known: its whole estimate
+
+
+@pytest.mark.parametrize(
+    "text",
+    [
+        '{"t": 0, "user": "a", "prompt_tokens": 1, "max_tokens": 1' + "0" * 5000 + "}",
+        "[" * 100_000 + "]" * 100_000,
+    ],
+    ids=["integer-past-the-digit-limit", "deeply-nested"],
+)
+def test_a_trace_line_python_cannot_decode_is_a_trace_error_naming_its_line(text: str) -> None:
+    """json.loads raises plain ValueError (an integer past 4300 digits) or RecursionError (deep
+    nesting) for these, not JSONDecodeError: `fair-sched bench --trace` printed no line number
+    for the first and crashed with a traceback for the second."""
+    with pytest.raises(TraceError, match=r"^f\.jsonl:7: "):
+        parse_line(text, "f.jsonl:7")
