@@ -9,6 +9,8 @@ from typing import Any
 import pytest
 
 from fair_sched_plugin._request import RequestWatch
+from fair_sched_plugin._usage import JsonUsageFinder
+from fair_sched_plugin.asgi import _usage_from_sse
 from fair_sched_plugin.bench.trace import TraceError, parse_line
 from fair_sched_plugin.core import Lease
 from fair_sched_plugin.testing import make_ticket
@@ -70,3 +72,21 @@ def test_a_trace_line_python_cannot_decode_is_a_trace_error_naming_its_line(text
     for the first and crashed with a traceback for the second."""
     with pytest.raises(TraceError, match=r"^f\.jsonl:7: "):
         parse_line(text, "f.jsonl:7")
+
+
+DEEP = b"[" * 3000 + b"]" * 3000
+REAL_USAGE = b'{"prompt_tokens": 3, "completion_tokens": 4}'
+
+
+def test_a_deeply_nested_usage_in_a_json_answer_is_skipped_not_raised() -> None:
+    """A failing engine's answer with `"usage"` nested past the recursion limit: json raised
+    RecursionError out of `feed()`, inside the middleware's `send`, cutting the answer off."""
+    finder = JsonUsageFinder()
+    finder.feed(b'{"usage": ' + DEEP + b', "usage": ' + REAL_USAGE + b"}")
+    assert finder.usage is not None and finder.usage.tokens_used == 7
+
+
+def test_a_deeply_nested_usage_in_an_event_stream_is_skipped_not_raised() -> None:
+    lines = b'data: {"usage": ' + DEEP + b'}\n\ndata: {"usage": ' + REAL_USAGE + b"}\n\n"
+    usage = _usage_from_sse(lines)
+    assert usage is not None and usage.tokens_used == 7
