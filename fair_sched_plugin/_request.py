@@ -603,7 +603,7 @@ class RequestWatch:
 
 def _error_payload(status: int, body: bytes) -> dict[str, Any]:
     """An app's error response as an OpenAI-style error object (its own when it sent one)."""
-    with contextlib.suppress(ValueError, UnicodeDecodeError):
+    with contextlib.suppress(ValueError, UnicodeDecodeError, RecursionError):
         decoded = json.loads(body)
         if isinstance(decoded, dict):
             found = decoded.get("error", decoded.get("detail"))

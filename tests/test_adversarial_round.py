@@ -8,11 +8,12 @@ from typing import Any
 
 import pytest
 
-from fair_sched_plugin._request import RequestWatch
+from fair_sched_plugin._request import RequestWatch, _error_payload
 from fair_sched_plugin._usage import JsonUsageFinder
 from fair_sched_plugin.asgi import _usage_from_sse
 from fair_sched_plugin.bench.trace import TraceError, parse_line
 from fair_sched_plugin.core import Lease
+from fair_sched_plugin.state.replica import _read_published
 from fair_sched_plugin.testing import make_ticket
 
 
@@ -90,3 +91,20 @@ def test_a_deeply_nested_usage_in_an_event_stream_is_skipped_not_raised() -> Non
     lines = b'data: {"usage": ' + DEEP + b'}\n\ndata: {"usage": ' + REAL_USAGE + b"}\n\n"
     usage = _usage_from_sse(lines)
     assert usage is not None and usage.tokens_used == 7
+
+
+TOO_DEEP = "[" * 100_000 + "]" * 100_000
+
+
+def test_a_too_deep_statistics_document_in_redis_is_a_value_error() -> None:
+    """The other readers of Redis values turn RecursionError into ValueError; the leader's
+    statistics document did not, so a corrupt `stats` key raised out of `_after_beat`."""
+    with pytest.raises(ValueError, match="nested too deeply"):
+        _read_published(TOO_DEEP)
+
+
+def test_a_too_deep_error_body_after_keep_alive_becomes_our_error_event() -> None:
+    """An app's error answer, after the client already holds our keep-alive 200, is turned into
+    an error event; a body nested past the recursion limit raised RecursionError instead."""
+    payload = _error_payload(502, TOO_DEEP.encode())
+    assert payload["error"]["code"] == "502"
