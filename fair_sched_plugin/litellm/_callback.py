@@ -25,7 +25,7 @@ from collections.abc import AsyncGenerator, Callable, Mapping, MutableMapping
 from typing import Any
 
 from fastapi import HTTPException
-from litellm.exceptions import ServiceUnavailableError
+from litellm.exceptions import ServiceUnavailableError, Timeout
 from litellm.integrations.custom_logger import CustomLogger
 
 from .._request import current_request, ensure_current_request
@@ -287,6 +287,14 @@ class FairSchedCallback(CustomLogger):
     ) -> None:
         lease = _request_lease()
         if lease is not None and not lease.started:
+            request = current_request()
+            if isinstance(original_exception, Timeout) and request is not None:
+                # LiteLLM gave up on a request the engine had (a `timeout` the client may set
+                # itself): charged what the engine can have generated, as when a client leaves;
+                # never abandoned, or each such request would use the engine for free.
+                service = self.service
+                request.report(lease, service.interrupted_tokens(lease), None)
+                return
             # Refused on the way (another hook, the router) or failed before any answer: the
             # turn passes on uncharged. A started one ends with its response (the watch).
             lease.abandon()

@@ -35,7 +35,9 @@ class Stack:
 async def stack(tmp_path_factory: pytest.TempPathFactory) -> AsyncIterator[Stack]:
     """One emulator behind one LiteLLM proxy with the plugin, trusting `x-fair-sched-user` (as
     behind a gateway that sets it)."""
-    async with run_emulator(EmulatorConfig(models=("tiny",), max_num_seqs=4)) as emu:
+    async with run_emulator(
+        EmulatorConfig(models=("tiny",), max_num_seqs=4, base_step_ms=15.0)
+    ) as emu:
         config = proxy_config(
             [model_entry("tiny", f"{emu.base_url}/v1")],
             {
@@ -98,6 +100,30 @@ async def test_max_tokens_in_extra_body_is_what_the_request_is_estimated_at() ->
             assert lease.ticket.cost >= 4000
         finally:
             lease.release()
+
+
+async def test_a_request_litellm_times_out_at_the_engine_is_charged_not_abandoned(
+    stack: Stack,
+) -> None:
+    """A client's own `timeout` makes LiteLLM give up on a non-streamed request the engine has
+    been generating for: the failure hook abandoned its lease (uncharged, the turn passed on),
+    so a client could use the engine for `timeout` seconds per request for free."""
+    before = stack.emu.engine.statistics().requests_received
+    async with open_client(stack.proxy.base_url, MASTER_KEY) as client:
+        response = await client.post(
+            CHAT,
+            json={
+                "model": "tiny",
+                "messages": [{"role": "user", "content": "hi"}],
+                "max_tokens": 4000,  # a minute at 15 ms a step
+                "timeout": 1,
+            },
+            headers={"x-fair-sched-user": "bob"},
+        )
+        assert response.status_code >= 400, response.text
+        assert stack.emu.engine.statistics().requests_received == before + 1
+        metrics = (await client.get("/fair-sched/metrics")).text
+    assert "fair_sched_abandoned_total 0.0" in metrics
 
 
 async def test_a_body_metadata_header_does_not_name_the_user_on_litellm_metadata_routes(
