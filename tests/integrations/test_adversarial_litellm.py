@@ -2,15 +2,18 @@
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
+import httpx
 import pytest
 import pytest_asyncio
 
 from fair_sched_plugin.emulator.engine import EmulatorConfig
 from fair_sched_plugin.emulator.server import RunningEmulator, run_emulator
 
+from .conftest import cancel_all, wait_until
 from .litellm_harness import (
     CHAT,
     MASTER_KEY,
@@ -102,6 +105,42 @@ async def test_max_tokens_in_extra_body_is_what_the_request_is_estimated_at() ->
             lease.release()
 
 
+async def test_a_stream_left_before_its_first_chunk_at_the_engine_is_charged(
+    stack: Stack,
+) -> None:
+    """The engine answered the stream's headers and holds it in its queue (its slots are taken):
+    a client that leaves then had its lease abandoned by the streaming hook (uncharged, the turn
+    passed on), though the request went on to the engine; the other adapters charge what the
+    engine can have generated."""
+    abandoned_before = _counter(stack, "fair_sched_abandoned_total")
+    hog_body = {**_chat(4000), "stream": True}
+
+    async def hog(client: httpx.AsyncClient) -> None:
+        async with client.stream("POST", CHAT, json=hog_body, headers=BOB) as response:
+            async for _ in response.aiter_bytes():
+                pass
+
+    async with open_client(stack.proxy.base_url, MASTER_KEY) as client:
+        hogs = [asyncio.ensure_future(hog(client)) for _ in range(4)]
+        try:
+            await wait_until(lambda: stack.emu.engine.statistics().running == 4, timeout_s=30)
+            received = stack.emu.engine.statistics().requests_received
+            body = {**_chat(8), "stream": True}
+            # LiteLLM sends no headers before the first chunk: the client waits, then leaves.
+            leaving = asyncio.ensure_future(client.post(CHAT, json=body, headers=BOB))
+            try:
+                await wait_until(
+                    lambda: stack.emu.engine.statistics().requests_received == received + 1,
+                    timeout_s=30,
+                )
+            finally:
+                await cancel_all([leaving])
+        finally:
+            await cancel_all(hogs)
+        await wait_until(lambda: stack.emu.engine.statistics().running == 0, timeout_s=30)
+    assert _counter(stack, "fair_sched_abandoned_total") == abandoned_before
+
+
 async def test_a_request_litellm_times_out_at_the_engine_is_charged_not_abandoned(
     stack: Stack,
 ) -> None:
@@ -146,3 +185,28 @@ async def test_a_body_metadata_header_does_not_name_the_user_on_litellm_metadata
             headers={"x-fair-sched-user": "bob"},
         )
     assert response.headers.get("x-fair-sched-principal") == "bob"
+
+
+BOB = {"x-fair-sched-user": "bob"}
+
+
+def _chat(max_tokens: int) -> dict[str, object]:
+    return {
+        "model": "tiny",
+        "messages": [{"role": "user", "content": "hi"}],
+        "max_tokens": max_tokens,
+    }
+
+
+def _counter(stack: Stack, name: str) -> float:
+    """A counter of the proxy's /fair-sched/metrics."""
+    text = httpx.get(
+        f"{stack.proxy.base_url}/fair-sched/metrics",
+        headers={"authorization": f"Bearer {MASTER_KEY}"},
+        timeout=10.0,
+        trust_env=False,
+    ).text
+    for line in text.splitlines():
+        if line.startswith(name + " "):
+            return float(line.split()[1])
+    raise AssertionError(f"{name} not in the metrics")
