@@ -315,8 +315,9 @@ class RequestWatch:
 
         - A response went out: completed, charged what the engine reported (`report()`), else
           the estimate.
-        - The client left after the request went on to the engine: completed too, charged the
-          output the engine can have generated before the abort reached it (never refunded).
+        - We stopped it (the client left, or max_lease_s ran out) after the request went on to
+          the engine: completed too, charged the output the engine can have generated before
+          the abort reached it (never refunded).
         - Nothing reached the engine: abandoned, so the turn passes on uncharged.
         """
         if not lease.active:
@@ -324,7 +325,7 @@ class RequestWatch:
         tokens_used, cost_used = self._reported.pop(lease, (None, None))
         if lease.started or self.response_started:
             lease.release(tokens_used, cost_used=cost_used)
-        elif self.forwarded and isinstance(self.stopped, ClientDisconnected):
+        elif self.forwarded and self.stopped is not None:
             charge = self.interrupted_tokens
             lease.release(charge(lease) if charge is not None else lease.ticket.cost)
         else:
@@ -602,7 +603,7 @@ class RequestWatch:
 
 def _error_payload(status: int, body: bytes) -> dict[str, Any]:
     """An app's error response as an OpenAI-style error object (its own when it sent one)."""
-    with contextlib.suppress(ValueError, UnicodeDecodeError):
+    with contextlib.suppress(ValueError, UnicodeDecodeError, RecursionError):
         decoded = json.loads(body)
         if isinstance(decoded, dict):
             found = decoded.get("error", decoded.get("detail"))

@@ -123,7 +123,7 @@ class JsonUsageFinder:
             return  # a string value "usage", not the key
         try:
             value, _ = json.JSONDecoder().raw_decode(text[1:].lstrip())
-        except ValueError:
+        except (ValueError, RecursionError):  # a failing engine's nesting must not end the answer
             return
         found = read_usage(value) if isinstance(value, dict) else None
         if found is not None:

@@ -471,7 +471,7 @@ def _without_client_deployment(scope: Scope) -> Scope:
 def _usage_from_sse(chunk: bytes) -> Usage | None:
     for line in chunk.split(b"\n"):
         if line.startswith(b"data: {") and b'"usage"' in line:
-            with contextlib.suppress(ValueError, TypeError, AttributeError):
+            with contextlib.suppress(ValueError, TypeError, AttributeError, RecursionError):
                 usage = read_usage(json.loads(line[6:]).get("usage"))
                 if usage is not None:
                     return usage

@@ -267,7 +267,10 @@ class _ProxyRoutes:
                 model,
                 self._service.redact(_describe(exc)),
             )
-            _abandon_leases()
+            if isinstance(exc, httpx.ReadTimeout):
+                _charge_leases(self._service)
+            else:
+                _abandon_leases()
             # Retry when the queue ahead would have drained at the measured rate, or at least
             # once the gate could have noticed (metrics go stale and it falls back).
             service = self._service
@@ -308,6 +311,17 @@ def _abandon_leases() -> None:
     watch = current_request()
     for lease in watch.leases if watch is not None else ():
         lease.abandon()
+
+
+def _charge_leases(service: SchedulingService) -> None:
+    """The engine had the request until we gave up waiting for its answer (a read timeout): it
+    is charged what the engine can have generated, as for a client that leaves; abandoned, each
+    request longer than the timeout would use the engine for free. Ended here, before our own
+    answer, which is not the engine's first byte."""
+    watch = current_request()
+    for lease in watch.leases if watch is not None else ():
+        if lease.active:
+            lease.release(service.interrupted_tokens(lease))
 
 
 async def _send_retrying_once(

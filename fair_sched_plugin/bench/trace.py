@@ -102,6 +102,9 @@ def parse_line(text: str, where: str) -> TraceRequest:
         line = json.loads(text)
     except json.JSONDecodeError as exc:
         raise TraceError(f"{where}: not JSON ({exc.msg})") from None
+    except (ValueError, RecursionError):
+        # An integer past Python's digit limit, or nesting past the recursion limit.
+        raise TraceError(f"{where}: not JSON (a number too long, or nested too deeply)") from None
     if not isinstance(line, dict):
         raise TraceError(f"{where}: a line must be a JSON object, got {type(line).__name__}")
     unknown = sorted(set(line) - _FIELDS)

@@ -25,7 +25,7 @@ from collections.abc import AsyncGenerator, Callable, Mapping, MutableMapping
 from typing import Any
 
 from fastapi import HTTPException
-from litellm.exceptions import ServiceUnavailableError
+from litellm.exceptions import ServiceUnavailableError, Timeout
 from litellm.integrations.custom_logger import CustomLogger
 
 from .._request import current_request, ensure_current_request
@@ -35,7 +35,7 @@ from ..config import PriceSettings, deployment_key, safe_url
 from ..core import Lease
 from ..errors import ClientDisconnected, InvalidRequest, Rejected
 from ..identity import Credentials, Principal
-from ..service import UNKNOWN_MODELS, SchedulingService
+from ..service import OUTPUT_TOKEN_FIELDS, UNKNOWN_MODELS, SchedulingService
 from ._proxy import running_proxy
 
 logger = logging.getLogger("fair_sched")
@@ -71,6 +71,34 @@ NESTED_CLIENT_BODY = {
 DROPS_ENGINE_PRIORITY = frozenset(
     {"agenerate_content", "agenerate_content_stream", "generate_content", "generate_content_stream"}
 )
+
+
+# The fields that size a request's output, which LiteLLM sends from `extra_body` over the
+# top-level ones (as it sends `extra_body.priority`).
+_SIZE_FIELDS = frozenset((*OUTPUT_TOKEN_FIELDS, "n", "best_of"))
+
+
+def _as_sent(data: dict[str, Any]) -> Mapping[str, Any]:
+    """`data` as the engine will read it: `extra_body`'s output sizes replace the top-level
+    ones, so a request with `max_tokens: 1` and 4000 in `extra_body` is estimated (and bounded)
+    at 4000."""
+    extra_body = data.get("extra_body")
+    if not isinstance(extra_body, Mapping):
+        return data
+    sizes = {field: value for field, value in extra_body.items() if field in _SIZE_FIELDS}
+    return {**data, **sizes} if sizes else data
+
+
+def _request_headers(data: Mapping[str, Any]) -> object:
+    """The headers the proxy received: `proxy_server_request.headers`, which LiteLLM writes
+    itself on every route. Not the body's `metadata.headers` first: on the routes where LiteLLM
+    keeps its own in `litellm_metadata` (/v1/responses, /v1/messages, ...), `metadata` is the
+    client's, so a client could name any user there. Outside the proxy: `metadata.headers`."""
+    request = data.get("proxy_server_request")
+    if isinstance(request, Mapping) and isinstance(request.get("headers"), Mapping):
+        return request["headers"]
+    metadata = data.get("metadata")
+    return metadata.get("headers") if isinstance(metadata, Mapping) else None
 
 
 class FairSchedCallback(CustomLogger):
@@ -129,7 +157,7 @@ class FairSchedCallback(CustomLogger):
             admission = await service.admit(
                 principal,
                 model,
-                data,
+                _as_sent(data) if via_extra_body else data,
                 disconnected=request.watch(),
                 waiting=request,
                 max_wait_s=request.max_wait_s(service.settings.queue.max_wait_s),
@@ -166,7 +194,7 @@ class FairSchedCallback(CustomLogger):
         if identity.source == "body_user" and isinstance(data.get("user"), str):
             claimed = data["user"]
         elif identity.source == "header":
-            headers = (data.get("metadata") or {}).get("headers") or {}
+            headers = _request_headers(data)
             if isinstance(headers, Mapping):
                 wanted = identity.header.lower()
                 claimed = next((v for k, v in headers.items() if str(k).lower() == wanted), None)
@@ -259,6 +287,14 @@ class FairSchedCallback(CustomLogger):
     ) -> None:
         lease = _request_lease()
         if lease is not None and not lease.started:
+            request = current_request()
+            if isinstance(original_exception, Timeout) and request is not None:
+                # LiteLLM gave up on a request the engine had (a `timeout` the client may set
+                # itself): charged what the engine can have generated, as when a client leaves;
+                # never abandoned, or each such request would use the engine for free.
+                service = self.service
+                request.report(lease, service.interrupted_tokens(lease), None)
+                return
             # Refused on the way (another hook, the router) or failed before any answer: the
             # turn passes on uncharged. A started one ends with its response (the watch).
             lease.abandon()

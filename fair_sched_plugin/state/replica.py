@@ -602,6 +602,8 @@ def _read_published(text: str) -> _Published:
         scheduler["in_flight_by_model"] = dict(scheduler["in_flight_by_model"])
         statistics = SchedulerStatistics(**scheduler)
         gate = tuple(_group_status(row) for row in document["gate"])
+    except RecursionError:  # absurdly deep JSON
+        raise ValueError("nested too deeply") from None
     except KeyError as exc:
         raise ValueError(f"no {exc}") from None
     except TypeError as exc:
