@@ -93,7 +93,7 @@ DEFAULT_MAX_TOKENS = 256
 UNKNOWN_MODELS = "(unknown models)"
 # `fair_engine_queue`: engine priorities per tier (a tier's band for its users' ranks).
 ENGINE_RANKS = 1000
-# The fields that bound a request's output tokens, most specific first.
+# The fields that bound a request's output tokens (the largest present counts: `requested_max_tokens`).
 OUTPUT_TOKEN_FIELDS = ("max_completion_tokens", "max_tokens", "max_output_tokens")
 # OpenAI's own limit on `n` (choices generated per request).
 MAX_CHOICES = 128
@@ -264,17 +264,18 @@ def estimate_prompt_tokens(body: Mapping[str, Any]) -> int:
 
 
 def requested_max_tokens(body: Mapping[str, Any]) -> int:
-    """The most output tokens the request may generate, per choice: the first of the OpenAI
+    """The most output tokens the request may generate, per choice: the largest of the OpenAI
     fields present (chat's `max_completion_tokens` and `max_tokens`, the responses API's
-    `max_output_tokens`), else `DEFAULT_MAX_TOKENS`. Each present field must be a whole number
-    in [1, MAX_REQUEST_TOKENS] (`InvalidRequest` naming it): the engine would refuse anything
-    else, and an unbounded one must never reach the scheduler's charge."""
-    found = None
-    for field in OUTPUT_TOKEN_FIELDS:
-        value = bounded_count(body, field, 1, MAX_REQUEST_TOKENS)
-        if found is None:
-            found = value
-    return DEFAULT_MAX_TOKENS if found is None else found
+    `max_output_tokens`), else `DEFAULT_MAX_TOKENS`. The largest, not the route's own: each
+    route's engine reads a different one (vLLM's chat prefers `max_completion_tokens`, its
+    `/v1/completions` reads only `max_tokens`, `/v1/responses` only `max_output_tokens`), and a
+    client that adds a field its engine ignores, set to 1, must not be estimated (and charged,
+    if it leaves) at 1 while the engine generates the other. Each present field must be a whole
+    number in [1, MAX_REQUEST_TOKENS] (`InvalidRequest` naming it): the engine would refuse
+    anything else, and an unbounded one must never reach the scheduler's charge."""
+    found = [bounded_count(body, field, 1, MAX_REQUEST_TOKENS) for field in OUTPUT_TOKEN_FIELDS]
+    present = [value for value in found if value is not None]
+    return max(present) if present else DEFAULT_MAX_TOKENS
 
 
 def requested_choices(body: Mapping[str, Any]) -> int:

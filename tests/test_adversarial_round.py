@@ -111,13 +111,6 @@ def test_a_too_deep_error_body_after_keep_alive_becomes_our_error_event() -> Non
     assert payload["error"]["code"] == "502"
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="the estimate takes the first output field present (max_completion_tokens, then "
-    "max_tokens, then max_output_tokens) whatever the route; vLLM's /v1/completions reads only "
-    "max_tokens and /v1/responses only max_output_tokens. Fix: read the route's own field, or "
-    "the largest present (test_service.py pins the chat order: 7 of {7, 50})",
-)
 @pytest.mark.parametrize(
     "body",
     [
