@@ -93,7 +93,8 @@ DEFAULT_MAX_TOKENS = 256
 UNKNOWN_MODELS = "(unknown models)"
 # `fair_engine_queue`: engine priorities per tier (a tier's band for its users' ranks).
 ENGINE_RANKS = 1000
-# The fields that bound a request's output tokens (the largest present counts: `requested_max_tokens`).
+# The fields that bound a request's output tokens (the largest present counts, see
+# `requested_max_tokens`).
 OUTPUT_TOKEN_FIELDS = ("max_completion_tokens", "max_tokens", "max_output_tokens")
 # OpenAI's own limit on `n` (choices generated per request).
 MAX_CHOICES = 128
