@@ -343,11 +343,25 @@ def test_a_starved_proxy_in_front_of_the_engine_does_not_leave_its_slots_idle() 
     The engine counts its finished requests, as the real vLLM of issue #17 did. Without that
     counter, since the grace stretches to the quickest release-to-first-byte time (2 s here,
     the way there and back), the engine runs 6.2 of 8 and the tuner's queue reaches 11 (7.8
-    and 5 before): not covered here."""
+    and 5 before): the next test holds that open defect."""
     _, samples = _run(40.0, **STARVED_PROXY, finished_counter=True)
     parked = [s for s in samples if s.at >= 5.0 and s.parked]
     assert mean([s.running for s in parked]) >= 0.9 * 8
     # The queue it lets form once the engine is full stays bounded.
+    assert max(s.waiting for s in parked) <= 8
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="open: without the engine's finished counter behind a starved proxy, the stretched "
+    "arrival grace keeps refills pending and `auto` runs 6.2 of 8 slots with a queue of 11 "
+    "(7.8 and 5 before the queue-bound fix)",
+)
+def test_a_starved_proxy_without_the_finished_counter_does_not_leave_its_slots_idle() -> None:
+    """The same as above for an engine without vLLM's success counter (SGLang, TGI)."""
+    _, samples = _run(40.0, **STARVED_PROXY)
+    parked = [s for s in samples if s.at >= 5.0 and s.parked]
+    assert mean([s.running for s in parked]) >= 0.9 * 8
     assert max(s.waiting for s in parked) <= 8
 
 
