@@ -916,13 +916,6 @@ class SchedulingService:
         """End the lease (idempotent); True for the call that ended it."""
         return lease.release(tokens_used=tokens_used)
 
-    def finish_with_usage(self, lease: Lease, usage: Usage | None) -> bool:
-        """End the lease with what the engine reported (`charge_of`)."""
-        if usage is None:
-            return lease.release()
-        tokens_used, cost_used = self.charge_of(lease.ticket.model, usage)
-        return lease.release(tokens_used=tokens_used, cost_used=cost_used)
-
     def charge_of(self, model: str, usage: Usage) -> tuple[int | None, float | None]:
         """What a response's `usage` charges (the one place every adapter turns it into a
         charge): uncached prompt plus output tokens, and the money cost at the model's price
