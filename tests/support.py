@@ -9,9 +9,11 @@ the event that would have come with or after it instead (see tests/README.md).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import inspect
 import os
 import socket
+import subprocess
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from typing import Any
 
@@ -104,3 +106,20 @@ async def cancel_all(tasks: Sequence[asyncio.Future[Any]]) -> None:
     for task in tasks:
         task.cancel()
     await asyncio.gather(*tasks, return_exceptions=True)
+
+
+async def wait_healthy(
+    base_url: str, process: subprocess.Popen[bytes], log: Callable[[], str], timeout_s: float = 60
+) -> None:
+    """Poll `base_url`/health until it answers 200; fail with `log()` if `process` exits first or
+    `timeout_s` passes (a server process this test started)."""
+    async with httpx.AsyncClient(base_url=base_url, trust_env=False) as client:
+        loop = asyncio.get_running_loop()
+        give_up_at = loop.time() + timeout_s
+        while True:
+            with contextlib.suppress(httpx.HTTPError):
+                if (await client.get("/health")).status_code == 200:
+                    return
+            if process.poll() is not None or loop.time() > give_up_at:
+                pytest.fail(f"{base_url} did not start:\n{log()}")
+            await asyncio.sleep(0.1)

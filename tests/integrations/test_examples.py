@@ -12,7 +12,6 @@ from pathlib import Path
 from types import ModuleType
 from typing import Any
 
-import httpx
 import pytest
 import yaml
 
@@ -20,6 +19,7 @@ from fair_sched_plugin.config import FairSchedSettings, load_settings
 from fair_sched_plugin.emulator.server import RunningEmulator
 
 from ..processes import own_process_group
+from ..support import wait_healthy
 from .conftest import emulator, received_priorities, serve
 from .litellm_harness import (
     NEEDS_LITELLM,
@@ -106,16 +106,7 @@ async def fair_sched_proxy(config_path: Path, log_path: Path) -> AsyncIterator[s
     process = spawn_proxy(config_path, port, log_path)
     base_url = f"http://127.0.0.1:{port}"
     try:
-        async with httpx.AsyncClient(base_url=base_url, trust_env=False) as client:
-            loop = asyncio.get_running_loop()
-            give_up_at = loop.time() + 60
-            while True:
-                with contextlib.suppress(httpx.HTTPError):
-                    if (await client.get("/health")).status_code == 200:
-                        break
-                if process.poll() is not None or loop.time() > give_up_at:
-                    pytest.fail(f"fair-sched proxy did not start:\n{log_text(log_path)}")
-                await asyncio.sleep(0.1)
+        await wait_healthy(base_url, process, lambda: log_text(log_path))
         yield base_url
     finally:
         process.kill()

@@ -26,6 +26,7 @@ import pytest
 from fair_sched_plugin.emulator.server import RunningEmulator, run_emulator
 
 from ..processes import own_process_group
+from ..support import wait_healthy
 from .conftest import MODEL, emulator_config, wait_until
 from .litellm_harness import (
     MASTER_KEY,
@@ -95,16 +96,7 @@ async def fair_sched_proxy(config: dict[str, Any], directory: Path) -> AsyncIter
     process = spawn_fair_sched_proxy(config_path, port, log_path)
     proxy = ProxyProcess(f"http://127.0.0.1:{port}", port, process, log_path, config_path)
     try:
-        async with httpx.AsyncClient(base_url=proxy.base_url, trust_env=False) as client:
-            loop = asyncio.get_running_loop()
-            give_up_at = loop.time() + 60
-            while True:
-                with contextlib.suppress(httpx.HTTPError):
-                    if (await client.get("/health")).status_code == 200:
-                        break
-                if process.poll() is not None or loop.time() > give_up_at:
-                    pytest.fail(f"fair-sched proxy did not start:\n{proxy.log_tail()}")
-                await asyncio.sleep(0.1)
+        await wait_healthy(proxy.base_url, process, lambda: proxy.log_tail())
         yield proxy
     finally:
         if process.poll() is None:
