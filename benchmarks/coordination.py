@@ -42,7 +42,8 @@ from typing import IO, Any
 
 from state_store import TIERS, percentile, redis_server
 
-from fair_sched_plugin.core import FairScheduler, InflightLimitGate, Ticket
+from fair_sched_plugin.core import InflightLimitGate, Ticket
+from fair_sched_plugin.driver import FairScheduler
 from fair_sched_plugin.state import ReplicaScheduler, open_state
 
 PREFIX = "coord:"

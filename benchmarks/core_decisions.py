@@ -21,14 +21,8 @@ import time
 import tracemalloc
 from collections import deque
 
-from fair_sched_plugin.core import (
-    FairnessPolicy,
-    FairScheduler,
-    InflightLimitGate,
-    Lease,
-    Ticket,
-    TierLimits,
-)
+from fair_sched_plugin.core import FairnessPolicy, InflightLimitGate, Lease, Ticket, TierLimits
+from fair_sched_plugin.driver import FairScheduler
 from fair_sched_plugin.testing import FakeClock
 
 # Wall time by default; `--cpu-time` counts this process's CPU time instead, for a machine that

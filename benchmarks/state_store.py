@@ -26,7 +26,8 @@ import tempfile
 import time
 from collections.abc import Callable, Iterator
 
-from fair_sched_plugin.core import FairScheduler, InflightLimitGate, Ticket, TierLimits
+from fair_sched_plugin.core import InflightLimitGate, Ticket, TierLimits
+from fair_sched_plugin.driver import FairScheduler
 from fair_sched_plugin.state import ReplicaScheduler, open_state
 
 TIERS = (TierLimits("interactive", waiting_below=3), TierLimits("batch", waiting_below=1))

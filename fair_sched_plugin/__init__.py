@@ -21,7 +21,7 @@ _EXPORTS = {
     "Rejected": "fair_sched_plugin.errors",
     "SchedulerClosed": "fair_sched_plugin.errors",
     "StateStoreError": "fair_sched_plugin.errors",
-    "FairScheduler": "fair_sched_plugin.core",
+    "FairScheduler": "fair_sched_plugin.driver",
     "Lease": "fair_sched_plugin.core",
     "Ticket": "fair_sched_plugin.core",
     "FairSchedulerMiddleware": "fair_sched_plugin.asgi",

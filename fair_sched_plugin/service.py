@@ -38,14 +38,11 @@ from .core import (
     BackendSnapshot,
     BudgetBook,
     BudgetRule,
-    Clock,
     Deployment,
     DrainMeter,
-    FairScheduler,
     GateTransition,
     GroupStatus,
     Lease,
-    LoopClock,
     MetricsGate,
     SchedulerStatistics,
     Ticket,
@@ -54,8 +51,8 @@ from .core import (
     request_cost_in_range,
     retry_after_s,
 )
-from .core.clock import TimerHandle
 from .core.standing import ArrivalRanks
+from .driver import FairScheduler, LoopClock, TimerClock, TimerHandle
 from .errors import (
     BudgetExceeded,
     ClientDisconnected,
@@ -319,9 +316,9 @@ class SchedulingService:
         deployments: Mapping[str, Iterable[str]] | None = None,
         models: Iterable[str] = (),
         http_client: httpx.AsyncClient | None = None,
-        clock: Clock | None = None,
+        clock: TimerClock | None = None,
     ) -> None:
-        self.clock: Clock = clock or LoopClock()
+        self.clock: TimerClock = clock or LoopClock()
         self.settings = load_settings(settings)
         self.directory = PrincipalDirectory(self.settings)
         self.backends = _resolve_backends(self.settings, deployments or {})

@@ -13,11 +13,10 @@ import itertools
 from collections.abc import Callable
 from typing import Any, Protocol
 
-from .core.clock import TimerHandle
 from .core.gate import CapacityListener
-from .core.scheduler import FairScheduler
 from .core.snapshot import BackendSnapshot
 from .core.ticket import Lease, Ticket, TierLimits
+from .driver import FairScheduler, TimerHandle
 
 __all__ = [
     "FakeClock",

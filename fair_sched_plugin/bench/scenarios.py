@@ -15,7 +15,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from ..core import FairnessPolicy, FairScheduler, InflightLimitGate, Lease, Ticket, TierLimits
+from ..core import FairnessPolicy, InflightLimitGate, Lease, Ticket, TierLimits
+from ..driver import FairScheduler
 from .client import Caller, RequestRecord, make_client, stream_one
 from .flood import FloodSize, Target, Variant, callers_for
 from .processes import group_cpu_seconds

@@ -1,4 +1,5 @@
-"""The pure core: fair queues, fairness policies, admission gates. No I/O, injectable clock."""
+"""The pure core: fair queues, fairness policies, admission gates. Sans-I/O: no event loop, no
+I/O, time from an injected clock; `fair_sched_plugin.driver` runs it on asyncio."""
 
 from __future__ import annotations
 
@@ -11,13 +12,13 @@ from .backpressure import (
     MetricsGate,
 )
 from .budget import BudgetAction, BudgetBook, BudgetRule, BudgetUnit, BudgetVerdict
-from .clock import Clock, LoopClock
+from .clock import Clock, MonotonicClock
 from .gate import AdmissionGate, InflightLimitGate
 from .scheduler import (
+    Decision,
     FairnessPolicy,
-    FairScheduler,
     QueueOrder,
-    Reservation,
+    SchedulerCore,
     SchedulerStatistics,
     UserBacklog,
 )
@@ -47,21 +48,21 @@ __all__ = [
     "BudgetUnit",
     "BudgetVerdict",
     "Clock",
+    "Decision",
     "Deployment",
     "DeploymentStatus",
     "DrainMeter",
-    "FairScheduler",
     "FairnessPolicy",
     "GateTransition",
     "GroupStatus",
     "InflightLimitGate",
     "Lease",
     "LeaseOwner",
-    "LoopClock",
     "MetricsGate",
+    "MonotonicClock",
     "QueueOrder",
     "QueueTuner",
-    "Reservation",
+    "SchedulerCore",
     "SchedulerStatistics",
     "Ticket",
     "TierLimits",

@@ -96,7 +96,7 @@ from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Literal, NamedTuple
 
-from .clock import Clock, LoopClock
+from .clock import Clock, MonotonicClock
 from .gate import CapacityListener
 from .placement import Candidate, Placer
 from .snapshot import BackendSnapshot
@@ -329,7 +329,7 @@ class MetricsGate:
         self._stale_after_s = stale_after_s
         self._unknown_cap = unknown_model_max_inflight
         self._unknown_in_flight: dict[str, int] = {}
-        self._clock: Clock = clock or LoopClock()
+        self._clock: Clock = clock or MonotonicClock()
         self._on_transition = on_transition
         self._request_scrape = request_scrape
         self._listener: CapacityListener | None = None

@@ -1,31 +1,21 @@
-"""Time for the core: injectable, so tests advance a fake clock instead of sleeping
-(`fair_sched_plugin.testing.FakeClock`)."""
+"""Time for the core: read from an injected clock, so tests set it instead of sleeping
+(`fair_sched_plugin.testing.FakeClock`). The core never waits: what is due later is data that
+its next `tick(now)` acts on (`SchedulerCore.next_due`); the driver owns the timer."""
 
 from __future__ import annotations
 
-import asyncio
-from collections.abc import Callable
+import time
 from typing import Protocol
 
 
-class TimerHandle(Protocol):
-    def cancel(self) -> None: ...
-
-
 class Clock(Protocol):
-    """A monotonic clock that can also run a callback at a given time."""
+    """A monotonic clock."""
 
     def now(self) -> float: ...
 
-    def call_at(self, when: float, callback: Callable[[], None]) -> TimerHandle: ...
 
-
-class LoopClock:
-    """The running event loop's clock (`loop.time()`), bound lazily so nothing touches a loop at
-    construction time."""
+class MonotonicClock:
+    """`time.monotonic()`: what asyncio's default event loop reads for `loop.time()`."""
 
     def now(self) -> float:
-        return asyncio.get_running_loop().time()
-
-    def call_at(self, when: float, callback: Callable[[], None]) -> TimerHandle:
-        return asyncio.get_running_loop().call_at(when, callback)
+        return time.monotonic()

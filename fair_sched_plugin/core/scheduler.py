@@ -1,43 +1,56 @@
-"""The fair scheduler: per-(model, tier, user) FIFOs, a fairness policy across users, strict tiers.
+"""The fair scheduler's core: per-(model, tier, user) FIFOs, a fairness policy across users, strict
+tiers. Sans-I/O, in the style of h11 and of vLLM's `Scheduler.schedule()`: synchronous, no event
+loop, time read from an injected clock; events in, decisions out.
+
+- **Events**: `submit` (a ticket parks, or `try_acquire` takes a turn at once), `cancel`, a
+  lease's first byte and end (`Lease.mark_started` / `Lease.release`, which call back here), the
+  gate's capacity changes (a scrape; `kick`), `tick(now)` for deadlines and promotions.
+- **Decisions**: `_decided(parked, outcome)`, called once per parked ticket with its `Lease` or
+  the `Rejected` error that ends its wait (a timeout, a close). The async driver
+  (`fair_sched_plugin.driver.FairScheduler`) overrides it to resolve the caller's future; a
+  test collects them. `next_due()` says when `tick` must next run: deadlines and promotions are
+  data the next tick acts on, not timers.
 
 Order inside a tier is start-time fair queuing: each backlogged user sits in a heap keyed
 ``(virtual_time, arrival_counter)``. Releasing a user's head request charges the user
 (1 for round robin, 1/weight for weighted, tokens/weight for token-fair) and moves it back into the
 heap at its new virtual time. A user who becomes backlogged is lifted to the tier's current virtual
 time, so idleness cannot be banked. Every decision is O(log n) in backlogged users.
-
-Waiting is cancellation-safe: a waiter cancelled while queued leaves its queue at once; a waiter
-granted a lease and cancelled before it could use it hands the lease back (the turn passes on).
 """
 
 from __future__ import annotations
 
-import asyncio
 import heapq
 import itertools
 import logging
 import math
-from collections import OrderedDict, deque
+from collections import deque
 from collections.abc import Callable, Iterable, Mapping
 from typing import Literal, NamedTuple
 
-from ..errors import QueueFull, QueueTimeout, SchedulerClosed
-from .clock import Clock, LoopClock, TimerHandle
+from ..errors import QueueFull, QueueTimeout, Rejected, SchedulerClosed
+from .clock import Clock, MonotonicClock
 from .gate import AdmissionGate
-from .standing import DepthIndex, position_in
+from .queues import (
+    CANCELLED,
+    CLOSED,
+    EXPIRED,
+    GRANTED,
+    QUEUED,
+    Claimant,
+    HeapEntry,
+    ModelQueues,
+    Parked,
+    TierQueue,
+    UserQueue,
+)
+from .standing import position_in
 from .ticket import Lease, Ticket, TierLimits
 
 logger = logging.getLogger("fair_sched")
 
 FairnessPolicy = Literal["round_robin", "weighted", "tokens", "cost"]
 QueueOrder = Literal["fifo", "shortest_first"]
-
-_QUEUED, _GRANTED, _CANCELLED, _EXPIRED, _CLOSED = range(5)
-
-# Idle users ahead of their tier's virtual time are remembered (they were served recently and
-# must not come back at the front); beyond this many per tier the longest idle are forgotten, so
-# memory cannot grow with the number of distinct callers (rotating keys, claimed names).
-MAX_IDLE_USERS_REMEMBERED = 10_000
 
 # When the fair head of a tier would be bound away from the deployment that has its prefix
 # cached (`AdmissionGate.prefers_elsewhere`), at most this many users after it are considered
@@ -50,9 +63,16 @@ LOOKAHEAD = 5
 # the head moves to the deployment that frees a slot first and the homes rebalance.
 MAX_PASSED_OVER = 8
 
+# The wake-up for the deadlines (all tiers' waiters share one max wait): `_wakeups` entries name
+# a tier for its promotions, or this for the deadlines.
+_DEADLINES = None
 
-# A tier heap's entry: (virtual time, arrival counter, generation, user).
-_HeapEntry = tuple[float, int, int, "_UserQueue"]
+
+class Decision(NamedTuple):
+    """A parked ticket's wait is over: its lease, or the `Rejected` error that ends it."""
+
+    parked: Parked
+    outcome: Lease | Rejected
 
 
 class UserBacklog(NamedTuple):
@@ -77,169 +97,11 @@ class SchedulerStatistics(NamedTuple):
     in_flight_by_model: Mapping[str, int]
 
 
-class _Waiter(asyncio.Future[Lease]):
-    """A parked ticket: its own future (one object per parked ticket, not two)."""
-
-    __slots__ = ("enqueued_at", "passed_over", "state", "ticket", "tier_since", "user_queue")
-
-    ticket: Ticket
-    enqueued_at: float
-    state: int
-    user_queue: _UserQueue
-    tier_since: float  # when it entered its current tier (promotion counts from here)
-    passed_over: int  # times the look-ahead released someone after it instead (MAX_PASSED_OVER)
-
-
-class Reservation:
-    """A ticket's place in the queue: `future` resolves to its lease (or fails with
-    `QueueTimeout` / `SchedulerClosed`); `cancel()` takes it out of the queue.
-
-    For callers that wait by callback rather than in a task (the shared-state leader waits for
-    many replicas' tickets at once); `FairScheduler.acquire()` is built on it.
-    """
-
-    __slots__ = ("_waiter",)
-
-    def __init__(self, waiter: _Waiter) -> None:
-        self._waiter = waiter
-
-    @property
-    def ticket(self) -> Ticket:
-        return self._waiter.ticket
-
-    @property
-    def future(self) -> asyncio.Future[Lease]:
-        return self._waiter
-
-    @property
-    def enqueued_at(self) -> float:
-        return self._waiter.enqueued_at
-
-    def cancel(self) -> bool:
-        """Leave the queue; True if the ticket was still queued (it will never be granted).
-
-        False once it was granted, timed out or failed: a granted lease is the caller's to
-        `abandon()` (or use).
-        """
-        waiter = self._waiter
-        return waiter.user_queue.tier_queue.scheduler._cancel_waiter(waiter)
-
-
-class _UserQueue:
-    __slots__ = (
-        "depth",
-        "heap_generation",
-        "in_flight",
-        "in_heap",
-        "sized",
-        "tier_queue",
-        "unstarted",
-        "user",
-        "virtual_time",
-        "waiters",
-    )
-
-    def __init__(self, user: str, tier_queue: _TierQueue, virtual_time: float) -> None:
-        self.user = user
-        self.tier_queue = tier_queue
-        # Arrival order. A cancelled reservation stays in the deque, marked, until it reaches
-        # the head or the deque is compacted (O(1) cancellation); `depth` counts the live ones.
-        self.waiters: deque[_Waiter] = deque()
-        # `queue.order: shortest_first`: a heap keyed (estimated tokens, arrival) instead, with
-        # the same lazy cancellation.
-        self.sized: list[tuple[int, int, _Waiter]] = []
-        self.depth = 0
-        self.virtual_time = virtual_time
-        self.in_flight = 0
-        # Of those in flight, released and not yet streaming (the next release's `engine_rank`
-        # counts them: `_engine_round`).
-        self.unstarted = 0
-        # Heap entries carry the generation they were pushed with; bumping it invalidates them
-        # (lazy deletion keeps re-keying and removal O(log n)).
-        self.heap_generation = 0
-        self.in_heap = False
-
-
-class _TierQueue:
-    __slots__ = (
-        "depths",
-        "heap",
-        "idle",
-        "limits",
-        "model",
-        "model_queues",
-        "position",
-        "promote_timer",
-        "promoting",
-        "queued",
-        "scheduler",
-        "share_vtime",
-        "stale_entries",
-        "users",
-        "virtual_time",
-    )
-
-    def __init__(
-        self,
-        scheduler: FairScheduler,
-        model_queues: _ModelQueues,
-        limits: TierLimits,
-        position: int,
-    ) -> None:
-        self.scheduler = scheduler
-        self.position = position
-        # Weighted fair queuing between share tiers: virtual finish time of this tier's service.
-        self.share_vtime = 0.0
-        # `promote_after_s`: this tier's waiters in the order they entered it, one timer for the
-        # head (every waiter of a tier has the same promotion delay).
-        self.promoting: deque[_Waiter] = deque()
-        self.promote_timer: TimerHandle | None = None
-        self.model_queues = model_queues
-        self.model = model_queues.model
-        self.limits = limits
-        self.users: dict[str, _UserQueue] = {}
-        # Users kept only for their virtual time, longest idle first (bounded).
-        self.idle: OrderedDict[str, _UserQueue] = OrderedDict()
-        self.heap: list[_HeapEntry] = []
-        self.stale_entries = 0
-        self.virtual_time = 0.0
-        self.queued = 0
-        # The users' depths, for position estimates in O(log n) (`position_estimate`).
-        self.depths = DepthIndex()
-
-
-class _ModelQueues:
-    __slots__ = (
-        "dispatching",
-        "in_flight",
-        "model",
-        "queued",
-        "redispatch",
-        "share_clock",
-        "tiers",
-    )
-
-    def __init__(self, scheduler: FairScheduler, model: str, tiers: Iterable[TierLimits]) -> None:
-        self.model = model
-        self.tiers = [
-            _TierQueue(scheduler, self, limits, position) for position, limits in enumerate(tiers)
-        ]
-        # Per group of share tiers: the start tag of the latest release (a tier that comes
-        # back to the group is lifted to it, so idleness is not banked).
-        self.share_clock: dict[int, float] = {}
-        self.queued = 0
-        self.in_flight = 0
-        # Re-entrancy guard: a gate may notify us from inside a release decision.
-        self.dispatching = False
-        self.redispatch = False
-
-
-class FairScheduler:
-    """Fair, tiered admission of requests to engines, behind an `AdmissionGate`.
+class SchedulerCore:
+    """Fair, tiered admission of requests to engines, behind an `AdmissionGate` (sans-I/O).
 
     `tiers` are listed most urgent first. A lower tier is served only when no higher tier of the
-    same model has a releasable request. Nothing here touches an event loop until the first
-    `acquire()`.
+    same model has a releasable request.
     """
 
     def __init__(
@@ -286,17 +148,21 @@ class FairScheduler:
         self._max_per_user = max_per_user
         self._max_total = max_total
         self._max_wait_s = max_wait_s
-        self._clock: Clock = clock or LoopClock()
-        self._models: dict[str, _ModelQueues] = {}
+        self._clock: Clock = clock or MonotonicClock()
+        self._models: dict[str, ModelQueues] = {}
         self._arrivals = itertools.count()
         self._lease_ids = itertools.count(1)
         self._queued_total = 0
         self._in_flight_total = 0
         # Every waiter gets the same max wait, so deadlines are in arrival order: one deque and
-        # one timer for its head instead of a timer per waiter.
-        self._deadlines: deque[_Waiter] = deque()
-        self._deadline_timer: TimerHandle | None = None
-        self._deadline_timer_at: float | None = None
+        # one wake-up for its head instead of one per waiter.
+        self._deadlines: deque[Parked] = deque()
+        self._deadline_due: float | None = None
+        # When `tick` must run: (due, order, the tier to promote in or `_DEADLINES`). An entry
+        # whose due no longer matches its tier's (or the deadlines') is stale and skipped.
+        self._wakeups: list[tuple[float, int, TierQueue | None]] = []
+        self._wakeup_order = itertools.count()
+        self._outbox: list[Decision] = []
         self._closed = False
         self._released_total = 0
         self._completed_total = 0
@@ -316,14 +182,6 @@ class FairScheduler:
     @property
     def gate(self) -> AdmissionGate:
         return self._gate
-
-    async def acquire(self, ticket: Ticket) -> Lease:
-        """Wait for this ticket's turn and return its lease (``async with lease:`` releases it).
-
-        Raises `QueueFull` at once when a cap is reached, `QueueTimeout` after `max_wait_s`,
-        `SchedulerClosed` if the scheduler closes while waiting.
-        """
-        return await self._wait_for_lease(ticket)
 
     def try_acquire(self, ticket: Ticket) -> Lease | None:
         """A lease now if the ticket would be released without waiting, else None.
@@ -345,14 +203,14 @@ class FairScheduler:
             return None  # parked, it goes when its deployment has room (`_release_next`)
         queues = self._model_queues(ticket.model)
         tier = queues.tiers[tier_index]
-        user_queue = self._user_queue(tier, ticket.user)
-        self._lift(user_queue)
+        user_queue = tier.user_queue(ticket.user)
+        user_queue.lift()
         now = self._clock.now()
         deployment = self._gate.place(ticket, tier.limits)
         return self._make_lease(queues, user_queue, ticket, enqueued_at=now, deployment=deployment)
 
     def _may_go_as_newcomer(
-        self, model: str, limits: TierLimits, user_queue: _UserQueue | None, weight: float
+        self, model: str, limits: TierLimits, user_queue: UserQueue | None, weight: float
     ) -> bool:
         """Where the gate holds the tier back: the user's next request (None: a user not seen
         yet) would be in the engine's first round (`_engine_round` 0), whose queue is in user
@@ -365,7 +223,7 @@ class FairScheduler:
             return False
         return self._gate.may_release_newcomer(model, limits)
 
-    def _engine_round(self, user_queue: _UserQueue, weight: float) -> int:
+    def _engine_round(self, user_queue: UserQueue, weight: float) -> int:
         """The round of an engine queue in user order that the user's next request joins
         (`Lease.engine_rank`): how many of its requests released before it are not streaming
         yet, and with `fairness: weighted` that count per its weight (a user of weight 2 has two
@@ -375,14 +233,63 @@ class FairScheduler:
         # The epsilon keeps 3 / 0.1 (29.999...) in round 30.
         return math.floor(user_queue.unstarted / weight + 1e-9)
 
-    def enqueue(self, ticket: Ticket) -> Reservation:
-        """Queue `ticket` and run the release decision; its `Reservation.future` resolves to
-        the lease. Raises `QueueFull` at once when a cap is reached."""
+    def submit(self, ticket: Ticket, claimant: Claimant | None = None) -> Parked:
+        """Park `ticket` and run the release decision (which may decide it at once: see
+        `_decided`). `claimant` is the waiting side's handle (`Parked.gone`). Raises `QueueFull`
+        at once when a cap is reached, `SchedulerClosed` once closed."""
         if self._closed:
             self._check_open()
-        waiter = self._enqueue(ticket)
-        self._dispatch_queues(waiter.user_queue.tier_queue.model_queues)
-        return Reservation(waiter)
+        parked = self._enqueue(ticket)
+        parked.claimant = claimant
+        self._dispatch_queues(parked.user_queue.tier_queue.model_queues)
+        return parked
+
+    def cancel(self, parked: Parked) -> bool:
+        """The ticket leaves its queue; True if it was still queued (it will never be decided).
+
+        False once it was granted, timed out or failed: a granted lease is the caller's to
+        `abandon()` (or use).
+        """
+        if parked.state != QUEUED:
+            return False
+        self._remove_waiter(parked, CANCELLED)
+        self._cancelled_total += 1
+        return True
+
+    def tick(self, now: float) -> None:
+        """Act on what is due by `now`: promote waiters that waited `promote_after_s`, refuse
+        those past `max_wait_s` (`QueueTimeout`). Run it at `next_due()`."""
+        wakeups = self._wakeups
+        while wakeups and wakeups[0][0] <= now:
+            due, _, tier = heapq.heappop(wakeups)
+            if tier is _DEADLINES:
+                if due == self._deadline_due:
+                    self._deadline_due = None
+                    self._expire_overdue(now)
+            elif due == tier.promote_due:
+                tier.promote_due = None
+                self._promote_due(tier, now)
+
+    def next_due(self) -> float | None:
+        """When `tick` must next run (None: nothing is waiting for a deadline or promotion).
+        Possibly early (a cancelled head's wake-up): `tick` then does nothing and the next one
+        is due later."""
+        return self._wakeups[0][0] if self._wakeups else None
+
+    def _wake_at(self, due: float, tier: TierQueue | None) -> None:
+        heapq.heappush(self._wakeups, (due, next(self._wakeup_order), tier))
+
+    def take_decisions(self) -> list[Decision]:
+        """The decisions made since the last call, in order (what `_decided` collects when no
+        driver overrides it)."""
+        decisions, self._outbox = self._outbox, []
+        return decisions
+
+    def _decided(self, parked: Parked, outcome: Lease | Rejected) -> None:
+        """A parked ticket's wait is over: `outcome` is its lease, or why it will never get one.
+        Collected for `take_decisions`; the driver overrides this to resolve the waiting side's
+        future at once."""
+        self._outbox.append(Decision(parked, outcome))
 
     def adopt(self, ticket: Ticket, *, started: bool, deployment: str | None = None) -> Lease:
         """A lease for a request already in the engine that this scheduler did not grant (a
@@ -391,7 +298,7 @@ class FairScheduler:
         (fairness history restarts with the new leader)."""
         self._check_open()
         queues = self._model_queues(ticket.model)
-        user_queue = self._user_queue(queues.tiers[self._tier_position(ticket.tier)], ticket.user)
+        user_queue = queues.tiers[self._tier_position(ticket.tier)].user_queue(ticket.user)
         now = self._clock.now()
         lease = self._make_lease(
             queues, user_queue, ticket, enqueued_at=now, charge=0.0, deployment=deployment
@@ -435,7 +342,7 @@ class FairScheduler:
                 for user_queue in tier.users.values():
                     if not user_queue.depth:
                         continue
-                    oldest = min(self._live_waiters(user_queue), key=_arrival)
+                    oldest = min(user_queue.live(), key=_arrival)
                     result.append(
                         UserBacklog(
                             model=queues.model,
@@ -481,21 +388,19 @@ class FairScheduler:
         if self._closed:
             return
         self._closed = True
-        if self._deadline_timer is not None:
-            self._deadline_timer.cancel()
-            self._deadline_timer = None
+        self._wakeups.clear()
+        self._deadline_due = None
         for queues in self._models.values():
             for tier in queues.tiers:
-                if tier.promote_timer is not None:
-                    tier.promote_timer.cancel()
-                    tier.promote_timer = None
+                tier.promote_due = None
                 tier.promoting.clear()
                 for user_queue in list(tier.users.values()):
-                    for waiter in self._live_waiters(user_queue):
-                        self._remove_waiter(waiter, _CLOSED)
-                        if not waiter.done():
-                            waiter.set_exception(
-                                SchedulerClosed("the scheduler is shutting down", retry_after_s=1)
+                    for parked in user_queue.live():
+                        self._remove_waiter(parked, CLOSED)
+                        if not parked.gone():
+                            self._decided(
+                                parked,
+                                SchedulerClosed("the scheduler is shutting down", retry_after_s=1),
                             )
         self._deadlines.clear()
 
@@ -505,31 +410,7 @@ class FairScheduler:
 
     # ------------------------------------------------------------------ waiting
 
-    async def _wait_for_lease(self, ticket: Ticket) -> Lease:
-        reservation = self.enqueue(ticket)
-        future = reservation.future
-        try:
-            return await future
-        except BaseException:
-            if (
-                not reservation.cancel()
-                and future.done()
-                and not future.cancelled()
-                and future.exception() is None
-            ):
-                # Woken with a lease, then cancelled before it could be used: hand it back so
-                # the next request gets the turn (the engine never saw this one).
-                future.result().abandon()
-            raise
-
-    def _cancel_waiter(self, waiter: _Waiter) -> bool:
-        if waiter.state != _QUEUED:
-            return False
-        self._remove_waiter(waiter, _CANCELLED)
-        self._cancelled_total += 1
-        return True
-
-    def _enqueue(self, ticket: Ticket) -> _Waiter:
+    def _enqueue(self, ticket: Ticket) -> Parked:
         tier_index = self._tier_index.get(ticket.tier)
         if tier_index is None:
             tier_index = self._tier_position(ticket.tier)  # raises the ValueError
@@ -552,16 +433,11 @@ class FairScheduler:
                 scope="total",
             )
         if user_queue is None:
-            user_queue = self._user_queue(tier, ticket.user)
-        waiter = _Waiter(loop=asyncio.get_running_loop())
-        waiter.ticket = ticket
-        waiter.enqueued_at = waiter.tier_since = self._clock.now()
-        waiter.passed_over = 0
-        waiter.state = _QUEUED
-        waiter.user_queue = user_queue
+            user_queue = tier.user_queue(ticket.user)
+        waiter = Parked(ticket, self._clock.now(), user_queue)
         if not user_queue.depth:
-            self._lift(user_queue)
-            self._push(tier, user_queue)
+            user_queue.lift()
+            tier.push(user_queue, next(self._arrivals))
         if self._shortest_first:
             heapq.heappush(user_queue.sized, (ticket.cost, next(self._arrivals), waiter))
         else:
@@ -574,15 +450,15 @@ class FairScheduler:
         queues.queued += 1
         self._queued_total += 1
         self._deadlines.append(waiter)
-        if self._deadline_timer is None:
-            # An armed timer is due no later than this waiter's deadline (same max wait, later
+        if self._deadline_due is None:
+            # An armed wake-up is due no later than this waiter's deadline (same max wait, later
             # arrival): only an unarmed one needs arming.
-            self._arm_deadline_timer()
+            self._arm_deadline()
         return waiter
 
-    def _remove_waiter(self, waiter: _Waiter, new_state: int) -> None:
+    def _remove_waiter(self, waiter: Parked, new_state: int) -> None:
         """Take a queued waiter out of every structure (idempotent through `state`)."""
-        if waiter.state != _QUEUED:
+        if waiter.state != QUEUED:
             return
         waiter.state = new_state
         user_queue = waiter.user_queue
@@ -596,10 +472,10 @@ class FairScheduler:
         ):
             # Marked entries outnumber the live ones: rebuild, so submit-and-cancel abuse
             # cannot grow the queue (amortised O(1) per cancellation).
-            self._rebuild(user_queue)
+            user_queue.compact()
         self._compact_deadlines()
 
-    def _leave_user_queue(self, user_queue: _UserQueue) -> bool:
+    def _leave_user_queue(self, user_queue: UserQueue) -> bool:
         """One waiter left `user_queue` (its entry is already gone or marked); True while the
         user still has requests queued in this tier, else the user leaves the tier's heap."""
         tier = user_queue.tier_queue
@@ -610,21 +486,9 @@ class FairScheduler:
             return True
         user_queue.waiters.clear()
         user_queue.sized.clear()
-        self._unpush(tier, user_queue)
-        self._forget_if_idle(tier, user_queue)
+        tier.unpush(user_queue)
+        tier.forget_if_idle(user_queue)
         return False
-
-    def _live_waiters(self, user_queue: _UserQueue) -> list[_Waiter]:
-        if self._shortest_first:
-            return [entry[2] for entry in user_queue.sized if entry[2].state == _QUEUED]
-        return [waiter for waiter in user_queue.waiters if waiter.state == _QUEUED]
-
-    def _rebuild(self, user_queue: _UserQueue) -> None:
-        if self._shortest_first:
-            user_queue.sized = [e for e in user_queue.sized if e[2].state == _QUEUED]
-            heapq.heapify(user_queue.sized)
-        else:
-            user_queue.waiters = deque(w for w in user_queue.waiters if w.state == _QUEUED)
 
     # ------------------------------------------------------------------ releasing
 
@@ -640,7 +504,7 @@ class FairScheduler:
         if queues is not None:
             self._dispatch_queues(queues)
 
-    def _dispatch_queues(self, queues: _ModelQueues) -> None:
+    def _dispatch_queues(self, queues: ModelQueues) -> None:
         if not queues.queued:
             return
         if queues.dispatching:
@@ -667,8 +531,8 @@ class FairScheduler:
                         if may_release(model, tier.limits):
                             released = self._release_next(queues, tier)
                             break
-                        head = self._peek_user(tier)
-                        weight = self._head_waiter(head).ticket.weight
+                        head = tier.peek()
+                        weight = head.head().ticket.weight
                         if self._may_go_as_newcomer(model, tier.limits, head, weight):
                             # No look-ahead: it is the head, the fair next one.
                             self._release_head(queues, tier, head)
@@ -685,7 +549,7 @@ class FairScheduler:
         finally:
             queues.dispatching = False
 
-    def _next_shared_tier(self, queues: _ModelQueues) -> tuple[_TierQueue, int, float] | None:
+    def _next_shared_tier(self, queues: ModelQueues) -> tuple[TierQueue, int, float] | None:
         """The tier to release from when some tiers share: groups in priority order; inside a
         group of share tiers, the releasable one with the smallest virtual finish time (start-time
         fair queuing between tiers, by request), with its group and start tag; `_charge_share`
@@ -694,7 +558,7 @@ class FairScheduler:
         may_release = self._gate.may_release
         tiers = queues.tiers
         for group_id, group in enumerate(self._tier_groups):
-            best: _TierQueue | None = None
+            best: TierQueue | None = None
             best_start = 0.0
             group_clock = queues.share_clock.get(group_id, 0.0)
             for index in group:
@@ -709,16 +573,16 @@ class FairScheduler:
         return None
 
     @staticmethod
-    def _charge_share(queues: _ModelQueues, tier: _TierQueue, group_id: int, start: float) -> None:
+    def _charge_share(queues: ModelQueues, tier: TierQueue, group_id: int, start: float) -> None:
         if tier.limits.share is not None:
             queues.share_clock[group_id] = start
             tier.share_vtime = start + 1.0 / tier.limits.share
 
-    def _release_next(self, queues: _ModelQueues, tier: _TierQueue) -> bool:
+    def _release_next(self, queues: ModelQueues, tier: TierQueue) -> bool:
         """Release the tier's next request; False when it waits for its deployment instead."""
-        user_queue = self._peek_user(tier)
-        head = self._head_waiter(user_queue)
-        if not head.done() and self._gate.prefers_elsewhere(head.ticket, tier.limits):
+        user_queue = tier.peek()
+        head = user_queue.head()
+        if not head.gone() and self._gate.prefers_elsewhere(head.ticket, tier.limits):
             # Releasing the fair head now would bind it away from the deployment that has its
             # prefix cached (a miss, which also evicts others' prefixes there), and holding
             # everybody back would idle the deployment that has room: a later user whose own
@@ -742,7 +606,7 @@ class FairScheduler:
         self._release_head(queues, tier, user_queue)
         return True
 
-    def _look_ahead(self, tier: _TierQueue) -> tuple[_UserQueue, _HeapEntry] | None:
+    def _look_ahead(self, tier: TierQueue) -> tuple[UserQueue, HeapEntry] | None:
         """The first of the next `LOOKAHEAD` backlogged users after the head (fairness order)
         whose head request is not held back for its prefix, taken off the heap with its entry;
         the users passed over are put back unchanged. O(LOOKAHEAD log n)."""
@@ -751,13 +615,13 @@ class FairScheduler:
         passed_over = [heapq.heappop(heap)]  # the head's entry (valid: it was just peeked)
         try:
             while len(passed_over) <= LOOKAHEAD:
-                user_queue = self._peek_user_or_none(tier)
+                user_queue = tier.peek_or_none()
                 if user_queue is None:
                     return None
-                waiter = self._head_waiter(user_queue)
+                waiter = user_queue.head()
                 # A waiter whose task was cancelled (not yet cleaned up) is taken too: the
                 # release path then discards it, as it would at the head.
-                if waiter.done() or not prefers_elsewhere(waiter.ticket, tier.limits):
+                if waiter.gone() or not prefers_elsewhere(waiter.ticket, tier.limits):
                     entry = heapq.heappop(heap)
                     user_queue.in_heap = False
                     return user_queue, entry
@@ -769,32 +633,20 @@ class FairScheduler:
             for entry in passed_over:
                 heapq.heappush(heap, entry)
 
-    def _head_waiter(self, user_queue: _UserQueue) -> _Waiter:
-        """The user's next request in its order (cancelled entries before it are dropped)."""
-        if self._shortest_first:
-            sized = user_queue.sized
-            while sized[0][2].state != _QUEUED:
-                heapq.heappop(sized)
-            return sized[0][2]
-        waiters = user_queue.waiters
-        while waiters[0].state != _QUEUED:
-            waiters.popleft()
-        return waiters[0]
-
     def _release_head(
         self,
-        queues: _ModelQueues,
-        tier: _TierQueue,
-        user_queue: _UserQueue,
+        queues: ModelQueues,
+        tier: TierQueue,
+        user_queue: UserQueue,
         *,
-        off_heap_entry: _HeapEntry | None = None,
+        off_heap_entry: HeapEntry | None = None,
         start_tag: float | None = None,
     ) -> None:
         """Release `user_queue`'s head request (found by `_head_waiter`). The user's heap
         entry is the heap's top, or `off_heap_entry` when the look-ahead took it off; then
         `start_tag` is the passed-over head's virtual time."""
         # Computed before anything changes: a release either happens whole or not at all.
-        charge = self._release_charge(self._head_waiter(user_queue).ticket)
+        charge = self._release_charge(user_queue.head().ticket)
         if self._shortest_first:
             waiter = heapq.heappop(user_queue.sized)[2]
         else:
@@ -807,22 +659,21 @@ class FairScheduler:
         tier.queued -= 1
         queues.queued -= 1
         self._queued_total -= 1
-        future = waiter
-        if future.done():
+        if waiter.gone():
             # Its task was cancelled and has not run its cleanup yet: nothing to grant. The
             # user's position is unchanged: its heap entry stays if it still has requests.
-            waiter.state = _CANCELLED
+            waiter.state = CANCELLED
             self._cancelled_total += 1
             if off_heap_entry is not None:
                 if user_queue.depth:
                     user_queue.in_heap = True
                     heapq.heappush(tier.heap, off_heap_entry)
             elif not user_queue.depth:
-                self._pop_top(tier, user_queue)
+                tier.pop_top(user_queue)
             if not user_queue.depth:
-                self._forget_if_idle(tier, user_queue)
+                tier.forget_if_idle(user_queue)
             return
-        waiter.state = _GRANTED
+        waiter.state = GRANTED
         # The start tag of the request now in service is the tier's virtual time. After a
         # look-ahead it is the passed-over head's: the tier's time must not pass a backlogged
         # user's, or a correction (`_correct`) or a newcomer's lift would cost the users passed
@@ -842,27 +693,17 @@ class FairScheduler:
         )
         if off_heap_entry is not None:
             if user_queue.depth:
-                self._push(tier, user_queue)
+                tier.push(user_queue, next(self._arrivals))
         elif user_queue.depth:
-            # Back in line at its new virtual time: one sift instead of a pop and a push.
-            user_queue.heap_generation += 1
-            heapq.heapreplace(
-                tier.heap,
-                (
-                    user_queue.virtual_time,
-                    next(self._arrivals),
-                    user_queue.heap_generation,
-                    user_queue,
-                ),
-            )
+            tier.requeue_top(user_queue, next(self._arrivals))
         else:
-            self._pop_top(tier, user_queue)
-        future.set_result(lease)
+            tier.pop_top(user_queue)
+        self._decided(waiter, lease)
 
     def _make_lease(
         self,
-        queues: _ModelQueues,
-        user_queue: _UserQueue,
+        queues: ModelQueues,
+        user_queue: UserQueue,
         ticket: Ticket,
         *,
         enqueued_at: float,
@@ -893,13 +734,13 @@ class FairScheduler:
         return lease
 
     def lease_started(self, lease: Lease) -> None:
-        user_queue: _UserQueue = lease.owner_ref  # type: ignore[assignment]
+        user_queue: UserQueue = lease.owner_ref  # type: ignore[assignment]
         user_queue.unstarted -= 1
         self._gate.on_started(lease)
 
     def lease_ended(self, lease: Lease, tokens_used: int | None, *, abandoned: bool) -> None:
         # Never forgotten while it has a lease in flight, so the reference is still its queue.
-        user_queue: _UserQueue = lease.owner_ref  # type: ignore[assignment]
+        user_queue: UserQueue = lease.owner_ref  # type: ignore[assignment]
         tier = user_queue.tier_queue
         queues = tier.model_queues
         queues.in_flight -= 1
@@ -910,7 +751,7 @@ class FairScheduler:
         if abandoned:
             self._abandoned_total += 1
             if lease.charged:
-                self._correct(tier, user_queue, -lease.charged)
+                tier.correct(user_queue, -lease.charged, next(self._arrivals))
         else:
             self._completed_total += 1
             correction = 0.0
@@ -925,9 +766,9 @@ class FairScheduler:
                 if spent is not None:
                     correction = _money_charge(spent, lease.ticket) - lease.charged
             if correction:
-                self._correct(tier, user_queue, correction)
+                tier.correct(user_queue, correction, next(self._arrivals))
         if not user_queue.depth:
-            self._forget_if_idle(tier, user_queue)
+            tier.forget_if_idle(user_queue)
         # The core and the gate have heard of the end before any observer runs: an observer's
         # failure (a spend that cannot be counted) is logged and can leave nothing half-ended.
         self._gate.on_ended(lease)
@@ -949,118 +790,36 @@ class FairScheduler:
             return _money_charge(ticket.price, ticket)
         return max(tokens, 1) / ticket.weight
 
-    def _lift(self, user_queue: _UserQueue) -> None:
-        # A user coming back from idle starts at the tier's virtual time: no banked credit.
-        tier = user_queue.tier_queue
-        user_queue.virtual_time = max(user_queue.virtual_time, tier.virtual_time)
-
-    def _correct(self, tier: _TierQueue, user_queue: _UserQueue, correction: float) -> None:
-        user_queue.virtual_time = max(tier.virtual_time, user_queue.virtual_time + correction)
-        if user_queue.in_heap:
-            self._unpush(tier, user_queue)
-            self._push(tier, user_queue)
-
-    def _push(self, tier: _TierQueue, user_queue: _UserQueue) -> None:
-        user_queue.heap_generation += 1
-        user_queue.in_heap = True
-        heapq.heappush(
-            tier.heap,
-            (user_queue.virtual_time, next(self._arrivals), user_queue.heap_generation, user_queue),
-        )
-
-    def _unpush(self, tier: _TierQueue, user_queue: _UserQueue) -> None:
-        if not user_queue.in_heap:
-            return
-        user_queue.in_heap = False
-        user_queue.heap_generation += 1
-        tier.stale_entries += 1
-        if tier.stale_entries > 64 and tier.stale_entries > len(tier.heap) // 2:
-            tier.heap = [
-                entry
-                for entry in tier.heap
-                if entry[2] == entry[3].heap_generation and entry[3].in_heap
-            ]
-            heapq.heapify(tier.heap)
-            tier.stale_entries = 0
-
-    def _peek_user_or_none(self, tier: _TierQueue) -> _UserQueue | None:
-        """`_peek_user`, or None when no entry is left (the look-ahead has taken some off)."""
-        heap = tier.heap
-        while heap:
-            _, _, generation, user_queue = heap[0]
-            if user_queue.in_heap and generation == user_queue.heap_generation:
-                return user_queue
-            heapq.heappop(heap)
-            tier.stale_entries -= 1
-        return None
-
-    def _peek_user(self, tier: _TierQueue) -> _UserQueue:
-        """The backlogged user with the lowest virtual time (stale entries on top are dropped)."""
-        heap = tier.heap
-        while True:
-            _, _, generation, user_queue = heap[0]
-            if user_queue.in_heap and generation == user_queue.heap_generation:
-                return user_queue
-            heapq.heappop(heap)
-            tier.stale_entries -= 1
-
-    @staticmethod
-    def _pop_top(tier: _TierQueue, user_queue: _UserQueue) -> None:
-        """Remove the heap's top entry, which is `user_queue`'s (just peeked)."""
-        heapq.heappop(tier.heap)
-        user_queue.in_heap = False
-
-    def _forget_if_idle(self, tier: _TierQueue, user_queue: _UserQueue) -> None:
-        # A user with nothing queued or in flight whose virtual time the tier has caught up with
-        # carries no information (it would be lifted anyway): drop it so memory follows load.
-        # One still ahead is remembered, but only the most recently idle of them (bounded).
-        name = user_queue.user
-        if user_queue.depth or user_queue.in_flight or tier.users.get(name) is not user_queue:
-            return
-        if user_queue.virtual_time <= tier.virtual_time:
-            del tier.users[name]
-            tier.idle.pop(name, None)
-            return
-        tier.idle[name] = user_queue
-        tier.idle.move_to_end(name)
-        while len(tier.idle) > MAX_IDLE_USERS_REMEMBERED:
-            _, oldest = tier.idle.popitem(last=False)
-            if not oldest.depth and not oldest.in_flight and tier.users.get(oldest.user) is oldest:
-                del tier.users[oldest.user]
-
     # ------------------------------------------------------------------ promotion
 
-    def _track_promotion(self, tier: _TierQueue, waiter: _Waiter) -> None:
+    def _track_promotion(self, tier: TierQueue, waiter: Parked) -> None:
         tier.promoting.append(waiter)
-        if tier.promote_timer is None:
+        if tier.promote_due is None:
             self._arm_promotion(tier)
         elif len(tier.promoting) > 2 * tier.queued + 64:
             # Granted and cancelled waiters are dropped lazily; rebuild before they pile up.
-            tier.promoting = deque(w for w in tier.promoting if _still_in(w, tier))
+            tier.promoting = deque(w for w in tier.promoting if w.still_in(tier))
 
-    def _arm_promotion(self, tier: _TierQueue) -> None:
+    def _arm_promotion(self, tier: TierQueue) -> None:
         promoting = tier.promoting
-        while promoting and not _still_in(promoting[0], tier):
+        while promoting and not promoting[0].still_in(tier):
             promoting.popleft()
         delay = tier.limits.promote_after_s
         if not promoting or delay is None:
-            tier.promote_timer = None
+            tier.promote_due = None
             return
-        tier.promote_timer = self._clock.call_at(
-            promoting[0].tier_since + delay, lambda: self._promote_due(tier)
-        )
+        tier.promote_due = promoting[0].tier_since + delay
+        self._wake_at(tier.promote_due, tier)
 
-    def _promote_due(self, tier: _TierQueue) -> None:
-        tier.promote_timer = None
+    def _promote_due(self, tier: TierQueue, now: float) -> None:
         delay = tier.limits.promote_after_s
         if self._closed or delay is None:
             return
-        now = self._clock.now()
         promoting = tier.promoting
         moved = False
         while promoting:
             waiter = promoting[0]
-            if not _still_in(waiter, tier):
+            if not waiter.still_in(tier):
                 promoting.popleft()
                 continue
             if waiter.tier_since + delay > now:
@@ -1072,7 +831,7 @@ class FairScheduler:
         if moved:
             self._dispatch_queues(tier.model_queues)
 
-    def _move_up(self, waiter: _Waiter, now: float) -> None:
+    def _move_up(self, waiter: Parked, now: float) -> None:
         """Move a waiter that waited `promote_after_s` into the same user's queue one tier up,
         in arrival order there (O(depth) of that user's queues, bounded by `max_per_user`)."""
         old_queue = waiter.user_queue
@@ -1084,10 +843,10 @@ class FairScheduler:
             old_queue.waiters.remove(waiter)
         self._leave_user_queue(old_queue)
         upper = tier.model_queues.tiers[tier.position - 1]
-        new_queue = self._user_queue(upper, waiter.ticket.user)
+        new_queue = upper.user_queue(waiter.ticket.user)
         if not new_queue.depth:
-            self._lift(new_queue)
-            self._push(upper, new_queue)
+            new_queue.lift()
+            upper.push(new_queue, next(self._arrivals))
         waiter.ticket = waiter.ticket._replace(tier=upper.limits.name)
         waiter.user_queue = new_queue
         waiter.tier_since = now
@@ -1107,51 +866,47 @@ class FairScheduler:
 
     # ------------------------------------------------------------------ deadlines
 
-    def _arm_deadline_timer(self) -> None:
+    def _arm_deadline(self) -> None:
         head = self._deadlines[0] if self._deadlines else None
-        if self._deadline_timer is not None and head is not None and head.state == _QUEUED:
+        if self._deadline_due is not None and head is not None and head.state == QUEUED:
             return  # armed for the head already (deadlines are in arrival order)
-        while self._deadlines and self._deadlines[0].state != _QUEUED:
+        while self._deadlines and self._deadlines[0].state != QUEUED:
             self._deadlines.popleft()
         if not self._deadlines:
             return
         due = self._deadlines[0].enqueued_at + self._max_wait_s
-        if self._deadline_timer is not None and self._deadline_timer_at is not None:
-            if self._deadline_timer_at <= due:
-                return
-            self._deadline_timer.cancel()
-        self._deadline_timer_at = due
-        self._deadline_timer = self._clock.call_at(due, self._expire_overdue)
+        if self._deadline_due is not None and self._deadline_due <= due:
+            return
+        self._deadline_due = due
+        self._wake_at(due, _DEADLINES)
 
-    def _expire_overdue(self) -> None:
-        self._deadline_timer = None
-        self._deadline_timer_at = None
-        now = self._clock.now()
+    def _expire_overdue(self, now: float) -> None:
         while self._deadlines:
             waiter = self._deadlines[0]
-            if waiter.state != _QUEUED:
+            if waiter.state != QUEUED:
                 self._deadlines.popleft()
                 continue
             if waiter.enqueued_at + self._max_wait_s > now:
                 break
             self._deadlines.popleft()
-            self._remove_waiter(waiter, _EXPIRED)
+            self._remove_waiter(waiter, EXPIRED)
             self._timed_out_total += 1
-            if not waiter.done():
-                waiter.set_exception(
+            if not waiter.gone():
+                self._decided(
+                    waiter,
                     QueueTimeout(
                         f"waited {self._max_wait_s:g} s without being scheduled on model "
                         f"{waiter.ticket.model!r}; the engine is saturated",
                         retry_after_s=self._retry_hint(self._models[waiter.ticket.model]),
-                    )
+                    ),
                 )
-        self._arm_deadline_timer()
+        self._arm_deadline()
 
     def _compact_deadlines(self) -> None:
         # Cancelled waiters stay in the deadline deque until their deadline; rebuild it when
         # they outnumber the live ones so memory cannot grow with submit-and-cancel abuse.
         if len(self._deadlines) > 64 and len(self._deadlines) > 2 * self._queued_total:
-            self._deadlines = deque(w for w in self._deadlines if w.state == _QUEUED)
+            self._deadlines = deque(w for w in self._deadlines if w.state == QUEUED)
 
     # ------------------------------------------------------------------ helpers
 
@@ -1165,19 +920,13 @@ class FairScheduler:
         except KeyError:
             raise ValueError(f"unknown tier {tier!r}; tiers are {list(self._tier_index)}") from None
 
-    def _model_queues(self, model: str) -> _ModelQueues:
+    def _model_queues(self, model: str) -> ModelQueues:
         queues = self._models.get(model)
         if queues is None:
-            queues = self._models[model] = _ModelQueues(self, model, self._tiers)
+            queues = self._models[model] = ModelQueues(model, self._tiers)
         return queues
 
-    def _user_queue(self, tier: _TierQueue, user: str) -> _UserQueue:
-        user_queue = tier.users.get(user)
-        if user_queue is None:
-            user_queue = tier.users[user] = _UserQueue(user, tier, tier.virtual_time)
-        return user_queue
-
-    def _retry_hint(self, queues: _ModelQueues) -> float:
+    def _retry_hint(self, queues: ModelQueues) -> float:
         # A rough hint: a second per queued request per in-flight slot, between 1 s and 60 s.
         return min(60.0, max(1.0, queues.queued / max(queues.in_flight, 1)))
 
@@ -1193,7 +942,7 @@ def notify_end_listeners(
             logger.exception("fair_sched: a lease-end observer failed for %r", lease)
 
 
-def _arrival(waiter: _Waiter) -> float:
+def _arrival(waiter: Parked) -> float:
     return waiter.enqueued_at
 
 
@@ -1201,7 +950,3 @@ def _money_charge(money: float, ticket: Ticket) -> float:
     # A request priced at nothing (a model without prices) still takes a turn's worth of a
     # microdollar, so zero-priced users are served round robin, not ahead of everybody forever.
     return max(money, 1e-6) / ticket.weight
-
-
-def _still_in(waiter: _Waiter, tier: _TierQueue) -> bool:
-    return waiter.state == _QUEUED and waiter.user_queue.tier_queue is tier

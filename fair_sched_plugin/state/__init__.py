@@ -10,7 +10,7 @@ from __future__ import annotations
 import uuid
 
 from ..core.backpressure import MetricsGate
-from ..core.scheduler import FairScheduler
+from ..driver import FairScheduler
 from .replica import ReplicaScheduler, StateMode, StateStatistics
 
 __all__ = ["ReplicaScheduler", "StateMode", "StateStatistics", "open_state"]

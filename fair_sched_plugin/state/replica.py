@@ -32,13 +32,7 @@ from typing import TYPE_CHECKING, Any, Literal, NamedTuple, TypeGuard
 from ..core.backpressure import GroupStatus, MetricsGate
 from ..core.budget import BudgetBook
 from ..core.gate import AdmissionGate
-from ..core.scheduler import (
-    FairScheduler,
-    Reservation,
-    SchedulerStatistics,
-    UserBacklog,
-    notify_end_listeners,
-)
+from ..core.scheduler import SchedulerStatistics, UserBacklog, notify_end_listeners
 from ..core.standing import BacklogIndex
 from ..core.ticket import (
     MAX_REQUEST_COST,
@@ -51,6 +45,7 @@ from ..core.ticket import (
     request_cost_in_range,
     request_tokens_in_range,
 )
+from ..driver import FairScheduler, Reservation
 from ..errors import QueueFull, QueueTimeout, Rejected, SchedulerClosed, StateStoreError
 from ._values import (
     MAX_EPOCH,

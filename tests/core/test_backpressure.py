@@ -13,7 +13,6 @@ from fair_sched_plugin.core import (
     BackendSnapshot,
     Deployment,
     DeploymentStatus,
-    FairScheduler,
     GateTransition,
     InflightLimitGate,
     Lease,
@@ -21,6 +20,7 @@ from fair_sched_plugin.core import (
     Ticket,
     TierLimits,
 )
+from fair_sched_plugin.driver import FairScheduler
 from fair_sched_plugin.testing import FakeClock, GateLeaseOwner, ManualGate, snapshot
 
 from .conftest import drain, settle, ticket

@@ -9,7 +9,8 @@ import asyncio
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from fair_sched_plugin.core import FairScheduler, InflightLimitGate, Lease, Ticket, TierLimits
+from fair_sched_plugin.core import InflightLimitGate, Lease, Ticket, TierLimits
+from fair_sched_plugin.driver import FairScheduler
 from fair_sched_plugin.errors import QueueFull, QueueTimeout, SchedulerClosed
 from fair_sched_plugin.testing import FakeClock
 

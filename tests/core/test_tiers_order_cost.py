@@ -5,7 +5,8 @@ from __future__ import annotations
 import random
 from collections import Counter
 
-from fair_sched_plugin.core import FairScheduler, Reservation, Ticket, TierLimits
+from fair_sched_plugin.core import Ticket, TierLimits
+from fair_sched_plugin.driver import FairScheduler, Reservation
 from fair_sched_plugin.testing import FakeClock, ManualGate
 
 from .conftest import make_scheduler

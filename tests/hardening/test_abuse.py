@@ -18,7 +18,7 @@ from typing import Any
 
 import httpx
 
-from fair_sched_plugin.core.scheduler import MAX_IDLE_USERS_REMEMBERED
+from fair_sched_plugin.core.queues import MAX_IDLE_USERS_REMEMBERED
 from fair_sched_plugin.errors import QueueFull
 from fair_sched_plugin.identity import Credentials
 from fair_sched_plugin.proxy import build_proxy_app

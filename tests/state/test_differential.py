@@ -19,12 +19,12 @@ from fair_sched_plugin.core import (
     BackendGroup,
     BackendSnapshot,
     Deployment,
-    FairScheduler,
     Lease,
     MetricsGate,
     Ticket,
     TierLimits,
 )
+from fair_sched_plugin.driver import FairScheduler
 from fair_sched_plugin.state import ReplicaScheduler, open_state
 from fair_sched_plugin.testing import FakeClock
 

@@ -12,11 +12,11 @@ from fair_sched_plugin.core import (
     BackendSnapshot,
     Deployment,
     DeploymentStatus,
-    FairScheduler,
     GroupStatus,
     MetricsGate,
     TierLimits,
 )
+from fair_sched_plugin.driver import FairScheduler
 from fair_sched_plugin.state.replica import _read_published
 from fair_sched_plugin.testing import FakeClock
 

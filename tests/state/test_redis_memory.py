@@ -8,8 +8,9 @@ import asyncio
 import pytest
 from redis.asyncio import Redis
 
-from fair_sched_plugin.core import FairScheduler, InflightLimitGate, Ticket, TierLimits
-from fair_sched_plugin.core.scheduler import MAX_IDLE_USERS_REMEMBERED
+from fair_sched_plugin.core import InflightLimitGate, Ticket, TierLimits
+from fair_sched_plugin.core.queues import MAX_IDLE_USERS_REMEMBERED
+from fair_sched_plugin.driver import FairScheduler
 from fair_sched_plugin.state import ReplicaScheduler, open_state
 
 from .conftest import RedisServer

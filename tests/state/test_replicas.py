@@ -15,13 +15,8 @@ from typing import Any
 
 import pytest
 
-from fair_sched_plugin.core import (
-    FairScheduler,
-    InflightLimitGate,
-    Lease,
-    TierLimits,
-    estimate_position,
-)
+from fair_sched_plugin.core import InflightLimitGate, Lease, TierLimits, estimate_position
+from fair_sched_plugin.driver import FairScheduler
 from fair_sched_plugin.errors import QueueFull, QueueTimeout
 from fair_sched_plugin.state import ReplicaScheduler, open_state
 from fair_sched_plugin.state.replica import _read_reply

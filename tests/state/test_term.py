@@ -8,7 +8,8 @@ import subprocess
 import sys
 from typing import Any
 
-from fair_sched_plugin.core import FairScheduler, InflightLimitGate, TierLimits
+from fair_sched_plugin.core import InflightLimitGate, TierLimits
+from fair_sched_plugin.driver import FairScheduler
 from fair_sched_plugin.state import open_state
 from fair_sched_plugin.state.replica import _Term
 from fair_sched_plugin.testing import make_ticket, settle

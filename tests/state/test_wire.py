@@ -12,7 +12,8 @@ from typing import Any
 
 import pytest
 
-from fair_sched_plugin.core import FairScheduler, InflightLimitGate, Lease, TierLimits
+from fair_sched_plugin.core import InflightLimitGate, Lease, TierLimits
+from fair_sched_plugin.driver import FairScheduler
 from fair_sched_plugin.state import open_state
 from fair_sched_plugin.state._values import OutOfRange
 from fair_sched_plugin.state.replica import _parse_reply, _read_message, _read_published, _Term

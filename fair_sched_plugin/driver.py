@@ -1,0 +1,172 @@
+"""The async driver over the sans-I/O core: the one place where waiting and time meet asyncio.
+
+`SchedulerCore` (`core/scheduler.py`) decides; this driver owns what a decision needs on an event
+loop: one future per waiting caller (resolved with the lease, or failed with the error that ends
+its wait) and one timer, armed for the core's `next_due()`, that runs its `tick`. Every scheduler
+of the process is one: the memory:// service's, and the deciding term's under redis://.
+
+The driver is the core with those two things added (a subclass), so every read and event of the
+core is the driver's too, with no call in between on the hot path.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable
+from typing import Protocol
+
+from .core.clock import Clock
+from .core.gate import AdmissionGate
+from .core.queues import Parked
+from .core.scheduler import FairnessPolicy, QueueOrder, SchedulerCore
+from .core.ticket import Lease, Ticket, TierLimits
+from .errors import Rejected
+
+__all__ = ["FairScheduler", "LoopClock", "Reservation", "TimerClock", "TimerHandle"]
+
+
+class TimerHandle(Protocol):
+    def cancel(self) -> None: ...
+
+
+class TimerClock(Clock, Protocol):
+    """A monotonic clock that can also run a callback at a given time."""
+
+    def call_at(self, when: float, callback: Callable[[], None]) -> TimerHandle: ...
+
+
+class LoopClock:
+    """The running event loop's clock (`loop.time()`), bound lazily so nothing touches a loop at
+    construction time."""
+
+    def now(self) -> float:
+        return asyncio.get_running_loop().time()
+
+    def call_at(self, when: float, callback: Callable[[], None]) -> TimerHandle:
+        return asyncio.get_running_loop().call_at(when, callback)
+
+
+class Reservation:
+    """A ticket's place in the queue: `future` resolves to its lease (or fails with
+    `QueueTimeout` / `SchedulerClosed`); `cancel()` takes it out of the queue.
+
+    For callers that wait by callback rather than in a task (the shared-state leader waits for
+    many replicas' tickets at once); `FairScheduler.acquire()` is built on it.
+    """
+
+    __slots__ = ("_parked", "_scheduler", "future")
+
+    def __init__(
+        self, scheduler: FairScheduler, parked: Parked, future: asyncio.Future[Lease]
+    ) -> None:
+        self._scheduler = scheduler
+        self._parked = parked
+        self.future = future
+
+    @property
+    def ticket(self) -> Ticket:
+        return self._parked.ticket
+
+    @property
+    def enqueued_at(self) -> float:
+        return self._parked.enqueued_at
+
+    def cancel(self) -> bool:
+        """Leave the queue; True if the ticket was still queued (it will never be granted).
+
+        False once it was granted, timed out or failed: a granted lease is the caller's to
+        `abandon()` (or use); `withdraw()` does both.
+        """
+        return self._scheduler.cancel(self._parked)
+
+    def withdraw(self) -> None:
+        """The caller will not use its turn: leave the queue, or hand back the lease it was
+        granted and never used (the engine never saw it, so the next request gets the turn)."""
+        if self.cancel():
+            return
+        future = self.future
+        if future.done() and not future.cancelled() and future.exception() is None:
+            future.result().abandon()
+
+
+class FairScheduler(SchedulerCore):
+    """Fair, tiered admission of requests to engines, behind an `AdmissionGate`: the core's
+    decisions, awaited. Nothing here touches an event loop until the first `acquire()`."""
+
+    def __init__(
+        self,
+        tiers: tuple[TierLimits, ...] | list[TierLimits],
+        gate: AdmissionGate,
+        *,
+        fairness: FairnessPolicy = "round_robin",
+        max_per_user: int = 1000,
+        max_total: int = 100_000,
+        max_wait_s: float = 600.0,
+        order: QueueOrder = "fifo",
+        clock: TimerClock | None = None,
+    ) -> None:
+        self._timer_clock: TimerClock = clock or LoopClock()
+        super().__init__(
+            tiers,
+            gate,
+            fairness=fairness,
+            max_per_user=max_per_user,
+            max_total=max_total,
+            max_wait_s=max_wait_s,
+            order=order,
+            clock=self._timer_clock,
+        )
+        self._timer: TimerHandle | None = None
+        self._timer_due: float | None = None
+
+    async def acquire(self, ticket: Ticket) -> Lease:
+        """Wait for this ticket's turn and return its lease (``async with lease:`` releases it).
+
+        Raises `QueueFull` at once when a cap is reached, `QueueTimeout` after `max_wait_s`,
+        `SchedulerClosed` if the scheduler closes while waiting.
+        """
+        reservation = self.enqueue(ticket)
+        try:
+            return await reservation.future
+        except BaseException:
+            reservation.withdraw()
+            raise
+
+    def enqueue(self, ticket: Ticket) -> Reservation:
+        """Queue `ticket` and run the release decision; its `Reservation.future` resolves to
+        the lease. Raises `QueueFull` at once when a cap is reached."""
+        future: asyncio.Future[Lease] = asyncio.get_running_loop().create_future()
+        parked = self.submit(ticket, future)
+        self._arm()
+        return Reservation(self, parked, future)
+
+    def close(self) -> None:
+        super().close()
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = self._timer_due = None
+
+    def _decided(self, parked: Parked, outcome: Lease | Rejected) -> None:
+        # The core asks `Parked.gone()` (the future's `done()`) before deciding, so the future
+        # is pending here.
+        future: asyncio.Future[Lease] = parked.claimant  # type: ignore[assignment]
+        if isinstance(outcome, Lease):
+            future.set_result(outcome)
+        else:
+            future.set_exception(outcome)
+
+    def _arm(self) -> None:
+        """One timer, for the core's next due deadline or promotion (an earlier one than armed
+        replaces it; a later one waits for the armed one to fire and re-arm)."""
+        due = self.next_due()
+        if due is None or (self._timer_due is not None and self._timer_due <= due):
+            return
+        if self._timer is not None:
+            self._timer.cancel()
+        self._timer_due = due
+        self._timer = self._timer_clock.call_at(due, self._on_timer)
+
+    def _on_timer(self) -> None:
+        self._timer = self._timer_due = None
+        self.tick(self._timer_clock.now())
+        self._arm()
