@@ -1,7 +1,11 @@
 """Core scheduler throughput: admit+release pairs per second, decision latency, bytes per ticket.
 
     .venv/bin/python benchmarks/core_decisions.py [--users 10 1000 10000] [--pairs 200000]\
-        [--cpu-time] [--held 0.5]
+        [--cpu-time] [--held 0.5] [--layer core driver]
+
+Two layers, each measured alone: `core`, the sans-I/O `SchedulerCore` driven by events (its
+decisions collected, no event loop), and `driver`, the whole admission through memory://'s
+`FairScheduler` (a future per parked ticket, resolved by the decision, delivered by the loop).
 
 With U backlogged users (each with a few parked requests), every pair is: one lease ends, which
 releases the next waiter (an O(log U) heap decision), then one new ticket is admitted to keep the
@@ -21,7 +25,14 @@ import time
 import tracemalloc
 from collections import deque
 
-from fair_sched_plugin.core import FairnessPolicy, InflightLimitGate, Lease, Ticket, TierLimits
+from fair_sched_plugin.core import (
+    FairnessPolicy,
+    InflightLimitGate,
+    Lease,
+    SchedulerCore,
+    Ticket,
+    TierLimits,
+)
 from fair_sched_plugin.driver import FairScheduler
 from fair_sched_plugin.testing import FakeClock
 
@@ -44,15 +55,85 @@ class _HeldGate(InflightLimitGate):
         return ticket.user in self._held
 
 
+class _CollectingCore(SchedulerCore):
+    """The core with its grants appended to a deque (what a driver would resolve)."""
+
+    def __init__(self, *args: object, **kwargs: object) -> None:
+        super().__init__(*args, **kwargs)  # type: ignore[arg-type]
+        self.granted: deque[Lease] = deque()
+
+    def _decided(self, parked: object, outcome: object) -> None:
+        if isinstance(outcome, Lease):
+            self.granted.append(outcome)
+
+
+def _held_users(users: int, held: float) -> frozenset[str]:
+    # Spread evenly over the fairness order (as many as users * held).
+    return frozenset(
+        f"u{user}" for user in range(users) if int(user * held) != int((user + 1) * held)
+    )
+
+
+def _run_core_pairs(
+    users: int, pairs: int, fairness: FairnessPolicy, held: float = 0.0
+) -> tuple[float, list[float]]:
+    core = _CollectingCore(
+        TIERS,
+        _HeldGate(8, _held_users(users, held)),
+        clock=FakeClock(),
+        fairness=fairness,
+        max_per_user=10,
+        max_total=10 * users + 100,
+    )
+    granted = core.granted
+    tickets = [
+        Ticket(model="m", user=f"u{user}", tier="interactive", cost=100) for user in range(users)
+    ]
+    for ticket in tickets:
+        core.submit(ticket)
+        core.submit(ticket)
+    latencies = []
+    started = _seconds()
+    next_user = 0
+    for index in range(pairs):
+        lease = granted.popleft()
+        t0 = _nanoseconds()
+        lease.release(tokens_used=120)  # ends one lease and releases the next waiter
+        core.submit(tickets[next_user])
+        t1 = _nanoseconds()
+        next_user = (next_user + 1) % users
+        if index % 16 == 0:
+            latencies.append((t1 - t0) / 1000)
+    elapsed = _seconds() - started
+    core.close()
+    return pairs / elapsed, latencies
+
+
+def _core_bytes_per_ticket(count: int) -> float:
+    gc.collect()
+    tracemalloc.start()
+    core = _CollectingCore(
+        TIERS, InflightLimitGate(1), clock=FakeClock(), max_per_user=count, max_total=count
+    )
+    holder = core.try_acquire(Ticket(model="m", user="holder", tier="interactive"))
+    assert holder is not None
+    tickets = [
+        Ticket(model="m", user=f"u{i % 1000}", tier="interactive", cost=100) for i in range(count)
+    ]
+    before = tracemalloc.get_traced_memory()[0]
+    parked = [core.submit(ticket) for ticket in tickets]
+    after = tracemalloc.get_traced_memory()[0]
+    tracemalloc.stop()
+    core.close()
+    del parked
+    return (after - before) / count
+
+
 async def _run_pairs(
     users: int, pairs: int, fairness: FairnessPolicy, held: float = 0.0
 ) -> tuple[float, list[float]]:
     clock = FakeClock()
-    # Spread evenly over the fairness order (as many as users * held).
-    held_users = frozenset(
-        f"u{user}" for user in range(users) if int(user * held) != int((user + 1) * held)
-    )
-    gate = _HeldGate(8, held_users)
+    gate = _HeldGate(8, _held_users(users, held))
     scheduler = FairScheduler(
         TIERS,
         gate,
@@ -138,19 +219,35 @@ def main() -> None:
     parser.add_argument(
         "--held", type=float, default=0.0, help="fraction of users held back for their prefix"
     )
+    parser.add_argument(
+        "--layer", nargs="+", default=["core", "driver"], choices=["core", "driver"]
+    )
     args = parser.parse_args()
     if args.cpu_time:
         global _seconds, _nanoseconds
         _seconds, _nanoseconds = time.process_time, time.process_time_ns
-    print(f"fairness={args.fairness} pairs={args.pairs} held={args.held:g}")
-    print(f"{'backlogged users':>17} {'pairs/s':>10} {'p50 us':>8} {'p99 us':>8}")
-    for users in args.users:
-        rate, latencies = asyncio.run(_run_pairs(users, args.pairs, args.fairness, args.held))
-        quantiles = statistics.quantiles(latencies, n=100)
-        print(f"{users:>17} {rate:>10,.0f} {quantiles[49]:>8.1f} {quantiles[98]:>8.1f}")
-    per_ticket = asyncio.run(_bytes_per_ticket(50_000))
-    what = "50,000 parked; reservation, future, queue entries"
-    print(f"bytes per parked ticket ({what}): {per_ticket:,.0f}")
+    clock = "CPU" if args.cpu_time else "wall"
+    print(f"fairness={args.fairness} pairs={args.pairs} held={args.held:g} ({clock} time)")
+    print(f"{'layer':>7} {'backlogged users':>17} {'pairs/s':>10} {'p50 us':>8} {'p99 us':>8}")
+    for layer in args.layer:
+        for users in args.users:
+            if layer == "core":
+                rate, latencies = _run_core_pairs(users, args.pairs, args.fairness, args.held)
+            else:
+                rate, latencies = asyncio.run(
+                    _run_pairs(users, args.pairs, args.fairness, args.held)
+                )
+            quantiles = statistics.quantiles(latencies, n=100)
+            print(
+                f"{layer:>7} {users:>17} {rate:>10,.0f} {quantiles[49]:>8.1f} {quantiles[98]:>8.1f}"
+            )
+    if "core" in args.layer:
+        per_ticket = _core_bytes_per_ticket(50_000)
+        print(f"core: bytes per parked ticket (50,000 parked; queue entries): {per_ticket:,.0f}")
+    if "driver" in args.layer:
+        per_ticket = asyncio.run(_bytes_per_ticket(50_000))
+        what = "50,000 parked; reservation, future, queue entries"
+        print(f"driver: bytes per parked ticket ({what}): {per_ticket:,.0f}")
 
 
 if __name__ == "__main__":

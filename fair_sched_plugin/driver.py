@@ -16,9 +16,10 @@ from collections.abc import Callable
 from typing import Protocol
 
 from .core.clock import Clock
+from .core.fairness import FairnessPolicy
 from .core.gate import AdmissionGate
 from .core.queues import Parked
-from .core.scheduler import FairnessPolicy, QueueOrder, SchedulerCore
+from .core.scheduler import QueueOrder, SchedulerCore
 from .core.ticket import Lease, Ticket, TierLimits
 from .errors import Rejected
 

@@ -13,15 +13,10 @@ from .backpressure import (
 )
 from .budget import BudgetAction, BudgetBook, BudgetRule, BudgetUnit, BudgetVerdict
 from .clock import Clock, MonotonicClock
+from .fairness import FairnessPolicy
 from .gate import AdmissionGate, InflightLimitGate
-from .scheduler import (
-    Decision,
-    FairnessPolicy,
-    QueueOrder,
-    SchedulerCore,
-    SchedulerStatistics,
-    UserBacklog,
-)
+from .reads import SchedulerStatistics, UserBacklog
+from .scheduler import Decision, QueueOrder, SchedulerCore
 from .snapshot import BackendSnapshot
 from .ticket import (
     MAX_REQUEST_COST,

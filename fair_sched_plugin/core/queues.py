@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import heapq
 from collections import OrderedDict, deque
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from typing import Protocol
 
 from .standing import DepthIndex
@@ -233,6 +233,54 @@ class TierQueue:
         if user_queue.in_heap:
             self.unpush(user_queue)
             self.push(user_queue, arrival)
+
+    def leave(self, user_queue: UserQueue) -> bool:
+        """One waiter left `user_queue` (its entry is already gone or marked); True while the
+        user still has requests queued in this tier, else the user leaves the tier's heap."""
+        self.depths.shallower(user_queue.depth)
+        user_queue.depth -= 1
+        self.queued -= 1
+        if user_queue.depth:
+            return True
+        user_queue.waiters.clear()
+        user_queue.sized.clear()
+        self.unpush(user_queue)
+        self.forget_if_idle(user_queue)
+        return False
+
+    def promote(
+        self, parked: Parked, now: float, arrivals: Iterator[int], *, shortest_first: bool
+    ) -> TierQueue:
+        """Move a waiter that waited `promote_after_s` into the same user's queue one tier up,
+        in arrival order there (O(depth) of that user's queues, bounded by `max_per_user`);
+        the tier it is in now."""
+        old_queue = parked.user_queue
+        if shortest_first:
+            old_queue.sized = [entry for entry in old_queue.sized if entry[2] is not parked]
+            heapq.heapify(old_queue.sized)
+        else:
+            old_queue.waiters.remove(parked)
+        self.leave(old_queue)
+        upper = self.model_queues.tiers[self.position - 1]
+        new_queue = upper.user_queue(parked.ticket.user)
+        if not new_queue.depth:
+            new_queue.lift()
+            upper.push(new_queue, next(arrivals))
+        parked.ticket = parked.ticket._replace(tier=upper.limits.name)
+        parked.user_queue = new_queue
+        parked.tier_since = now
+        if shortest_first:
+            heapq.heappush(new_queue.sized, (parked.ticket.cost, next(arrivals), parked))
+        else:
+            waiters = new_queue.waiters
+            index = len(waiters)
+            while index and waiters[index - 1].enqueued_at > parked.enqueued_at:
+                index -= 1
+            waiters.insert(index, parked)
+        new_queue.depth += 1
+        upper.depths.deeper(new_queue.depth)
+        upper.queued += 1
+        return upper
 
     def forget_if_idle(self, user_queue: UserQueue) -> None:
         # A user with nothing queued or in flight whose virtual time the tier has caught up with

@@ -23,13 +23,14 @@ from __future__ import annotations
 import heapq
 import itertools
 import logging
-import math
 from collections import deque
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable
 from typing import Literal, NamedTuple
 
 from ..errors import QueueFull, QueueTimeout, Rejected, SchedulerClosed
 from .clock import Clock, MonotonicClock
+from .deadlines import Deadlines
+from .fairness import POLICIES, FairnessPolicy
 from .gate import AdmissionGate
 from .queues import (
     CANCELLED,
@@ -44,12 +45,12 @@ from .queues import (
     TierQueue,
     UserQueue,
 )
-from .standing import position_in
-from .ticket import Lease, Ticket, TierLimits
+from .reads import SchedulerReads
+from .shares import TierShares
+from .ticket import Lease, Ticket, TierLimits, notify_end_listeners
 
 logger = logging.getLogger("fair_sched")
 
-FairnessPolicy = Literal["round_robin", "weighted", "tokens", "cost"]
 QueueOrder = Literal["fifo", "shortest_first"]
 
 # When the fair head of a tier would be bound away from the deployment that has its prefix
@@ -75,29 +76,7 @@ class Decision(NamedTuple):
     outcome: Lease | Rejected
 
 
-class UserBacklog(NamedTuple):
-    model: str
-    tier: str
-    user: str
-    depth: int
-    oldest_enqueued_at: float
-    virtual_time: float
-
-
-class SchedulerStatistics(NamedTuple):
-    queued: int
-    in_flight: int
-    released_total: int
-    completed_total: int
-    cancelled_total: int  # left the queue because the caller went away
-    abandoned_total: int  # granted, then cancelled before it was used
-    rejected_full_total: int
-    timed_out_total: int
-    queued_by_model_tier: Mapping[tuple[str, str], int]
-    in_flight_by_model: Mapping[str, int]
-
-
-class SchedulerCore:
+class SchedulerCore(SchedulerReads):
     """Fair, tiered admission of requests to engines, behind an `AdmissionGate` (sans-I/O).
 
     `tiers` are listed most urgent first. A lower tier is served only when no higher tier of the
@@ -127,23 +106,9 @@ class SchedulerCore:
         if order not in ("fifo", "shortest_first"):
             raise ValueError(f"unknown queue order {order!r}")
         self._shortest_first = order == "shortest_first"
-        # Groups of adjacent tiers that share by weight; a tier without a share is a group of
-        # its own and keeps strict priority over every tier below it.
-        self._tier_groups: list[tuple[int, ...]] = []
-        for index, limits in enumerate(self._tiers):
-            if limits.share is not None and limits.share <= 0:
-                raise ValueError(f"tier {limits.name!r}: share must be > 0")
-            previous = self._tier_groups[-1] if self._tier_groups else None
-            if (
-                limits.share is not None
-                and previous is not None
-                and self._tiers[previous[-1]].share is not None
-            ):
-                self._tier_groups[-1] = (*previous, index)
-            else:
-                self._tier_groups.append((index,))
-        self._shared_tiers = any(len(group) > 1 for group in self._tier_groups)
-        self._fairness: FairnessPolicy = fairness
+        self._shares = TierShares(self._tiers)
+        self._shared_tiers = self._shares.shared
+        self._policy = POLICIES[fairness]
         self._gate = gate
         self._max_per_user = max_per_user
         self._max_total = max_total
@@ -156,8 +121,7 @@ class SchedulerCore:
         self._in_flight_total = 0
         # Every waiter gets the same max wait, so deadlines are in arrival order: one deque and
         # one wake-up for its head instead of one per waiter.
-        self._deadlines: deque[Parked] = deque()
-        self._deadline_due: float | None = None
+        self._deadlines = Deadlines(max_wait_s)
         # When `tick` must run: (due, order, the tier to promote in or `_DEADLINES`). An entry
         # whose due no longer matches its tier's (or the deadlines') is stale and skipped.
         self._wakeups: list[tuple[float, int, TierQueue | None]] = []
@@ -213,25 +177,15 @@ class SchedulerCore:
         self, model: str, limits: TierLimits, user_queue: UserQueue | None, weight: float
     ) -> bool:
         """Where the gate holds the tier back: the user's next request (None: a user not seen
-        yet) would be in the engine's first round (`_engine_round` 0), whose queue is in user
-        order and has room for a newcomer (`AdmissionGate.may_release_newcomer`), so it goes
+        yet) would be in the engine's first round (`Fairness.engine_round` 0), whose queue is in
+        user order and has room for a newcomer (`AdmissionGate.may_release_newcomer`), so it goes
         first there. Not with tier shares: their releases are counted against each other by the
         same test for everyone."""
         if self._shared_tiers or (
-            user_queue is not None and self._engine_round(user_queue, weight) > 0
+            user_queue is not None and self._policy.engine_round(user_queue.unstarted, weight) > 0
         ):
             return False
         return self._gate.may_release_newcomer(model, limits)
-
-    def _engine_round(self, user_queue: UserQueue, weight: float) -> int:
-        """The round of an engine queue in user order that the user's next request joins
-        (`Lease.engine_rank`): how many of its requests released before it are not streaming
-        yet, and with `fairness: weighted` that count per its weight (a user of weight 2 has two
-        requests in each round, as it has two turns to others' one in our queue)."""
-        if self._fairness != "weighted":
-            return user_queue.unstarted
-        # The epsilon keeps 3 / 0.1 (29.999...) in round 30.
-        return math.floor(user_queue.unstarted / weight + 1e-9)
 
     def submit(self, ticket: Ticket, claimant: Claimant | None = None) -> Parked:
         """Park `ticket` and run the release decision (which may decide it at once: see
@@ -263,8 +217,8 @@ class SchedulerCore:
         while wakeups and wakeups[0][0] <= now:
             due, _, tier = heapq.heappop(wakeups)
             if tier is _DEADLINES:
-                if due == self._deadline_due:
-                    self._deadline_due = None
+                if due == self._deadlines.armed_due:
+                    self._deadlines.armed_due = None
                     self._expire_overdue(now)
             elif due == tier.promote_due:
                 tier.promote_due = None
@@ -311,75 +265,6 @@ class SchedulerCore:
         """Call `listener(lease, abandoned)` whenever a lease ends."""
         self._end_listeners.append(listener)
 
-    def statistics(self) -> SchedulerStatistics:
-        by_tier = {
-            (model, tier.limits.name): tier.queued
-            for model, queues in self._models.items()
-            for tier in queues.tiers
-            if tier.queued
-        }
-        by_model = {model: q.in_flight for model, q in self._models.items() if q.in_flight}
-        return SchedulerStatistics(
-            queued=self._queued_total,
-            in_flight=self._in_flight_total,
-            released_total=self._released_total,
-            completed_total=self._completed_total,
-            cancelled_total=self._cancelled_total,
-            abandoned_total=self._abandoned_total,
-            rejected_full_total=self._rejected_full_total,
-            timed_out_total=self._timed_out_total,
-            queued_by_model_tier=by_tier,
-            in_flight_by_model=by_model,
-        )
-
-    def backlog(self, model: str | None = None) -> list[UserBacklog]:
-        """Every backlogged user with depth and oldest arrival (for status pages; O(users))."""
-        result = []
-        for queues in self._models.values():
-            if model is not None and queues.model != model:
-                continue
-            for tier in queues.tiers:
-                for user_queue in tier.users.values():
-                    if not user_queue.depth:
-                        continue
-                    oldest = min(user_queue.live(), key=_arrival)
-                    result.append(
-                        UserBacklog(
-                            model=queues.model,
-                            tier=tier.limits.name,
-                            user=user_queue.user,
-                            depth=user_queue.depth,
-                            oldest_enqueued_at=oldest.enqueued_at,
-                            virtual_time=user_queue.virtual_time,
-                        )
-                    )
-        return result
-
-    def queued_of(self, model: str, tier: str, user: str) -> int:
-        """How many requests `user` has queued in `tier` of `model` (O(1))."""
-        queues = self._models.get(model)
-        index = self._tier_index.get(tier)
-        if queues is None or index is None:
-            return 0
-        user_queue = queues.tiers[index].users.get(user)
-        return user_queue.depth if user_queue is not None else 0
-
-    def position_estimate(self, model: str, tier: str, user: str, own_index: int) -> int:
-        """`waiting.estimate_position` of `user`'s `own_index`-th request in `tier` of `model`
-        over this scheduler's backlog, from counts kept as queues change: O(tiers + log n)."""
-        queues = self._models.get(model)
-        index = self._tier_index.get(tier)
-        if queues is None or index is None:
-            return own_index
-        tiers = queues.tiers
-        ahead = 0
-        for upper in range(index):  # strict tiers: everything queued above goes first
-            ahead += tiers[upper].depths.total
-        tier_queue = tiers[index]
-        user_queue = tier_queue.users.get(user)
-        own_depth = user_queue.depth if user_queue is not None else 0
-        return position_in(own_index, own_depth, ahead, tier_queue.depths)
-
     def close(self) -> None:
         """Refuse new tickets and fail every queued waiter with `SchedulerClosed`.
 
@@ -389,7 +274,6 @@ class SchedulerCore:
             return
         self._closed = True
         self._wakeups.clear()
-        self._deadline_due = None
         for queues in self._models.values():
             for tier in queues.tiers:
                 tier.promote_due = None
@@ -449,11 +333,9 @@ class SchedulerCore:
         tier.queued += 1
         queues.queued += 1
         self._queued_total += 1
-        self._deadlines.append(waiter)
-        if self._deadline_due is None:
-            # An armed wake-up is due no later than this waiter's deadline (same max wait, later
-            # arrival): only an unarmed one needs arming.
-            self._arm_deadline()
+        due = self._deadlines.add(waiter)
+        if due is not None:
+            self._wake_at(due, _DEADLINES)
         return waiter
 
     def _remove_waiter(self, waiter: Parked, new_state: int) -> None:
@@ -466,29 +348,14 @@ class SchedulerCore:
         queues = self._models[tier.model]
         queues.queued -= 1
         self._queued_total -= 1
-        still_queued = self._leave_user_queue(user_queue)
+        still_queued = user_queue.tier_queue.leave(user_queue)
         if still_queued and len(user_queue.waiters) + len(user_queue.sized) > (
             2 * user_queue.depth + 16
         ):
             # Marked entries outnumber the live ones: rebuild, so submit-and-cancel abuse
             # cannot grow the queue (amortised O(1) per cancellation).
             user_queue.compact()
-        self._compact_deadlines()
-
-    def _leave_user_queue(self, user_queue: UserQueue) -> bool:
-        """One waiter left `user_queue` (its entry is already gone or marked); True while the
-        user still has requests queued in this tier, else the user leaves the tier's heap."""
-        tier = user_queue.tier_queue
-        tier.depths.shallower(user_queue.depth)
-        user_queue.depth -= 1
-        tier.queued -= 1
-        if user_queue.depth:
-            return True
-        user_queue.waiters.clear()
-        user_queue.sized.clear()
-        tier.unpush(user_queue)
-        tier.forget_if_idle(user_queue)
-        return False
+        self._deadlines.compact(self._queued_total)
 
     # ------------------------------------------------------------------ releasing
 
@@ -514,16 +381,19 @@ class SchedulerCore:
         queues.dispatching = True
         may_release = self._gate.may_release
         model = queues.model
+        # Newcomers may go past a closed gate only where the engine orders its own queue by user
+        # (`AdmissionGate.may_release_newcomer`): elsewhere the head is not even looked at.
+        newcomers = not self._shared_tiers and self._gate.orders_engine_queue(model)
         try:
             while True:
                 queues.redispatch = False
                 # Release while some tier, most urgent first, has a request the gate lets go.
                 while queues.queued:
                     if self._shared_tiers:
-                        chosen = self._next_shared_tier(queues)
+                        chosen = self._shares.next_tier(queues, may_release)
                         if chosen is None or not self._release_next(queues, chosen[0]):
                             break
-                        self._charge_share(queues, *chosen)
+                        self._shares.charge(queues, *chosen)
                         continue
                     for tier in queues.tiers:
                         if not tier.queued:
@@ -531,6 +401,8 @@ class SchedulerCore:
                         if may_release(model, tier.limits):
                             released = self._release_next(queues, tier)
                             break
+                        if not newcomers:
+                            continue
                         head = tier.peek()
                         weight = head.head().ticket.weight
                         if self._may_go_as_newcomer(model, tier.limits, head, weight):
@@ -548,35 +420,6 @@ class SchedulerCore:
                     break
         finally:
             queues.dispatching = False
-
-    def _next_shared_tier(self, queues: ModelQueues) -> tuple[TierQueue, int, float] | None:
-        """The tier to release from when some tiers share: groups in priority order; inside a
-        group of share tiers, the releasable one with the smallest virtual finish time (start-time
-        fair queuing between tiers, by request), with its group and start tag; `_charge_share`
-        advances the tiers' clocks once it has released (a head that waits for its deployment
-        costs its tier nothing)."""
-        may_release = self._gate.may_release
-        tiers = queues.tiers
-        for group_id, group in enumerate(self._tier_groups):
-            best: TierQueue | None = None
-            best_start = 0.0
-            group_clock = queues.share_clock.get(group_id, 0.0)
-            for index in group:
-                tier = tiers[index]
-                if not tier.queued or not may_release(queues.model, tier.limits):
-                    continue
-                start = max(tier.share_vtime, group_clock)
-                if best is None or start < best_start:
-                    best, best_start = tier, start
-            if best is not None:
-                return best, group_id, best_start
-        return None
-
-    @staticmethod
-    def _charge_share(queues: ModelQueues, tier: TierQueue, group_id: int, start: float) -> None:
-        if tier.limits.share is not None:
-            queues.share_clock[group_id] = start
-            tier.share_vtime = start + 1.0 / tier.limits.share
 
     def _release_next(self, queues: ModelQueues, tier: TierQueue) -> bool:
         """Release the tier's next request; False when it waits for its deployment instead."""
@@ -646,7 +489,7 @@ class SchedulerCore:
         entry is the heap's top, or `off_heap_entry` when the look-ahead took it off; then
         `start_tag` is the passed-over head's virtual time."""
         # Computed before anything changes: a release either happens whole or not at all.
-        charge = self._release_charge(user_queue.head().ticket)
+        charge = self._policy.release_charge(user_queue.head().ticket)
         if self._shortest_first:
             waiter = heapq.heappop(user_queue.sized)[2]
         else:
@@ -711,10 +554,10 @@ class SchedulerCore:
         deployment: str | None = None,
     ) -> Lease:
         if charge is None:
-            charge = self._release_charge(ticket)
+            charge = self._policy.release_charge(ticket)
         user_queue.virtual_time += charge
         user_queue.in_flight += 1
-        rank = self._engine_round(user_queue, ticket.weight)
+        rank = self._policy.engine_round(user_queue.unstarted, ticket.weight)
         user_queue.unstarted += 1
         queues.in_flight += 1
         self._in_flight_total += 1
@@ -754,17 +597,7 @@ class SchedulerCore:
                 tier.correct(user_queue, -lease.charged, next(self._arrivals))
         else:
             self._completed_total += 1
-            correction = 0.0
-            if tokens_used is not None and self._fairness == "tokens":
-                correction = self._charge(lease.ticket, tokens_used) - lease.charged
-            elif self._fairness == "cost":
-                spent = lease.cost_used
-                if spent is None and tokens_used is not None:
-                    # Only the token count came back: scale the estimate by it.
-                    ticket = lease.ticket
-                    spent = ticket.price * max(tokens_used, 1) / max(ticket.cost, 1)
-                if spent is not None:
-                    correction = _money_charge(spent, lease.ticket) - lease.charged
+            correction = self._policy.end_correction(lease, tokens_used)
             if correction:
                 tier.correct(user_queue, correction, next(self._arrivals))
         if not user_queue.depth:
@@ -774,21 +607,6 @@ class SchedulerCore:
         self._gate.on_ended(lease)
         notify_end_listeners(self._end_listeners, lease, abandoned)
         self._dispatch_queues(queues)
-
-    # ------------------------------------------------------------------ fairness bookkeeping
-
-    def _release_charge(self, ticket: Ticket) -> float:
-        """What releasing `ticket` charges its user (finite: a ticket's fields are bounded)."""
-        return 1.0 if self._fairness == "round_robin" else self._charge(ticket, ticket.cost)
-
-    def _charge(self, ticket: Ticket, tokens: int) -> float:
-        if self._fairness == "round_robin":
-            return 1.0
-        if self._fairness == "weighted":
-            return 1.0 / ticket.weight
-        if self._fairness == "cost":
-            return _money_charge(ticket.price, ticket)
-        return max(tokens, 1) / ticket.weight
 
     # ------------------------------------------------------------------ promotion
 
@@ -832,63 +650,16 @@ class SchedulerCore:
             self._dispatch_queues(tier.model_queues)
 
     def _move_up(self, waiter: Parked, now: float) -> None:
-        """Move a waiter that waited `promote_after_s` into the same user's queue one tier up,
-        in arrival order there (O(depth) of that user's queues, bounded by `max_per_user`)."""
-        old_queue = waiter.user_queue
-        tier = old_queue.tier_queue
-        if self._shortest_first:
-            old_queue.sized = [entry for entry in old_queue.sized if entry[2] is not waiter]
-            heapq.heapify(old_queue.sized)
-        else:
-            old_queue.waiters.remove(waiter)
-        self._leave_user_queue(old_queue)
-        upper = tier.model_queues.tiers[tier.position - 1]
-        new_queue = upper.user_queue(waiter.ticket.user)
-        if not new_queue.depth:
-            new_queue.lift()
-            upper.push(new_queue, next(self._arrivals))
-        waiter.ticket = waiter.ticket._replace(tier=upper.limits.name)
-        waiter.user_queue = new_queue
-        waiter.tier_since = now
-        if self._shortest_first:
-            heapq.heappush(new_queue.sized, (waiter.ticket.cost, next(self._arrivals), waiter))
-        else:
-            waiters = new_queue.waiters
-            index = len(waiters)
-            while index and waiters[index - 1].enqueued_at > waiter.enqueued_at:
-                index -= 1
-            waiters.insert(index, waiter)
-        new_queue.depth += 1
-        upper.depths.deeper(new_queue.depth)
-        upper.queued += 1
+        upper = waiter.user_queue.tier_queue.promote(
+            waiter, now, self._arrivals, shortest_first=self._shortest_first
+        )
         if upper.limits.promote_after_s is not None and upper.position:
             self._track_promotion(upper, waiter)
 
     # ------------------------------------------------------------------ deadlines
 
-    def _arm_deadline(self) -> None:
-        head = self._deadlines[0] if self._deadlines else None
-        if self._deadline_due is not None and head is not None and head.state == QUEUED:
-            return  # armed for the head already (deadlines are in arrival order)
-        while self._deadlines and self._deadlines[0].state != QUEUED:
-            self._deadlines.popleft()
-        if not self._deadlines:
-            return
-        due = self._deadlines[0].enqueued_at + self._max_wait_s
-        if self._deadline_due is not None and self._deadline_due <= due:
-            return
-        self._deadline_due = due
-        self._wake_at(due, _DEADLINES)
-
     def _expire_overdue(self, now: float) -> None:
-        while self._deadlines:
-            waiter = self._deadlines[0]
-            if waiter.state != QUEUED:
-                self._deadlines.popleft()
-                continue
-            if waiter.enqueued_at + self._max_wait_s > now:
-                break
-            self._deadlines.popleft()
+        for waiter in self._deadlines.overdue(now):
             self._remove_waiter(waiter, EXPIRED)
             self._timed_out_total += 1
             if not waiter.gone():
@@ -900,13 +671,9 @@ class SchedulerCore:
                         retry_after_s=self._retry_hint(self._models[waiter.ticket.model]),
                     ),
                 )
-        self._arm_deadline()
-
-    def _compact_deadlines(self) -> None:
-        # Cancelled waiters stay in the deadline deque until their deadline; rebuild it when
-        # they outnumber the live ones so memory cannot grow with submit-and-cancel abuse.
-        if len(self._deadlines) > 64 and len(self._deadlines) > 2 * self._queued_total:
-            self._deadlines = deque(w for w in self._deadlines if w.state == QUEUED)
+        due = self._deadlines.arm()
+        if due is not None:
+            self._wake_at(due, _DEADLINES)
 
     # ------------------------------------------------------------------ helpers
 
@@ -929,24 +696,3 @@ class SchedulerCore:
     def _retry_hint(self, queues: ModelQueues) -> float:
         # A rough hint: a second per queued request per in-flight slot, between 1 s and 60 s.
         return min(60.0, max(1.0, queues.queued / max(queues.in_flight, 1)))
-
-
-def notify_end_listeners(
-    listeners: Iterable[Callable[[Lease, bool], None]], lease: Lease, abandoned: bool
-) -> None:
-    """Tell each end listener; one that raises is logged and the others still hear."""
-    for listener in listeners:
-        try:
-            listener(lease, abandoned)
-        except Exception:
-            logger.exception("fair_sched: a lease-end observer failed for %r", lease)
-
-
-def _arrival(waiter: Parked) -> float:
-    return waiter.enqueued_at
-
-
-def _money_charge(money: float, ticket: Ticket) -> float:
-    # A request priced at nothing (a model without prices) still takes a turn's worth of a
-    # microdollar, so zero-priced users are served round robin, not ahead of everybody forever.
-    return max(money, 1e-6) / ticket.weight

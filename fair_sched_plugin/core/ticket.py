@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable, Iterable
 from types import TracebackType
 from typing import NamedTuple, Protocol
 
@@ -254,3 +255,14 @@ class Lease:
     def __repr__(self) -> str:
         state = "ended" if self._ended else ("started" if self._started else "granted")
         return f"<Lease {self.lease_id} {self.ticket.model}/{self.ticket.user} {state}>"
+
+
+def notify_end_listeners(
+    listeners: Iterable[Callable[[Lease, bool], None]], lease: Lease, abandoned: bool
+) -> None:
+    """Tell each end listener; one that raises is logged and the others still hear."""
+    for listener in listeners:
+        try:
+            listener(lease, abandoned)
+        except Exception:
+            logger.exception("fair_sched: a lease-end observer failed for %r", lease)

@@ -10,7 +10,7 @@ from __future__ import annotations
 from collections import deque
 from collections.abc import Iterable, Sequence
 
-from .scheduler import UserBacklog
+from .reads import UserBacklog
 
 # Releases remembered per model for the drain rate, and how far back they count.
 DRAIN_SAMPLES = 64

@@ -32,7 +32,7 @@ from typing import TYPE_CHECKING, Any, Literal, NamedTuple, TypeGuard
 from ..core.backpressure import GroupStatus, MetricsGate
 from ..core.budget import BudgetBook
 from ..core.gate import AdmissionGate
-from ..core.scheduler import SchedulerStatistics, UserBacklog, notify_end_listeners
+from ..core.reads import SchedulerStatistics, UserBacklog
 from ..core.standing import BacklogIndex
 from ..core.ticket import (
     MAX_REQUEST_COST,
@@ -42,6 +42,7 @@ from ..core.ticket import (
     Lease,
     Ticket,
     TierLimits,
+    notify_end_listeners,
     request_cost_in_range,
     request_tokens_in_range,
 )
