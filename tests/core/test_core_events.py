@@ -72,11 +72,13 @@ def test_a_cancelled_ticket_is_never_decided_and_a_gone_claimant_is_skipped() ->
 
     cancelled = core.submit(make_ticket("a"))
     gone = core.submit(make_ticket("b"), Gone())
+    assert gone.gone()
     kept = core.submit(make_ticket("c"))
     assert core.cancel(cancelled) and not core.cancel(cancelled)
     gate.allow(2)
     decisions = core.take_decisions()
     assert [d.parked for d in decisions] == [kept]
+    assert gone.state != kept.state  # skipped, never granted
     stats = core.statistics()
     assert stats.queued == 0 and stats.cancelled_total == 2 and stats.released_total == 1
 
