@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import asyncio
+import time
 from collections.abc import Callable
 from typing import Protocol
 
@@ -29,3 +30,10 @@ class LoopClock:
 
     def call_at(self, when: float, callback: Callable[[], None]) -> TimerHandle:
         return asyncio.get_running_loop().call_at(when, callback)
+
+
+class MonotonicClock:
+    """`time.monotonic()`: what asyncio's default event loop reads for `loop.time()`."""
+
+    def now(self) -> float:
+        return time.monotonic()
