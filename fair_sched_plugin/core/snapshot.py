@@ -28,7 +28,7 @@ class BackendSnapshot(NamedTuple):
     # How many requests the engine has finished in its lifetime, for every reason (vLLM's
     # `request_success_total` summed over `finished_reason`), where it exports such a counter:
     # with the waiting and running counts it tells how many requests arrived between two
-    # scrapes, in step with them (see core/backpressure.py). None: not exported.
+    # scrapes, in step with them (see core/deployment_ledger.py). None: not exported.
     requests_finished: float | None = None
     error: str | None = None
 

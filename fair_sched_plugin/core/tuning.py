@@ -402,8 +402,8 @@ class QueueTuner:
 
     def _whole_queue(self, shrunk: float) -> float:
         """A decrease's result within the bounds. Below 1 the gate lets no queue form at all
-        (`_blocked_reason`), so a queue shrunk from 1 is 0 (where the minimum allows): growth
-        by one then comes back to 1, not to 1.7, which would let a queue of two form."""
+        (`gate_rules.blocked_reason`), so a queue shrunk from 1 is 0 (where the minimum allows):
+        growth by one then comes back to 1, not to 1.7, which would let a queue of two form."""
         return max(self._minimum, shrunk if shrunk >= 1 else 0.0)
 
     def _drain_ceiling(self) -> float:
