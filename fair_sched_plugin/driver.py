@@ -138,7 +138,9 @@ class FairScheduler(SchedulerCore):
         the lease. Raises `QueueFull` at once when a cap is reached."""
         future: asyncio.Future[Lease] = asyncio.get_running_loop().create_future()
         parked = self.submit(ticket, future)
-        self._arm()
+        wakeups = self._wakeups
+        if wakeups and (self._timer_due is None or wakeups[0][0] < self._timer_due):
+            self._arm()
         return Reservation(self, parked, future)
 
     def close(self) -> None:

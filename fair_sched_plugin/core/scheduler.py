@@ -425,7 +425,10 @@ class SchedulerCore(SchedulerReads):
         """Release the tier's next request; False when it waits for its deployment instead."""
         user_queue = tier.peek()
         head = user_queue.head()
-        if not head.gone() and self._gate.prefers_elsewhere(head.ticket, tier.limits):
+        claimant = head.claimant  # `Parked.gone()`, inline: this runs for every release
+        if (claimant is None or not claimant.done()) and self._gate.prefers_elsewhere(
+            head.ticket, tier.limits
+        ):
             # Releasing the fair head now would bind it away from the deployment that has its
             # prefix cached (a miss, which also evicts others' prefixes there), and holding
             # everybody back would idle the deployment that has room: a later user whose own
@@ -502,7 +505,8 @@ class SchedulerCore(SchedulerReads):
         tier.queued -= 1
         queues.queued -= 1
         self._queued_total -= 1
-        if waiter.gone():
+        claimant = waiter.claimant
+        if claimant is not None and claimant.done():  # `Parked.gone()`, inline
             # Its task was cancelled and has not run its cleanup yet: nothing to grant. The
             # user's position is unchanged: its heap entry stays if it still has requests.
             waiter.state = CANCELLED
