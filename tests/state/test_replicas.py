@@ -24,7 +24,7 @@ from fair_sched_plugin.core import (
 )
 from fair_sched_plugin.errors import QueueFull, QueueTimeout
 from fair_sched_plugin.state import ReplicaScheduler, open_state
-from fair_sched_plugin.state.replica import _read_reply
+from fair_sched_plugin.state.wire import read_reply
 from fair_sched_plugin.testing import ManualGate, make_ticket
 
 from ..support import eventually
@@ -314,7 +314,7 @@ async def test_a_grant_carries_the_engine_rank_where_the_engine_orders_users(
 def test_grants_without_a_rank_or_a_deployment_are_read_as_rank_0() -> None:
     """Only a grant in user order carries the rank (a follower older than the field would
     drop it); an older leader's grant has no deployment either."""
-    assert _read_reply(json.dumps(["g", 1, 0, 7, 1.0, "http://a/v1", 4])) == (
+    assert read_reply(json.dumps(["g", 1, 0, 7, 1.0, "http://a/v1", 4])) == (
         "g",
         1,
         0,
@@ -323,10 +323,10 @@ def test_grants_without_a_rank_or_a_deployment_are_read_as_rank_0() -> None:
         "http://a/v1",
         4,
     )
-    assert _read_reply(json.dumps(["g", 1, 0, 7, 1.0, "http://a/v1"]))[-1] == 0
-    assert _read_reply(json.dumps(["g", 1, 0, 7, 1.0])) == ("g", 1, 0, 7, 1.0, None, 0)
-    assert _read_reply(json.dumps(["g", 1, 0, 7, 1.0, None, -1])) is None
-    assert _read_reply(json.dumps(["g", 1, 0, 7, 1.0, None, True])) is None
+    assert read_reply(json.dumps(["g", 1, 0, 7, 1.0, "http://a/v1"]))[-1] == 0
+    assert read_reply(json.dumps(["g", 1, 0, 7, 1.0])) == ("g", 1, 0, 7, 1.0, None, 0)
+    assert read_reply(json.dumps(["g", 1, 0, 7, 1.0, None, -1])) is None
+    assert read_reply(json.dumps(["g", 1, 0, 7, 1.0, None, True])) is None
 
 
 async def test_a_deposed_leader_cannot_grant(cluster: Cluster, redis_server: RedisServer) -> None:
