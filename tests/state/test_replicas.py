@@ -28,7 +28,7 @@ from fair_sched_plugin.state.wire import read_reply
 from fair_sched_plugin.testing import ManualGate, make_ticket
 
 from ..support import eventually
-from .conftest import RedisServer, unique_prefix
+from .conftest import RedisServer, unique_prefix, vanish
 
 pytestmark = pytest.mark.redis
 
@@ -373,7 +373,7 @@ async def test_leader_killed_new_leader_adopts_leases_and_parked_tickets(
     held = await follower.acquire(make_ticket("A"))
     parked = asyncio.ensure_future(follower.acquire(make_ticket("B")))
     await follower.barrier()
-    await kill(old)
+    await vanish(old)
     # A new leader, once (the bound only ends a hung wait; how soon is Redis's TTL).
     await eventually(lambda: follower.leading or third.leading, timeout_s=5)
     new = follower if follower.leading else third
@@ -388,19 +388,6 @@ async def test_leader_killed_new_leader_adopts_leases_and_parked_tickets(
     assert new.statistics().in_flight == 1
     lease.release()
     assert not (follower.leading and third.leading)
-
-
-async def kill(replica: ReplicaScheduler) -> None:
-    """Cut a replica off without any handover: its tasks stop, its connections close."""
-    for task in (*replica._loops, *replica._leading):
-        task.cancel()
-    replica._closed = True
-    link = replica._link
-    assert link is not None
-    replica._link = None
-    replica._loops = []
-    replica._leading = []
-    await link.aclose()
 
 
 async def test_leader_closing_hands_over_at_once(cluster: Cluster) -> None:
@@ -419,7 +406,7 @@ async def test_a_silent_followers_leases_are_freed_within_the_ttl(cluster: Clust
     await victim.acquire(make_ticket("A"))  # holds the only slot, never released
     parked = asyncio.ensure_future(leader.acquire(make_ticket("B")))
     await asyncio.sleep(0)
-    await kill(victim)
+    await vanish(victim)
     lease = await asyncio.wait_for(parked, 10 * TTL_S + 5)
     assert lease.ticket.user == "B"
     lease.release()
