@@ -290,6 +290,7 @@ class ReplicaScheduler:
         """Start what runs in the background (only a replica on Redis has any). Idempotent."""
 
     async def aclose(self) -> None:
+        """Close (a replica on Redis also hands over and disconnects)."""
         self.close()
 
     async def barrier(self) -> None:

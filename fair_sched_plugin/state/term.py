@@ -1,6 +1,6 @@
 """A leadership term: the acting leader's core with every replica's tickets and leases in it,
-keyed by (replica, session, ticket id). Only the replica that decides holds one (the Redis
-leader, or a replica in a local term); `ReplicaScheduler` opens and ends it.
+keyed by (replica, session, ticket id). Only the replica that decides holds one: a replica on
+its own for good, the Redis leader for its lease, a replica cut off from Redis until it is back.
 """
 
 from __future__ import annotations
