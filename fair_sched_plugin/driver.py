@@ -23,7 +23,14 @@ from .core.scheduler import QueueOrder, SchedulerCore
 from .core.ticket import Lease, Ticket, TierLimits
 from .errors import Rejected
 
-__all__ = ["FairScheduler", "LoopClock", "Reservation", "TimerClock", "TimerHandle"]
+__all__ = [
+    "FairScheduler",
+    "LoopClock",
+    "Reservation",
+    "TimerClock",
+    "TimerHandle",
+    "abandon_if_granted",
+]
 
 
 class TimerHandle(Protocol):
@@ -83,11 +90,16 @@ class Reservation:
     def withdraw(self) -> None:
         """The caller will not use its turn: leave the queue, or hand back the lease it was
         granted and never used (the engine never saw it, so the next request gets the turn)."""
-        if self.cancel():
-            return
-        future = self.future
-        if future.done() and not future.cancelled() and future.exception() is None:
-            future.result().abandon()
+        if not self.cancel():
+            abandon_if_granted(self.future)
+
+
+def abandon_if_granted(future: asyncio.Future[Lease]) -> None:
+    """A lease granted to a caller that no longer waits for it goes back unused (the engine never
+    saw it: the turn passes on and the user is not charged). The one place that does this: the
+    driver's callers, a follower replica's own waits and the service's wait all end here."""
+    if future.done() and not future.cancelled() and future.exception() is None:
+        future.result().abandon()
 
 
 class FairScheduler(SchedulerCore):

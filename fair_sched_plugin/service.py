@@ -52,7 +52,7 @@ from .core import (
     retry_after_s,
 )
 from .core.standing import ArrivalRanks
-from .driver import FairScheduler, LoopClock, TimerClock, TimerHandle
+from .driver import FairScheduler, LoopClock, TimerClock, TimerHandle, abandon_if_granted
 from .errors import (
     BudgetExceeded,
     ClientDisconnected,
@@ -1154,8 +1154,7 @@ def _cancel_acquire(acquiring: asyncio.Future[Lease]) -> None:
         # was granted but not yet seen by the waiting task.
         acquiring.cancel()
         return
-    if not acquiring.cancelled() and acquiring.exception() is None:
-        acquiring.result().abandon()
+    abandon_if_granted(acquiring)
 
 
 def _resolve_backends(

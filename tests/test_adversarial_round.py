@@ -14,7 +14,7 @@ from fair_sched_plugin.asgi import _usage_from_sse
 from fair_sched_plugin.bench.trace import TraceError, parse_line
 from fair_sched_plugin.core import Lease
 from fair_sched_plugin.service import requested_max_tokens
-from fair_sched_plugin.state.replica import _read_published
+from fair_sched_plugin.state.wire import read_published
 from fair_sched_plugin.testing import make_ticket
 
 
@@ -101,7 +101,7 @@ def test_a_too_deep_statistics_document_in_redis_is_a_value_error() -> None:
     """The other readers of Redis values turn RecursionError into ValueError; the leader's
     statistics document did not, so a corrupt `stats` key raised out of `_after_beat`."""
     with pytest.raises(ValueError, match="nested too deeply"):
-        _read_published(TOO_DEEP)
+        read_published(TOO_DEEP)
 
 
 def test_a_too_deep_error_body_after_keep_alive_becomes_our_error_event() -> None:

@@ -2,7 +2,8 @@
 holds the leader lease in Redis (`redis://`, `rediss://`; the `redis` extra).
 
 Either way the decisions are the core's (`FairScheduler` + `MetricsGate`); Redis only carries
-tickets, grants and the leader lease between replicas. See `replica.py` and docs/redis.md.
+tickets, grants and the leader lease between replicas. See `replica.py`, `redis_replica.py`
+and docs/redis.md.
 """
 
 from __future__ import annotations
@@ -34,6 +35,7 @@ def open_state(
     if lease_ttl_s < 2 * heartbeat_s:
         raise ValueError("lease_ttl_s must be at least twice heartbeat_s")
     from .redis_link import RedisLink
+    from .redis_replica import RedisReplica
 
     link = RedisLink(
         url,
@@ -42,4 +44,4 @@ def open_state(
         ttl_s=lease_ttl_s,
         block_s=heartbeat_s,
     )
-    return ReplicaScheduler(core, gate, link=link, heartbeat_s=heartbeat_s)
+    return RedisReplica(core, gate, link=link, heartbeat_s=heartbeat_s)

@@ -34,7 +34,7 @@ from redis.exceptions import RedisError, ResponseError
 
 from ..config import safe_url
 from ..errors import StateStoreError
-from ._values import corrupt_value, parse_token
+from .wire import corrupt_value, parse_token
 
 _SCRIPTS = ("elect", "renew", "deliver", "resign", "heartbeat", "budgets")
 

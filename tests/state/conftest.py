@@ -19,6 +19,8 @@ from typing import Any
 
 import pytest
 
+from fair_sched_plugin.state.redis_replica import RedisReplica
+
 from ..support import eventually, free_port
 
 LOOPBACK = "127.0.0.1"
@@ -128,3 +130,18 @@ async def heartbeats(raw: Any, replicas: int, rounds: int) -> None:
         return await pttl_calls() >= target
 
     await eventually(enough, 10, what=f"{rounds} heartbeats of {replicas} replicas")
+
+
+async def vanish(replica: object) -> None:
+    """Cut a replica on Redis off without any handover: its tasks stop, its connections close
+    (nothing is resigned, nothing is sent)."""
+    assert isinstance(replica, RedisReplica)
+    for task in (*replica._loops, *replica._leading):
+        task.cancel()
+    replica._closed = True
+    link = replica._link
+    assert link is not None
+    replica._link = None
+    replica._loops = []
+    replica._leading = []
+    await link.aclose()

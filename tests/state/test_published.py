@@ -17,7 +17,7 @@ from fair_sched_plugin.core import (
     TierLimits,
 )
 from fair_sched_plugin.driver import FairScheduler
-from fair_sched_plugin.state.replica import _read_published
+from fair_sched_plugin.state.wire import read_published, statistics_document
 from fair_sched_plugin.testing import FakeClock
 
 AUTO = TierLimits("interactive", waiting_below=2, auto_waiting_below=(1, 8), ttft_target_s=1.0)
@@ -61,9 +61,9 @@ def test_a_gate_row_survives_the_wire_by_name() -> None:
 
 def test_a_follower_reads_the_leaders_gate_rows_per_deployment() -> None:
     scheduler, gate = _leader(FakeClock())
-    # As `ReplicaScheduler._document` writes it.
-    published = _read_published(_document(scheduler, [row.to_wire() for row in gate.status()]))
-    assert published.gate == tuple(gate.status())
+    stats = scheduler.statistics()
+    published = read_published(statistics_document("leader", 1, 2, stats, gate.status()))
+    assert published == (stats, tuple(gate.status()))
     (row,) = published.gate
     assert [d.deployment for d in row.per_deployment] == ["http://a/v1", "http://b/metrics"]
     assert row.per_deployment[0].allowed_queue == (("interactive", 2.0),)
@@ -73,10 +73,10 @@ def test_an_older_leaders_positional_rows_still_read() -> None:
     """During a rolling upgrade the leader may be a version that wrote `list(row)`."""
     scheduler, gate = _leader(FakeClock())
     positional = json.loads(json.dumps([list(row) for row in gate.status()]))
-    assert _read_published(_document(scheduler, positional)).gate == tuple(gate.status())
+    assert read_published(_document(scheduler, positional)).gate == tuple(gate.status())
     # Older still: no per-deployment rows, no allowed queue.
     oldest = [row[:-2] for row in positional]
-    (row,) = _read_published(_document(scheduler, oldest)).gate
+    (row,) = read_published(_document(scheduler, oldest)).gate
     assert row.per_deployment == () and row.allowed_queue == ()
     assert row.free_slots == gate.status()[0].free_slots
 
@@ -84,7 +84,7 @@ def test_an_older_leaders_positional_rows_still_read() -> None:
 def test_a_newer_leaders_added_fields_are_ignored() -> None:
     scheduler, gate = _leader(FakeClock())
     rows = [{**row.to_wire(), "added_later": 1} for row in gate.status()]
-    assert _read_published(_document(scheduler, rows)).gate == tuple(gate.status())
+    assert read_published(_document(scheduler, rows)).gate == tuple(gate.status())
 
 
 def test_a_row_missing_a_field_fails_naming_it() -> None:
@@ -92,15 +92,15 @@ def test_a_row_missing_a_field_fails_naming_it() -> None:
     (row,) = [row.to_wire() for row in gate.status()]
     del row["free_slots"]
     with pytest.raises(ValueError, match="GroupStatus on the wire lacks free_slots"):
-        _read_published(_document(scheduler, [row]))
+        read_published(_document(scheduler, [row]))
     (row,) = [row.to_wire() for row in gate.status()]
     del row["per_deployment"][0]["in_flight"]
     with pytest.raises(ValueError, match="DeploymentStatus on the wire lacks in_flight"):
-        _read_published(_document(scheduler, [row]))
+        read_published(_document(scheduler, [row]))
 
 
 def test_a_positional_row_longer_than_any_older_leader_wrote_is_refused() -> None:
     scheduler, gate = _leader(FakeClock())
     rows = [[*list(row), "extra"] for row in gate.status()]
     with pytest.raises(ValueError, match="positional gate row has 15 fields"):
-        _read_published(_document(scheduler, rows))
+        read_published(_document(scheduler, rows))

@@ -18,7 +18,7 @@ from fair_sched_plugin.proxy import build_proxy_app
 from fair_sched_plugin.service import UNKNOWN_MODELS, SchedulingService
 
 from ..integrations.conftest import MODEL, chat_body, emulator, fair_config, serve, wait_until
-from .conftest import RedisServer, unique_prefix
+from .conftest import RedisServer, unique_prefix, vanish
 
 pytestmark = pytest.mark.redis
 
@@ -226,16 +226,7 @@ async def test_leader_cut_off_mid_flood_a_new_leader_takes_over(
 async def cut_off(service: SchedulingService) -> None:
     """The replica vanishes without a handover: its state tasks stop, its Redis connections
     close, its watchers stop (nothing is resigned, nothing is sent)."""
-    scheduler = service.scheduler
-    for task in (*scheduler._loops, *scheduler._leading):
-        task.cancel()
-    scheduler._closed = True
-    link = scheduler._link
-    assert link is not None
-    scheduler._link = None
-    scheduler._loops = []
-    scheduler._leading = []
-    await link.aclose()
+    await vanish(service.scheduler)
     for group in service.watchers().values():
         for watcher in group:
             await watcher.aclose()

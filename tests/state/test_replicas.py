@@ -19,11 +19,11 @@ from fair_sched_plugin.core import InflightLimitGate, Lease, TierLimits, estimat
 from fair_sched_plugin.driver import FairScheduler
 from fair_sched_plugin.errors import QueueFull, QueueTimeout
 from fair_sched_plugin.state import ReplicaScheduler, open_state
-from fair_sched_plugin.state.replica import _read_reply
+from fair_sched_plugin.state.wire import read_reply
 from fair_sched_plugin.testing import ManualGate, make_ticket
 
 from ..support import eventually
-from .conftest import RedisServer, unique_prefix
+from .conftest import RedisServer, unique_prefix, vanish
 
 pytestmark = pytest.mark.redis
 
@@ -309,7 +309,7 @@ async def test_a_grant_carries_the_engine_rank_where_the_engine_orders_users(
 def test_grants_without_a_rank_or_a_deployment_are_read_as_rank_0() -> None:
     """Only a grant in user order carries the rank (a follower older than the field would
     drop it); an older leader's grant has no deployment either."""
-    assert _read_reply(json.dumps(["g", 1, 0, 7, 1.0, "http://a/v1", 4])) == (
+    assert read_reply(json.dumps(["g", 1, 0, 7, 1.0, "http://a/v1", 4])) == (
         "g",
         1,
         0,
@@ -318,10 +318,10 @@ def test_grants_without_a_rank_or_a_deployment_are_read_as_rank_0() -> None:
         "http://a/v1",
         4,
     )
-    assert _read_reply(json.dumps(["g", 1, 0, 7, 1.0, "http://a/v1"]))[-1] == 0
-    assert _read_reply(json.dumps(["g", 1, 0, 7, 1.0])) == ("g", 1, 0, 7, 1.0, None, 0)
-    assert _read_reply(json.dumps(["g", 1, 0, 7, 1.0, None, -1])) is None
-    assert _read_reply(json.dumps(["g", 1, 0, 7, 1.0, None, True])) is None
+    assert read_reply(json.dumps(["g", 1, 0, 7, 1.0, "http://a/v1"]))[-1] == 0
+    assert read_reply(json.dumps(["g", 1, 0, 7, 1.0])) == ("g", 1, 0, 7, 1.0, None, 0)
+    assert read_reply(json.dumps(["g", 1, 0, 7, 1.0, None, -1])) is None
+    assert read_reply(json.dumps(["g", 1, 0, 7, 1.0, None, True])) is None
 
 
 async def test_a_deposed_leader_cannot_grant(cluster: Cluster, redis_server: RedisServer) -> None:
@@ -368,7 +368,7 @@ async def test_leader_killed_new_leader_adopts_leases_and_parked_tickets(
     held = await follower.acquire(make_ticket("A"))
     parked = asyncio.ensure_future(follower.acquire(make_ticket("B")))
     await follower.barrier()
-    await kill(old)
+    await vanish(old)
     # A new leader, once (the bound only ends a hung wait; how soon is Redis's TTL).
     await eventually(lambda: follower.leading or third.leading, timeout_s=5)
     new = follower if follower.leading else third
@@ -383,19 +383,6 @@ async def test_leader_killed_new_leader_adopts_leases_and_parked_tickets(
     assert new.statistics().in_flight == 1
     lease.release()
     assert not (follower.leading and third.leading)
-
-
-async def kill(replica: ReplicaScheduler) -> None:
-    """Cut a replica off without any handover: its tasks stop, its connections close."""
-    for task in (*replica._loops, *replica._leading):
-        task.cancel()
-    replica._closed = True
-    link = replica._link
-    assert link is not None
-    replica._link = None
-    replica._loops = []
-    replica._leading = []
-    await link.aclose()
 
 
 async def test_leader_closing_hands_over_at_once(cluster: Cluster) -> None:
@@ -414,7 +401,7 @@ async def test_a_silent_followers_leases_are_freed_within_the_ttl(cluster: Clust
     await victim.acquire(make_ticket("A"))  # holds the only slot, never released
     parked = asyncio.ensure_future(leader.acquire(make_ticket("B")))
     await asyncio.sleep(0)
-    await kill(victim)
+    await vanish(victim)
     lease = await asyncio.wait_for(parked, 10 * TTL_S + 5)
     assert lease.ticket.user == "B"
     lease.release()

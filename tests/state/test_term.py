@@ -11,16 +11,16 @@ from typing import Any
 from fair_sched_plugin.core import InflightLimitGate, TierLimits
 from fair_sched_plugin.driver import FairScheduler
 from fair_sched_plugin.state import open_state
-from fair_sched_plugin.state.replica import _Term
+from fair_sched_plugin.state.term import Term
 from fair_sched_plugin.testing import make_ticket, settle
 
 TIERS = (TierLimits("interactive"),)
 
 
-def term(cap: int = 1) -> tuple[_Term, list[tuple[str, Any]]]:
+def term(cap: int = 1) -> tuple[Term, list[tuple[str, Any]]]:
     replies: list[tuple[str, Any]] = []
     core = FairScheduler(TIERS, InflightLimitGate(cap))
-    return _Term(core, 7, lambda replica, reply: replies.append((replica, reply))), replies
+    return Term(core, 7, lambda replica, reply: replies.append((replica, reply))), replies
 
 
 async def test_cancel_reaches_the_leader_between_the_grant_and_its_callback() -> None:

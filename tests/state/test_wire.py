@@ -15,8 +15,8 @@ import pytest
 from fair_sched_plugin.core import InflightLimitGate, Lease, TierLimits
 from fair_sched_plugin.driver import FairScheduler
 from fair_sched_plugin.state import open_state
-from fair_sched_plugin.state._values import OutOfRange
-from fair_sched_plugin.state.replica import _parse_reply, _read_message, _read_published, _Term
+from fair_sched_plugin.state.term import Term
+from fair_sched_plugin.state.wire import OutOfRange, parse_reply, read_message, read_published
 from fair_sched_plugin.testing import make_ticket, settle
 
 TIERS = (TierLimits("interactive"),)
@@ -111,29 +111,29 @@ BAD_MESSAGES: dict[str, tuple[str, list[Any]]] = {
 def test_a_follower_message_out_of_range_is_refused_naming_the_field(case: str) -> None:
     field, message = BAD_MESSAGES[case]
     with pytest.raises(OutOfRange) as refused:
-        _read_message(json.dumps(message), TIERS)
+        read_message(json.dumps(message), TIERS)
     assert refused.value.field == field
     assert len(str(refused.value)) < 120  # a 400-digit value is not repeated in full
 
 
 def test_messages_in_range_are_read_and_older_ones_still_are() -> None:
-    read = _read_message(json.dumps(ticket()), TIERS)
+    read = read_message(json.dumps(ticket()), TIERS)
     assert read.body[0] == make_ticket("A", cost=40, price=0.5)
     # Without the price (a follower older than the field): priced at nothing, as it was.
-    assert _read_message(json.dumps(ticket()[:-1]), TIERS).body[0].price == 0.0
-    assert _read_message(json.dumps(end()), TIERS).body == (12, 0.25, False)
+    assert read_message(json.dumps(ticket()[:-1]), TIERS).body[0].price == 0.0
+    assert read_message(json.dumps(end()), TIERS).body == (12, 0.25, False)
     # Without the cost (older), and tokens unknown (-1).
-    assert _read_message(json.dumps(end(-1)[:-1]), TIERS).body == (None, None, False)
-    assert _read_message(json.dumps(adopted()), TIERS).body[0].price == 0.5
-    assert _read_message(json.dumps(adopted()[:-1]), TIERS).body[0].price == 0.0
-    assert _read_message(json.dumps(spend()), TIERS).body == ("A", 0.5, 10)
+    assert read_message(json.dumps(end(-1)[:-1]), TIERS).body == (None, None, False)
+    assert read_message(json.dumps(adopted()), TIERS).body[0].price == 0.5
+    assert read_message(json.dumps(adopted()[:-1]), TIERS).body[0].price == 0.0
+    assert read_message(json.dumps(spend()), TIERS).body == ("A", 0.5, 10)
 
 
 def test_json_nested_too_deeply_is_refused_not_raised() -> None:
     with pytest.raises(ValueError):
-        _read_message("[" * 100_000, TIERS)
+        read_message("[" * 100_000, TIERS)
     with pytest.raises(ValueError):
-        _parse_reply("[" * 100_000)
+        parse_reply("[" * 100_000)
 
 
 def grant(**changes: Any) -> list[Any]:
@@ -170,7 +170,7 @@ BAD_REPLIES: dict[str, tuple[str, list[Any]]] = {
 def test_a_leader_reply_out_of_range_is_refused_naming_the_field(case: str) -> None:
     field, reply = BAD_REPLIES[case]
     with pytest.raises(OutOfRange) as refused:
-        _parse_reply(json.dumps(reply))
+        parse_reply(json.dumps(reply))
     assert refused.value.field == field
     assert len(str(refused.value)) < 120
 
@@ -200,7 +200,7 @@ def test_a_published_count_out_of_range_is_refused() -> None:
             "gate": [],
         }
         with pytest.raises(OutOfRange) as refused:
-            _read_published(json.dumps(document))
+            read_published(json.dumps(document))
         assert refused.value.field == "a scheduler count"
 
 
@@ -226,7 +226,7 @@ async def test_a_lease_end_carries_tokens_and_cost_into_a_memory_replicas_core()
 
 async def test_a_term_ends_a_lease_with_its_cost() -> None:
     core, ended = cost_core()
-    current = _Term(core, 7, lambda replica, reply: None)
+    current = Term(core, 7, lambda replica, reply: None)
     current.submit(("f", 0, 1), make_ticket("A", cost=300, price=2.0))
     await settle()
     current.end(("f", 0, 1), 20, abandoned=False, cost_used=0.125)
