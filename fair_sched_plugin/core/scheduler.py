@@ -360,16 +360,11 @@ class SchedulerCore(SchedulerReads):
     # ------------------------------------------------------------------ releasing
 
     def _on_capacity(self, model: str | None) -> None:
-        if model is None:
-            for name in list(self._models):
-                self._dispatch(name)
-        else:
-            self._dispatch(model)
-
-    def _dispatch(self, model: str) -> None:
-        queues = self._models.get(model)
-        if queues is not None:
-            self._dispatch_queues(queues)
+        names = list(self._models) if model is None else [model]
+        for name in names:
+            queues = self._models.get(name)
+            if queues is not None:
+                self._dispatch_queues(queues)
 
     def _dispatch_queues(self, queues: ModelQueues) -> None:
         if not queues.queued:
