@@ -129,15 +129,15 @@ async def main(parked_total: int, big: int, intervals: int, sample: int, streams
     calls = max(20, sample // 5)
 
     def refuse() -> None:
-        svc._estimate_retry_after(QueueTimeout("timed out", retry_after_s=1.0), big_ticket)
+        svc.standings.estimate_retry_after(QueueTimeout("timed out", retry_after_s=1.0), big_ticket)
 
     def suggest() -> None:
-        svc.suggest_retry_after(UNKNOWN_MODELS, user="u0")
+        svc.standings.suggest_retry_after(UNKNOWN_MODELS, user="u0")
 
     refusal = _cpu_per_call(calls, refuse)
     print(f"Retry-After of a refusal (a timed-out request): {refusal * 1e6:.1f} us")
     print(f"suggest_retry_after (the proxy's 429): {_cpu_per_call(calls, suggest) * 1e6:.1f} us")
-    standing = _cpu_per_call(max(5, calls // 10), lambda: svc.standing_of(big_principal))
+    standing = _cpu_per_call(max(5, calls // 10), lambda: svc.standings.standing_of(big_principal))
     print(f"/fair-sched/queue for a caller with {big} parked: {standing * 1e6:.1f} us")
 
     holder.lease.release()

@@ -39,7 +39,8 @@ from .core import Lease
 from .errors import ClientDisconnected, InvalidRequest, LeaseExpired, Rejected
 
 if TYPE_CHECKING:
-    from .service import Admission, ParkedRequest
+    from ._standing import ParkedRequest
+    from .service import Admission
 
 logger = logging.getLogger("fair_sched")
 

@@ -18,7 +18,7 @@ without a trailing "/", credentials and query as configured) is
 `request.state.fair_sched_deployment` (`scope["state"]`), the one place that holds it. The
 request header `x-fair-sched-deployment` carries the deployment's public name (the api_base
 without credentials, query or fragment, `#n` appended where two would look alike:
-`SchedulingService.deployment_name`), since apps echo and forward headers; a client's own header
+`DeploymentNames.deployment_name`), since apps echo and forward headers; a client's own header
 of that name is removed from every HTTP request, scheduled or not, so the app may trust it.
 None and no header for a model without deployments the gate knows (one scheduled on the shared
 in-flight cap). The response carries the same public name in `x-fair-sched-deployment`.
@@ -40,6 +40,7 @@ from starlette.datastructures import Headers
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from . import _responses, observability
+from ._body import parse_request_body, rewrite_priority
 from ._request import DEPLOYMENT_HEADER, RequestWatch
 from ._shutdown import install_sigterm_drain
 from ._usage import JsonUsageFinder, Usage, read_usage
@@ -47,7 +48,7 @@ from .config import FairSchedSettings
 from .core import Lease
 from .errors import ClientDisconnected, ConfigError, Rejected
 from .identity import Credentials
-from .service import SchedulingService, UnknownModels, parse_request_body
+from .service import SchedulingService, UnknownModels
 
 UserResolver = Callable[[Scope, Mapping[str, Any]], str | None]
 
@@ -231,7 +232,7 @@ class FairSchedulerMiddleware:
                 headers={"WWW-Authenticate": "Bearer"},
             ).send_asgi(send)
             return
-        content = json.dumps(self.service.standing_of(principal)).encode()
+        content = json.dumps(self.service.standings.standing_of(principal)).encode()
         await send(
             {
                 "type": "http.response.start",
@@ -318,9 +319,9 @@ class _ScheduledRequest:
             return
         lease = admission.lease
         self.watch.hold(lease)
-        self.watch.interrupted_tokens = self.service.interrupted_tokens
+        self.watch.interrupted_tokens = self.service.charges.interrupted_tokens
         self.watch.admitted(admission, name_principal=self.service.names_principals)
-        self.service.rewrite_priority(body, admission.engine_priority, via_extra_body=False)
+        rewrite_priority(body, admission.engine_priority, via_extra_body=False)
         new_body = json.dumps(body).encode()
         app_scope = dict(scope)
         app_scope["headers"] = _for_app(scope["headers"], len(new_body), admission.deployment_name)
@@ -419,7 +420,7 @@ class _ScheduledRequest:
             self.sse_tail.clear()
         usage = self.usage or (None if self.response_is_stream else self.body_usage.usage)
         if usage is not None:
-            self.watch.report(lease, *self.service.charge_of(lease.ticket.model, usage))
+            self.watch.report(lease, *self.service.charges.charge_of(lease.ticket.model, usage))
         elif self.stream_chunks:
             self.watch.report(lease, self.stream_chunks, None)
 

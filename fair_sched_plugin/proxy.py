@@ -39,13 +39,14 @@ from starlette.routing import Route
 from starlette.types import Receive, Scope, Send
 
 from . import _responses
+from ._body import parse_request_body
 from ._http import KEEPALIVE_EXPIRY_S
 from ._request import current_request
 from .asgi import DEPLOYMENT_STATE, FairSchedulerMiddleware
 from .config import FairSchedSettings, load_settings
 from .errors import ConfigError, EngineUnavailable, Rejected
 from .observability import METRICS_PATH, STATUS_PATH, endpoints
-from .service import SchedulingService, parse_request_body
+from .service import SchedulingService
 
 __all__ = ["DEFAULT_TIMEOUT", "add_proxy_parser", "build_proxy_app"]
 
@@ -219,7 +220,7 @@ class _ProxyRoutes:
             # A leader whose `api_bases` differ (a config change rolling out) bound it to an
             # engine this replica does not serve: sent to another, it would run where the
             # leader did not count it.
-            shown = self._service.deployment_name(deployment)
+            shown = self._service.names.deployment_name(deployment)
             logger.warning(
                 "fair_sched proxy: a request for model %r was bound to %s, which this proxy "
                 "does not serve (do the replicas' api_bases differ?)",
@@ -263,9 +264,9 @@ class _ProxyRoutes:
         except httpx.TransportError as exc:
             logger.warning(
                 "fair_sched proxy: cannot reach %s for model %r: %s",
-                self._service.deployment_name(api_base),
+                self._service.names.deployment_name(api_base),
                 model,
-                self._service.redact(_describe(exc)),
+                self._service.names.redact(_describe(exc)),
             )
             if isinstance(exc, httpx.ReadTimeout):
                 _charge_leases(self._service)
@@ -274,7 +275,7 @@ class _ProxyRoutes:
             # Retry when the queue ahead would have drained at the measured rate, or at least
             # once the gate could have noticed (metrics go stale and it falls back).
             service = self._service
-            retry_after = service.suggest_retry_after(model) or (
+            retry_after = service.standings.suggest_retry_after(model) or (
                 service.settings.effective_stale_after_ms / 1000
             )
             return _json_error(
@@ -321,7 +322,7 @@ def _charge_leases(service: SchedulingService) -> None:
     watch = current_request()
     for lease in watch.leases if watch is not None else ():
         if lease.active:
-            lease.release(service.interrupted_tokens(lease))
+            lease.release(service.charges.interrupted_tokens(lease))
 
 
 async def _send_retrying_once(
@@ -344,8 +345,8 @@ async def _send_retrying_once(
     except _RETRIED_ONCE as exc:
         logger.info(
             "fair_sched proxy: a request to %s failed (%s); sending it once more",
-            service.deployment_name(api_base),
-            service.redact(_describe(exc)),
+            service.names.deployment_name(api_base),
+            service.names.redact(_describe(exc)),
         )
     return await send()
 

@@ -8,12 +8,12 @@ from typing import Any
 
 import pytest
 
+from fair_sched_plugin._body import requested_max_tokens
 from fair_sched_plugin._request import RequestWatch, _error_payload
 from fair_sched_plugin._usage import JsonUsageFinder
 from fair_sched_plugin.asgi import _usage_from_sse
 from fair_sched_plugin.bench.trace import TraceError, parse_line
 from fair_sched_plugin.core import Lease
-from fair_sched_plugin.service import requested_max_tokens
 from fair_sched_plugin.state.wire import read_published
 from fair_sched_plugin.testing import make_ticket
 

@@ -112,12 +112,14 @@ async def test_the_service_tunes_an_auto_tier_and_reports_what_it_allows() -> No
     assert limits.ttft_target_s == 0.5
     spec = svc.gate.groups()["m"]
     assert (spec.max_num_seqs, spec.metrics_lag_s) == (8, 1.5)
-    assert svc.waiting_thresholds() == {"m": {"interactive": 6}}  # 3 per deployment
+    assert svc.observability.view.waiting_thresholds() == {
+        "m": {"interactive": 6}
+    }  # 3 per deployment
     for url in spec.metrics_urls:
         svc.gate.update("m", BackendSnapshot(url, clock.now(), ok=True, running=8))
     svc.gate.may_release("m", limits)  # the tuner starts with the tier's first decision
     assert [t["interactive"].allowed for t in svc.gate.tuning("m").values()] == [3, 3]
-    assert svc.waiting_thresholds() == {"m": {"interactive": 6}}
+    assert svc.observability.view.waiting_thresholds() == {"m": {"interactive": 6}}
     # The engine's queue is at the allowed 3 + 3 and its TTFT well within the target: it grows.
     for url in spec.metrics_urls:
         svc.gate.update("m", BackendSnapshot(url, clock.now(), ok=True, waiting=3, running=8))
@@ -126,9 +128,9 @@ async def test_the_service_tunes_an_auto_tier_and_reports_what_it_allows() -> No
     for url in spec.metrics_urls:
         snapshot = BackendSnapshot(url, clock.now(), ok=True, waiting=3, running=8, ttft_s=0.1)
         svc.gate.update("m", snapshot)
-    assert svc.waiting_thresholds() == {"m": {"interactive": 8}}
+    assert svc.observability.view.waiting_thresholds() == {"m": {"interactive": 8}}
     text = svc.observability.render().decode()
     assert 'fair_sched_tier_waiting_threshold{model="m",tier="interactive"} 8.0' in text
-    status = svc.gate_status()[0]
+    status = svc.scheduler.gate_status()[0]
     assert status.allowed_queue == (("interactive", 8.0),)
     await svc.aclose()

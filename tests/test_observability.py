@@ -611,7 +611,7 @@ async def test_a_request_that_leaves_while_parked_is_never_counted_in_flight() -
     assert isinstance(outcome, ClientDisconnected)
     assert service.scheduler.statistics().abandoned_total == 1
     assert service.scheduler.statistics().in_flight == 0
-    assert service.in_flight_by_user() == {}
+    assert service.observability.view.in_flight_by_user() == {}
     await service.aclose()
 
 

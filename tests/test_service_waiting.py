@@ -8,9 +8,10 @@ from typing import Any
 
 import pytest
 
+from fair_sched_plugin._standing import ParkedRequest
 from fair_sched_plugin.errors import QueueFull, QueueTimeout, SchedulerClosed
 from fair_sched_plugin.identity import Credentials
-from fair_sched_plugin.service import UNKNOWN_MODELS, Admission, ParkedRequest, SchedulingService
+from fair_sched_plugin.service import UNKNOWN_MODELS, Admission, SchedulingService
 from fair_sched_plugin.testing import FakeClock, settle
 
 BODY = {"model": "m", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 10}
@@ -52,18 +53,18 @@ async def test_thirty_parked_requests_of_one_principal_have_positions_in_order()
     holder = await svc.admit(alice, "m", BODY)
     parked = [asyncio.ensure_future(svc.admit(alice, "m", BODY)) for _ in range(30)]
     await settle()
-    mine = svc.parked_of("alice")
+    mine = svc.standings.parked_of("alice")
     assert list(mine) == [UNKNOWN_MODELS] and len(mine[UNKNOWN_MODELS]) == 30
-    positions = svc.positions_of("alice", UNKNOWN_MODELS)
+    positions = svc.standings.positions_of("alice", UNKNOWN_MODELS)
     assert list(positions.values()) == list(range(1, 31))
-    assert svc.parked_of("bob") == {}
+    assert svc.standings.parked_of("bob") == {}
     # Bob queues two: round robin puts his first after alice's first, so alice's later
     # requests move back by up to two places.
     bobs = [asyncio.ensure_future(svc.admit(bob, "m", BODY)) for _ in range(2)]
     await settle()
-    positions = svc.positions_of("alice", UNKNOWN_MODELS)
+    positions = svc.standings.positions_of("alice", UNKNOWN_MODELS)
     assert list(positions.values())[:3] == [2, 4, 5]
-    assert list(svc.positions_of("bob", UNKNOWN_MODELS).values()) == [2, 4]
+    assert list(svc.standings.positions_of("bob", UNKNOWN_MODELS).values()) == [2, 4]
     holder.lease.release()
     for task in [*parked, *bobs]:
         task.cancel()
@@ -89,7 +90,7 @@ async def test_the_wait_observer_hears_parked_and_unparked_once_each() -> None:
     holder.lease.release()
     admission: Admission = await asyncio.wait_for(waiting, 5)
     assert recorder.events == ["parked", "unparked"]
-    assert svc.parked_of("alice") == {}
+    assert svc.standings.parked_of("alice") == {}
     admission.lease.release()
     await svc.aclose()
 
@@ -271,13 +272,13 @@ async def test_estimates_read_counts_and_never_scan_the_backlog() -> None:
     standings = [r.parked_request.standing() for r in recorders if r.parked_request]
     assert [position for position, _, _ in standings][:3] == [2, 4, 5]
     assert all(eta is not None for _, eta, _ in standings)
-    document = svc.standing_of(alice)
+    document = svc.standings.standing_of(alice)
     assert [row["position"] for row in document["models"][UNKNOWN_MODELS]["parked"]][:3] == [
         2,
         4,
         5,
     ]
-    assert svc.suggest_retry_after(UNKNOWN_MODELS, user="carol") is not None
+    assert svc.standings.suggest_retry_after(UNKNOWN_MODELS, user="carol") is not None
     with pytest.raises(QueueFull) as full:
         await svc.admit(alice, "m", BODY)
     assert full.value.retry_after_s >= 1.0
@@ -342,7 +343,7 @@ async def test_a_parked_requests_eta_never_grows_while_nothing_drains() -> None:
     known = [eta for eta in etas if eta is not None]
     assert known == sorted(known, reverse=True) and known[0] == pytest.approx(0.5)
     assert etas[-1] is None
-    assert svc.standing_of(alice)["models"][UNKNOWN_MODELS]["parked"][0]["eta_s"] is None
+    assert svc.standings.standing_of(alice)["models"][UNKNOWN_MODELS]["parked"][0]["eta_s"] is None
     holder.lease.release()
     (await asyncio.wait_for(waiting, 5)).lease.release()
     await svc.aclose()

@@ -74,7 +74,7 @@ def test_no_token_count_is_no_usage(usage: object) -> None:
 
 
 async def test_finishing_with_usage_charges_tokens_and_money_without_the_cached_prompt() -> None:
-    """`SchedulingService.charge_of`, what every adapter's request end charges: `tokens_used`
+    """`Charges.charge_of`, what every adapter's request end charges: `tokens_used`
     leaves out cached prompt tokens; money prices them at `cached_input_per_mtok`; token budgets
     count the same tokens."""
     svc = SchedulingService(
@@ -90,14 +90,14 @@ async def test_finishing_with_usage_charges_tokens_and_money_without_the_cached_
     )
     alice = svc.identify(Credentials(api_key="sk-a"))
     lease = (await svc.admit(alice, "m", BODY)).lease
-    tokens_used, cost_used = svc.charge_of("m", Usage(1000, 10, 1010, 896))
+    tokens_used, cost_used = svc.charges.charge_of("m", Usage(1000, 10, 1010, 896))
     assert lease.release(tokens_used, cost_used=cost_used)
     assert lease.tokens_used == 104 + 10
     # 104 input at 1.0, 896 cached at 0.1, 10 output at 3.0, per million.
     assert lease.cost_used == pytest.approx((104 * 1.0 + 896 * 0.1 + 10 * 3.0) / 1e6)
-    tokens_used, cost_used = svc.charge_of("m", Usage(1000, 10, 1010, 0))
+    tokens_used, cost_used = svc.charges.charge_of("m", Usage(1000, 10, 1010, 0))
     assert not lease.release(tokens_used, cost_used=cost_used)  # ends once
-    (standing,) = svc.budget_standings()
+    (standing,) = svc.observability.view.budget_standings()
     assert standing.spent == 104 + 10
     await svc.aclose()
 

@@ -28,6 +28,7 @@ from fastapi import HTTPException
 from litellm.exceptions import ServiceUnavailableError, Timeout
 from litellm.integrations.custom_logger import CustomLogger
 
+from .._body import OUTPUT_TOKEN_FIELDS, rewrite_priority
 from .._request import current_request, ensure_current_request
 from .._responses import error_response
 from .._usage import read_usage
@@ -35,7 +36,7 @@ from ..config import PriceSettings, deployment_key, safe_url
 from ..core import Lease
 from ..errors import ClientDisconnected, InvalidRequest, Rejected
 from ..identity import Credentials, Principal
-from ..service import OUTPUT_TOKEN_FIELDS, UNKNOWN_MODELS, SchedulingService
+from ..service import UNKNOWN_MODELS, SchedulingService
 from ._proxy import running_proxy
 
 logger = logging.getLogger("fair_sched")
@@ -113,7 +114,7 @@ class FairSchedCallback(CustomLogger):
     def service(self) -> SchedulingService:
         if self._service is None:
             self._service = self._service_factory()
-            self._service.use_price_lookup(LiteLLMPrices())
+            self._service.charges.use_price_lookup(LiteLLMPrices())
         return self._service
 
     # ------------------------------------------------------------------ admission
@@ -125,11 +126,11 @@ class FairSchedCallback(CustomLogger):
         pass_through = call_type == PASS_THROUGH_CALL_TYPE
         # A pass-through body reaches the engine as is, so its priority is a top-level field.
         via_extra_body = not pass_through
-        service.rewrite_priority(data, None, via_extra_body=via_extra_body)
+        rewrite_priority(data, None, via_extra_body=via_extra_body)
         nested = data.get(NESTED_CLIENT_BODY.get(call_type, ""))
         if isinstance(nested, MutableMapping):
             # Stripped, not rewritten: a session's settings are not a generation request.
-            service.rewrite_priority(nested, None, via_extra_body=False)
+            rewrite_priority(nested, None, via_extra_body=False)
         if "model" not in data and not pass_through:
             return data  # names no model: cannot reach a model deployment
         model = data.get("model")
@@ -174,8 +175,8 @@ class FairSchedCallback(CustomLogger):
         # LiteLLM sends it on when this hook returns: a client that leaves from now on is
         # charged what the engine can have generated.
         request.forwarded = True
-        request.interrupted_tokens = service.interrupted_tokens
-        service.rewrite_priority(data, admission.engine_priority, via_extra_body=via_extra_body)
+        request.interrupted_tokens = service.charges.interrupted_tokens
+        rewrite_priority(data, admission.engine_priority, via_extra_body=via_extra_body)
         return data
 
     def _principal(
@@ -293,7 +294,7 @@ class FairSchedCallback(CustomLogger):
                 # itself): charged what the engine can have generated, as when a client leaves;
                 # never abandoned, or each such request would use the engine for free.
                 service = self.service
-                request.report(lease, service.interrupted_tokens(lease), None)
+                request.report(lease, service.charges.interrupted_tokens(lease), None)
                 return
             # Refused on the way (another hook, the router) or failed before any answer: the
             # turn passes on uncharged. A started one ends with its response (the watch).
@@ -407,7 +408,7 @@ def _public_name(service: SchedulingService | None, key: str | None) -> str | No
     """A deployment's public name (its api_base may carry credentials)."""
     if key is None:
         return None
-    return service.deployment_name(key) if service is not None else safe_url(key)
+    return service.names.deployment_name(key) if service is not None else safe_url(key)
 
 
 def _unavailable(lease: Lease, why: str, service: SchedulingService | None) -> Exception:
@@ -441,7 +442,7 @@ def _release_with_usage(lease: Lease, service: SchedulingService | None, usage: 
     the lease once the answer went out, after recording its first byte."""
     found = read_usage(usage) if service is not None else None
     tokens_used, cost_used = (
-        service.charge_of(lease.ticket.model, found)
+        service.charges.charge_of(lease.ticket.model, found)
         if service is not None and found is not None
         else (None, None)
     )

@@ -5,8 +5,10 @@ Every `SchedulingService` has one `ServiceMetrics` (``service.observability``) w
 prometheus_client's global registry unless asked (`register_in_default_registry`, done for a
 LiteLLM proxy so the families also appear in LiteLLM's own ``/metrics``).
 
-Observability reads the service only through `ServiceView` (a small read-only protocol) and is
-told about admissions, rejections and gate transitions through its `RequestRecorder`. The parts:
+Observability reads the service only through `ServiceView` (a small read-only protocol, which the
+service's `ServiceReadModel` implements from the parts the service hands over) and is told about
+admissions, rejections and gate transitions through its `RequestRecorder`; it imports nothing
+from the service. The parts:
 the collector (metric families only), the status document, the admin endpoints that serve both,
 and the ``/fair-sched/ui`` page that polls the status. The LiteLLM proxy's routes are installed
 by the LiteLLM adapter (`fair_sched_plugin.litellm`).
@@ -31,6 +33,7 @@ from ._endpoints import (
     keys_match,
 )
 from ._metrics import ServiceMetrics, register_in_default_registry
+from ._read_model import ServiceReadModel
 from ._recorder import REJECTION_REASONS, RequestRecorder, rejection_reason
 from ._view import BudgetStanding, DeploymentReading, ServiceView
 
@@ -45,6 +48,7 @@ __all__ = [
     "FairSchedCollector",
     "RequestRecorder",
     "ServiceMetrics",
+    "ServiceReadModel",
     "ServiceView",
     "admin_app",
     "endpoints",

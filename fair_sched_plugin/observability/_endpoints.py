@@ -11,7 +11,7 @@ import hashlib
 import hmac
 import json
 from collections.abc import Awaitable, Callable, Iterable
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.requests import Request
@@ -21,7 +21,7 @@ from starlette.routing import Route, Router
 from ._ui import ARGUMENT_KEY_HINT, SETTINGS_KEY_HINT, ui_response
 
 if TYPE_CHECKING:
-    from ..service import SchedulingService
+    from ..config import FairSchedSettings
     from ._metrics import ServiceMetrics
 
 METRICS_PATH = "/fair-sched/metrics"
@@ -30,6 +30,16 @@ UI_PATH = "/fair-sched/ui"
 ADMIN_PATHS = frozenset({METRICS_PATH, STATUS_PATH, UI_PATH})
 
 Renderer = Callable[["ServiceMetrics"], Response]
+
+
+class Observed(Protocol):
+    """What the endpoints need of a service: its settings and its metrics."""
+
+    @property
+    def settings(self) -> FairSchedSettings: ...
+
+    @property
+    def observability(self) -> ServiceMetrics: ...
 
 
 def presented_key(request: Request, *, extra_headers: Iterable[str] = ()) -> str | None:
@@ -91,7 +101,7 @@ def _admin_key_not_configured() -> Response:
     )
 
 
-def endpoints(service: SchedulingService, *, admin_key: str | None = None) -> list[Route]:
+def endpoints(service: Observed, *, admin_key: str | None = None) -> list[Route]:
     """Starlette routes for ``GET /fair-sched/metrics``, ``/fair-sched/status`` and ``/ui``.
 
     With an admin key (`admin_key`, else ``observability.admin_key`` from the settings) the
@@ -127,6 +137,6 @@ def endpoints(service: SchedulingService, *, admin_key: str | None = None) -> li
     ]
 
 
-def admin_app(service: SchedulingService, *, admin_key: str | None = None) -> Router:
+def admin_app(service: Observed, *, admin_key: str | None = None) -> Router:
     """The admin endpoints as one ASGI app (a `Router`), for mounting or for the middleware."""
     return Router(routes=endpoints(service, admin_key=admin_key))

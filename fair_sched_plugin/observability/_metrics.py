@@ -45,6 +45,11 @@ class ServiceMetrics:
         self._status = StatusDocument(view, self._reader, self.recorder)
 
     @property
+    def view(self) -> ServiceView:
+        """What these metrics and the status read (the service's `ServiceReadModel`)."""
+        return self._reader.view
+
+    @property
     def user_labels(self) -> bool:
         return self.recorder.labels.user_labels
 

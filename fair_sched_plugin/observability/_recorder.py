@@ -16,10 +16,10 @@ from typing import TYPE_CHECKING, NamedTuple
 
 from ..core import GateTransition, Ticket
 from ..errors import QueueFull, Rejected
+from ._view import Admitted
 
 if TYPE_CHECKING:
     from ..identity import Principal
-    from ..service import Admission
 
 OTHER = "other"
 REJECTION_REASONS = ("queue_full_user", "queue_full_total", "timeout", "closed")
@@ -123,7 +123,7 @@ class RequestRecorder:
     def wait_bounds(self) -> tuple[float, ...]:
         return self._wait.bounds
 
-    def admitted(self, admission: Admission) -> None:
+    def admitted(self, admission: Admitted) -> None:
         lease = admission.lease
         self._on_admission()
         labels = self.labels.for_ticket(lease.ticket)

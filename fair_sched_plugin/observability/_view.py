@@ -1,8 +1,8 @@
 """The one read-only view of a service that observability reads, and reading it safely.
 
-`ServiceView` is a seam (a Protocol): `SchedulingService` implements it today from its local
-scheduler, gate and watchers; a service whose statistics come from shared state changes what these
-methods return, never the collector, the status document or the endpoints.
+`ServiceView` is a seam (a Protocol): `ServiceReadModel` implements it from a service's scheduler,
+gate and watchers; a service whose statistics come from shared state changes what these methods
+return, never the collector, the status document or the endpoints.
 """
 
 from __future__ import annotations
@@ -14,7 +14,14 @@ import logging
 from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, NamedTuple, Protocol
 
-from ..core import GateTransition, GroupStatus, SchedulerStatistics, TierLimits, UserBacklog
+from ..core import (
+    GateTransition,
+    GroupStatus,
+    Lease,
+    SchedulerStatistics,
+    TierLimits,
+    UserBacklog,
+)
 
 if TYPE_CHECKING:
     from ..config import FairSchedSettings
@@ -50,6 +57,13 @@ class BudgetStanding(NamedTuple):
     over: bool
     action: str  # demote | reject
     demote_to: str | None
+
+
+class Admitted(Protocol):
+    """A granted admission, as observability is told of it (`service.Admission`)."""
+
+    @property
+    def lease(self) -> Lease: ...
 
 
 class ServiceView(Protocol):

@@ -325,7 +325,8 @@ async def test_a_client_leaving_a_non_streamed_request_stops_the_engine_and_is_c
             await wait_until(lambda: emu.engine.statistics().generation_tokens_total >= 40)
             await wait_until(
                 lambda: any(
-                    r.last_snapshot and r.last_snapshot.tpot_s for r in service.deployments()
+                    r.last_snapshot and r.last_snapshot.tpot_s
+                    for r in service.observability.view.deployments()
                 )
             )
             await cancel_all([leaving])

@@ -134,7 +134,7 @@ async def _play(ops: list[tuple[Any, ...]], fairness: str) -> None:
         assert (stats.queued, stats.in_flight) == (0, 0)
         assert stats.completed_total + stats.abandoned_total == stats.released_total
         assert len(ended) == stats.released_total  # every end reached every listener once
-        assert not service.in_flight_by_user()
+        assert not service.observability.view.in_flight_by_user()
         # The gate freed every slot: both of the model's two go at once again.
         principal = service.identify(Credentials(api_key="sk-a"))
         ticket = service.ticket_for(principal, "(unknown models)", {"model": "m"})

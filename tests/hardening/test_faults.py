@@ -124,9 +124,12 @@ async def test_engine_killed_mid_run() -> None:
             )
             await assert_idle(service)
             await wait_until(
-                lambda: ("metrics", "fallback") in [(t.old, t.new) for t in service.transitions]
+                lambda: (
+                    ("metrics", "fallback")
+                    in [(t.old, t.new) for t in service.observability.view.recent_transitions()]
+                )
             )
-            modes = [(t.old, t.new) for t in service.transitions]
+            modes = [(t.old, t.new) for t in service.observability.view.recent_transitions()]
 
     print(f"\nengine killed: outcomes {outcomes}; gate transitions {modes}")
     assert all(outcome.startswith(("error:", "cut")) for outcome in outcomes[:2])
@@ -269,7 +272,7 @@ async def test_metrics_fault_falls_back_and_recovers(fault: dict[str, Any]) -> N
             await wait_until(lambda: service.gate.status()[0].mode == "metrics", timeout_s=15)
             recovery_scrapes = watcher.scrapes_total - at_restore
             await assert_idle(service)
-            transitions = [(t.old, t.new) for t in service.transitions]
+            transitions = [(t.old, t.new) for t in service.observability.view.recent_transitions()]
 
     print(
         f"\nmetrics fault {fault}: fallback after {detection_scrapes} scrape(s) "

@@ -549,11 +549,17 @@ async def test_engine_credentials_never_reach_clients_status_metrics_or_logs(
             # The engine's metrics go and come back: the gate says so, naming the deployment.
             emu.engine.faults.metrics_mode = "error"
             await wait_until(
-                lambda: any(t.new == "fallback" for t in service.transitions if t.model == MODEL),
+                lambda: any(
+                    t.new == "fallback"
+                    for t in service.observability.view.recent_transitions()
+                    if t.model == MODEL
+                ),
                 20,
             )
             emu.engine.faults.metrics_mode = "ok"
-            await wait_until(lambda: service.transitions[-1].new == "metrics", 20)
+            await wait_until(
+                lambda: service.observability.view.recent_transitions()[-1].new == "metrics", 20
+            )
             for response in (ok, unreachable):
                 seen.append(response.text + json.dumps(list(response.headers.items())))
             admin = {"authorization": f"Bearer {SECRETS['admin']}"}

@@ -236,7 +236,7 @@ async def _gate_modes_under(emu: RunningEmulator, fault: dict[str, Any]) -> list
         admission.lease.release()
         await admin.post("/emulator/faults", json={"metrics_mode": "ok", "metrics_delay_s": 0})
         await wait_until(lambda: service.gate.status()[0].mode == "metrics", timeout_s=10)
-        return [transition.new for transition in service.transitions]
+        return [transition.new for transition in service.observability.view.recent_transitions()]
 
 
 async def test_failing_garbage_missing_and_slow_metrics_fall_back_and_recover() -> None:

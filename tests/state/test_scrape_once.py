@@ -44,7 +44,7 @@ def service_of(app: Any) -> SchedulingService:
 
 
 def scrapes(service: SchedulingService) -> int:
-    return sum(reading.scrapes_total for reading in service.deployments())
+    return sum(reading.scrapes_total for reading in service.observability.view.deployments())
 
 
 @contextlib.asynccontextmanager

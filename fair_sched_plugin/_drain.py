@@ -1,0 +1,67 @@
+"""Graceful drain: after it begins, requests still running get `drain_grace_s` to finish, then
+each is told to end. `SchedulingService.begin_drain` starts it (SIGTERM does, see `_shutdown`)."""
+
+from __future__ import annotations
+
+import logging
+from typing import Protocol
+
+from .core import Lease
+from .driver import TimerClock, TimerHandle
+
+logger = logging.getLogger("fair_sched")
+
+
+class RunningRequest(Protocol):
+    def shutdown(self) -> None:
+        """The server drains and the grace period is over: end the request now."""
+
+
+class GracefulDrain:
+    """The granted requests a drain may end, and the timer that ends them."""
+
+    def __init__(self, clock: TimerClock, grace_s: float) -> None:
+        self._clock = clock
+        self._grace_s = grace_s
+        self._holders: dict[Lease, RunningRequest] = {}
+        self._draining = False
+        self._timer: TimerHandle | None = None
+
+    @property
+    def draining(self) -> bool:
+        return self._draining
+
+    def hold(self, lease: Lease, request: RunningRequest) -> None:
+        """`request` holds `lease` until it ends (`lease_ended`)."""
+        self._holders[lease] = request
+
+    def lease_ended(self, lease: Lease, abandoned: bool) -> None:
+        self._holders.pop(lease, None)
+
+    def begin(self, queued: int) -> None:
+        """Say what the drain refuses (`queued` parked requests) and what it waits for; end
+        what still runs once the grace period is over."""
+        self._draining = True
+        logger.warning(
+            "fair_sched: draining: %d parked requests refused, %d running may finish within "
+            "%g s (drain_grace_s)",
+            queued,
+            len(self._holders),
+            self._grace_s,
+        )
+        self._timer = self._clock.call_at(self._clock.now() + self._grace_s, self._end_running)
+
+    def cancel(self) -> None:
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+
+    def _end_running(self) -> None:
+        self._timer = None
+        if self._holders:
+            logger.warning(
+                "fair_sched: drain grace period over: ending %d running requests",
+                len(self._holders),
+            )
+        for holder in list(self._holders.values()):
+            holder.shutdown()
