@@ -40,6 +40,9 @@ def parse_request_body(raw: bytes) -> dict[str, Any]:
     return body
 
 
+_SCALARS = frozenset({str, int, float, bool, type(None)})
+
+
 def check_body_depth(body: Mapping[str, Any], limit: int = MAX_BODY_DEPTH) -> None:
     """Raise `InvalidRequest` when `body`'s dicts and lists nest deeper than `limit`."""
     stack: list[tuple[Any, int]] = [(body, 1)]
@@ -51,6 +54,10 @@ def check_body_depth(body: Mapping[str, Any], limit: int = MAX_BODY_DEPTH) -> No
             raise InvalidRequest(f"the request body nests deeper than {limit} levels")
         children = node.values() if isinstance(node, Mapping) else node
         for child in children:
+            # Scalars first, by exact type: `isinstance(_, Mapping)` is a Python-level ABC check,
+            # and a body is mostly strings and numbers.
+            if type(child) in _SCALARS:
+                continue
             if isinstance(child, (Mapping, list)) and id(child) not in seen:
                 seen.add(id(child))
                 stack.append((child, depth + 1))
