@@ -211,9 +211,14 @@ class TierQueue:
         return None
 
     def peek(self) -> UserQueue:
-        user_queue = self.peek_or_none()
-        assert user_queue is not None, "peeked at a tier with nothing queued"
-        return user_queue
+        """`peek_or_none` of a tier known to have someone queued (on every release's path)."""
+        heap = self.heap
+        while True:
+            _, _, generation, user_queue = heap[0]
+            if user_queue.in_heap and generation == user_queue.heap_generation:
+                return user_queue
+            heapq.heappop(heap)
+            self.stale_entries -= 1
 
     def pop_top(self, user_queue: UserQueue) -> None:
         """Remove the heap's top entry, which is `user_queue`'s (just peeked)."""

@@ -444,7 +444,7 @@ class SchedulerCore(SchedulerReads):
                 return True
             if self._gate.waits_for_home(head.ticket, tier.limits):
                 return False
-        self._release_head(queues, tier, user_queue)
+        self._release_head(queues, tier, user_queue, head=head)
         return True
 
     def _look_ahead(self, tier: TierQueue) -> tuple[UserQueue, HeapEntry] | None:
@@ -482,12 +482,13 @@ class SchedulerCore(SchedulerReads):
         *,
         off_heap_entry: HeapEntry | None = None,
         start_tag: float | None = None,
+        head: Parked | None = None,
     ) -> None:
         """Release `user_queue`'s head request (found by `_head_waiter`). The user's heap
         entry is the heap's top, or `off_heap_entry` when the look-ahead took it off; then
-        `start_tag` is the passed-over head's virtual time."""
+        `start_tag` is the passed-over head's virtual time; `head`, its head when known."""
         # Computed before anything changes: a release either happens whole or not at all.
-        charge = self._policy.release_charge(user_queue.head().ticket)
+        charge = self._policy.release_charge((head or user_queue.head()).ticket)
         if self._shortest_first:
             waiter = heapq.heappop(user_queue.sized)[2]
         else:
@@ -604,7 +605,8 @@ class SchedulerCore(SchedulerReads):
         # The core and the gate have heard of the end before any observer runs: an observer's
         # failure (a spend that cannot be counted) is logged and can leave nothing half-ended.
         self._gate.on_ended(lease)
-        notify_end_listeners(self._end_listeners, lease, abandoned)
+        if self._end_listeners:
+            notify_end_listeners(self._end_listeners, lease, abandoned)
         self._dispatch_queues(queues)
 
     # ------------------------------------------------------------------ promotion
