@@ -118,9 +118,9 @@ def _flood_once(args: argparse.Namespace, out_dir: Path, command: str) -> list[F
 def _write_spread(out_dir: Path, runs: list[dict[str, Any]], stamp: Stamp) -> None:
     """The median and range of several runs: printed, and in OUT/summary.md."""
     readme, full = readme_table(runs), flood_spread_table(runs)
-    summary = ["# fair-sched flood demo, several runs", "", stamp.line(), "", readme, "", full, ""]
+    summary = ["# fair-sched flood demo, several runs", "", stamp.text(), "", readme, "", full, ""]
     (out_dir / "summary.md").write_text("\n".join(summary))
-    print(f"\n{stamp.line()}\n\n{readme}\n\nwrote {out_dir}/summary.md, with every row")
+    print(f"\n{stamp.text()}\n\n{readme}\n\nwrote {out_dir}/summary.md, with every row")
 
 
 def run_demo(args: argparse.Namespace) -> int:

@@ -19,6 +19,7 @@ import dataclasses
 import os
 import statistics
 import subprocess
+import textwrap
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from datetime import datetime, timezone
@@ -194,15 +195,17 @@ class Stamp:
     def finish(self) -> Stamp:
         return dataclasses.replace(self, ended=datetime.now(timezone.utc))
 
-    def line(self) -> str:
+    def text(self) -> str:
         ended = self.ended or self.started
         until = ended.strftime("%H:%M" if ended.date() == self.started.date() else "%Y-%m-%d %H:%M")
         what = "One run" if self.runs == 1 else f"Median of {self.runs} runs, range in brackets"
-        return (
+        line = (
             f"{what}: `{self.command}`, {self.started:%Y-%m-%d %H:%M}-{until} UTC, "
             f"commit {self.commit}, {self.cores} cores, load average "
             f"{self.load_at_start:.2f} at the start:"
         )
+        # Wrapped like the prose around it; markdown joins the lines again, in a code span too.
+        return textwrap.fill(line, 100, break_long_words=False, break_on_hyphens=False)
 
 
 def replace_between_markers(text: str, name: str, block: str) -> str:
@@ -244,7 +247,7 @@ def check_doc_markers(root: Path) -> None:
 def write_doc_tables(root: Path, runs: Sequence[Run], stamp: Stamp) -> list[Path]:
     """Write each file's table between its markers; every text is made before any is written,
     so a file without markers leaves all of them as they were."""
-    texts = _new_texts(root, lambda table: f"{stamp.line()}\n\n{table(runs)}")
+    texts = _new_texts(root, lambda table: f"{stamp.text()}\n\n{table(runs)}")
     for path, text in texts.items():
         path.write_text(text, encoding="utf-8")
     return list(texts)
