@@ -29,9 +29,11 @@ from typing import Any
 from .report import COUNT, FLOOD_ROWS, SECONDS, Measure, markdown_table
 
 __all__ = [
+    "DOC_TABLES",
     "MARKER",
     "Stamp",
     "check_doc_markers",
+    "commit_of",
     "flood_spread_table",
     "readme_table",
     "replace_between_markers",
