@@ -1,6 +1,7 @@
 """`fair-sched demo` (the flood, side by side) and `fair-sched bench` (every scenario).
 
     fair-sched demo  [--out demo-output] [--flood 100] [--quick] [--replicas]
+    fair-sched demo  --runs 5 [--update-docs] [--quick]    (median and range of several runs)
     fair-sched bench [--out report] [--engine URL] [--quick] [--scenarios flood,tiers,...]
     fair-sched bench --target [NAME=]URL --keys K1,K2 --model NAME [--trace FILE] [--out DIR]
 
@@ -11,25 +12,39 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import os
 import sys
 from pathlib import Path
+from typing import Any
 
+from .bench.doc_tables import (
+    Stamp,
+    check_doc_markers,
+    flood_spread_table,
+    readme_table,
+    write_doc_tables,
+)
 from .bench.flood import (
     DEMO_ENGINE,
     DEMO_SIZE,
     QUICK_ENGINE,
     QUICK_SIZE,
+    FloodResult,
     FloodSize,
     run_flood,
     standard_variants,
 )
 from .bench.open_bench import DEFAULT_SCENARIOS, add_open_arguments
 from .bench.processes import kill_leftover_groups, plugin_available, terminate_as_interrupt
-from .bench.report import STAND_IN_NOTE, Progress, write_flood_outputs
+from .bench.report import STAND_IN_NOTE, Progress, flood_json, write_flood_outputs
 from .bench.runner import ALL_SCENARIOS, replica_sections, run_bench
 from .bench.trace import SHAPES
 
 __all__ = ["add_demo_parsers"]
+
+DEMO_OUT = "demo-output"
+# --runs: enough for a median and its spread; more is an afternoon on a 2-core machine.
+MAX_RUNS = 20
 
 
 def _flood_size(args: argparse.Namespace) -> FloodSize:
@@ -61,26 +76,34 @@ def run_replicas_demo(args: argparse.Namespace) -> int:
     return 0
 
 
-def run_demo(args: argparse.Namespace) -> int:
-    if args.replicas:
-        return run_replicas_demo(args)
-    out_dir = Path(args.out)
+def _command(args: argparse.Namespace) -> str:
+    """The command line that gives these results (the output directory only where it moved)."""
+    words = ["fair-sched demo"]
+    words += [f"--runs {args.runs}"] if args.runs != 1 else []
+    words += ["--quick"] if args.quick else []
+    words += [f"--flood {args.flood}"] if args.flood else []
+    words += ["--update-docs"] if args.update_docs else []
+    words += [f"--out {args.out}"] if args.out != DEMO_OUT else []
+    return " ".join(words)
+
+
+def _flood_once(args: argparse.Namespace, out_dir: Path, command: str) -> list[FloodResult] | None:
+    """One run of the flood, its table printed and its files written; None if interrupted."""
     out_dir.mkdir(parents=True, exist_ok=True)
     progress = Progress()
     if not plugin_available():
         progress("note: fair_sched_plugin.litellm is not installed; the fair proxy stands in")
-    size = _flood_size(args)
     engine = QUICK_ENGINE if args.quick else DEMO_ENGINE
-    command = f"fair-sched demo --out {args.out}" + (" --quick" if args.quick else "")
-    command += f" --flood {args.flood}" if args.flood else ""
     try:
         with terminate_as_interrupt():
             results = asyncio.run(
-                run_flood(standard_variants(), size, engine, None, out_dir / "logs", progress)
+                run_flood(
+                    standard_variants(), _flood_size(args), engine, None, out_dir / "logs", progress
+                )
             )
     except KeyboardInterrupt:
         print("interrupted; stopping every child process", file=sys.stderr)
-        return 130
+        return None
     finally:
         kill_leftover_groups()
     table = write_flood_outputs(results, out_dir, command)
@@ -89,15 +112,86 @@ def run_demo(args: argparse.Namespace) -> int:
     if not plugin_available():
         print(STAND_IN_NOTE)
     print(f"\nwrote {out_dir}/results.json, summary.md and PNG plots")
-    return 1 if any(result.summary["errors"] for result in results) else 0
+    return results
+
+
+def _write_spread(out_dir: Path, runs: list[dict[str, Any]], stamp: Stamp) -> None:
+    """The median and range of several runs: printed, and in OUT/summary.md."""
+    readme, full = readme_table(runs), flood_spread_table(runs)
+    summary = ["# fair-sched flood demo, several runs", "", stamp.text(), "", readme, "", full, ""]
+    (out_dir / "summary.md").write_text("\n".join(summary))
+    print(f"\n{stamp.text()}\n\n{readme}\n\nwrote {out_dir}/summary.md, with every row")
+
+
+def run_demo(args: argparse.Namespace) -> int:
+    if args.replicas:
+        if args.runs != 1 or args.update_docs:
+            print("--runs and --update-docs: the flood demo only", file=sys.stderr)
+            return 2
+        return run_replicas_demo(args)
+    root = Path.cwd()
+    if args.update_docs:
+        try:
+            if not plugin_available():
+                raise ValueError("the tables show LiteLLM + plugin, which is not installed here")
+            check_doc_markers(root)
+        except ValueError as problem:
+            print(f"--update-docs: {problem}", file=sys.stderr)
+            return 2
+    out_dir = Path(args.out)
+    command = _command(args)
+    # Taken before the first run: the commit as it was run, the machine's load before it.
+    stamp = Stamp.begin(command, args.runs, root)
+    runs = []
+    for number in range(1, args.runs + 1):
+        run_dir, run_command = out_dir, command
+        if args.runs > 1:
+            load = os.getloadavg()[0]
+            print(f"\n== run {number} of {args.runs} (load average {load:.2f}) ==", flush=True)
+            run_dir, run_command = out_dir / f"run-{number}", f"{command} (run {number})"
+        results = _flood_once(args, run_dir, run_command)
+        if results is None:
+            return 130
+        runs.append(flood_json(results))
+    stamp = stamp.finish()
+    failed = any(variant["summary"]["errors"] for run in runs for variant in run.values())
+    if args.runs > 1:
+        _write_spread(out_dir, runs, stamp)
+    if args.update_docs and failed:
+        print("some requests failed: README.md and docs/results.md left as they were")
+    elif args.update_docs:
+        written = write_doc_tables(root, runs, stamp)
+        print("rewrote the demo tables of " + ", ".join(str(path) for path in written))
+    return 1 if failed else 0
+
+
+def _run_count(text: str) -> int:
+    count = int(text)
+    if not 1 <= count <= MAX_RUNS:
+        raise argparse.ArgumentTypeError(f"between 1 and {MAX_RUNS}")
+    return count
 
 
 def add_demo_parsers(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     """Register `fair-sched demo` and `fair-sched bench` (handlers in ``args.handler``)."""
     demo = subparsers.add_parser("demo", help="the flood demo on the built-in engine emulator")
-    demo.add_argument("--out", default="demo-output", help="directory for results and plots")
+    demo.add_argument("--out", default=DEMO_OUT, help="directory for results and plots")
     demo.add_argument("--flood", type=int, default=None, help="power user's requests (100)")
     demo.add_argument("--quick", action="store_true", help="a smaller flood for CI (~40 s)")
+    demo.add_argument(
+        "--runs",
+        type=_run_count,
+        default=1,
+        help="run the flood N times in a row (OUT/run-1, ...), then print each cell's median "
+        "and range and write them in OUT/summary.md",
+    )
+    demo.add_argument(
+        "--update-docs",
+        action="store_true",
+        help="write the runs' median and range into the demo tables of README.md and "
+        "docs/results.md (between their demo-table markers), stamped with the command, date, "
+        "commit and machine; run from the repository's root",
+    )
     demo.add_argument(
         "--replicas",
         action="store_true",

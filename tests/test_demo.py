@@ -10,12 +10,14 @@ import contextlib
 import io
 import json
 import re
+import shutil
 from pathlib import Path
 from typing import Any
 
 import pytest
 
 from fair_sched_plugin.bench.browser import missing_browser_parts
+from fair_sched_plugin.bench.doc_tables import DOC_TABLES, MARKER
 from fair_sched_plugin.bench.processes import litellm_executable
 from fair_sched_plugin.cli import main
 
@@ -26,14 +28,22 @@ pytestmark = [
 ]
 
 VARIANTS = ("direct", "litellm", "plugin", "plugin_priority")
+ROOT = Path(__file__).resolve().parents[1]
 
 
 @pytest.fixture(scope="module")
 def demo_output(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """One quick run, which also writes its tables into copies of the README and
+    docs/results.md (in `docs-root/`, where it runs)."""
     out = tmp_path_factory.mktemp("demo")
+    docs_root = out / "docs-root"
+    for relative, _ in DOC_TABLES:
+        (docs_root / relative).parent.mkdir(parents=True, exist_ok=True)
+        shutil.copy(ROOT / relative, docs_root / relative)
     printed = io.StringIO()
-    with contextlib.redirect_stdout(printed):
-        assert main(["demo", "--quick", "--out", str(out)]) == 0
+    with contextlib.redirect_stdout(printed), pytest.MonkeyPatch.context() as patch:
+        patch.chdir(docs_root)
+        assert main(["demo", "--quick", "--update-docs", "--out", str(out)]) == 0
     (out / "stdout.txt").write_text(printed.getvalue())
     return out
 
@@ -102,6 +112,21 @@ def test_demo_prints_the_live_page_of_each_plugin_variant(demo_output: Path) -> 
     pages = re.findall(r"\[(\w+)\] watch it live: (http://127\.0\.0\.1:\d+/fair-sched/ui)", printed)
     assert {name for name, _ in pages} == {"plugin", "plugin_priority"}
     assert "admin key" in printed
+
+
+def test_demo_writes_its_run_into_the_docs_tables_between_the_markers(demo_output: Path) -> None:
+    summaries = _summaries(demo_output)
+    begin, end = f"<!-- {MARKER}:begin -->", f"<!-- {MARKER}:end -->"
+    for relative, _ in DOC_TABLES:
+        original = (ROOT / relative).read_text()
+        written = (demo_output / "docs-root" / relative).read_text()
+        assert written.split(begin)[0] == original.split(begin)[0], relative
+        assert written.split(end)[1] == original.split(end)[1], relative
+        table = " ".join(written.split(begin)[1].split(end)[0].split())
+        assert f"One run: `fair-sched demo --quick --update-docs --out {demo_output}`," in table
+        # One run: each cell is that run's value, without a range.
+        light = summaries["plugin"]["light_ttft_p50"]
+        assert f"| {light:.2f} s |" in table or f"| **{light:.2f} s** |" in table, relative
 
 
 def test_bench_quick_flood_and_core_writes_a_report(tmp_path: Path) -> None:

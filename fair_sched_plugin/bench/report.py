@@ -6,6 +6,7 @@ import json
 import sys
 import time
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -30,31 +31,39 @@ class Progress:
         print(f"[{time.perf_counter() - self._started:5.1f} s] {message}", flush=True)
 
 
-def _seconds(value: Any) -> str:
-    return "-" if value is None else f"{value:.2f} s"
+@dataclass(frozen=True)
+class Measure:
+    """How a row's numbers are written: called, one value with its unit ("-" for none);
+    `bare`, without the unit (the ends of a range)."""
+
+    decimals: int
+    unit: str = ""
+    scale: float = 1.0
+
+    def bare(self, value: float) -> str:
+        return f"{value * self.scale:,.{self.decimals}f}"
+
+    def __call__(self, value: Any) -> str:
+        return "-" if value is None else self.bare(value) + self.unit
 
 
-def _number(value: Any) -> str:
-    return "-" if value is None else f"{value:,.0f}"
+SECONDS = Measure(2, " s")
+COUNT = Measure(0)
+PERCENT = Measure(0, "%", scale=100)
 
-
-def _fraction(value: Any) -> str:
-    return "-" if value is None else f"{value:.0%}"
-
-
-# (row label, summary key, formatter)
-FLOOD_ROWS: tuple[tuple[str, str, Callable[[Any], str]], ...] = (
-    ("light TTFT p50", "light_ttft_p50", _seconds),
-    ("light TTFT p95", "light_ttft_p95", _seconds),
-    ("power TTFT p50", "power_ttft_p50", _seconds),
-    ("power TTFT p95", "power_ttft_p95", _seconds),
-    ("light e2e p50", "light_e2e_p50", _seconds),
-    ("power e2e p50", "power_e2e_p50", _seconds),
-    ("power reqs first-token before light p50", "power_served_before_light", _fraction),
-    ("throughput (tokens/s)", "throughput_tps", _number),
-    ("makespan", "makespan_s", _seconds),
-    ("engine max waiting seen", "max_waiting_seen", _number),
-    ("errors", "errors", _number),
+# (row label, summary key, how its numbers are written)
+FLOOD_ROWS: tuple[tuple[str, str, Measure], ...] = (
+    ("light TTFT p50", "light_ttft_p50", SECONDS),
+    ("light TTFT p95", "light_ttft_p95", SECONDS),
+    ("power TTFT p50", "power_ttft_p50", SECONDS),
+    ("power TTFT p95", "power_ttft_p95", SECONDS),
+    ("light e2e p50", "light_e2e_p50", SECONDS),
+    ("power e2e p50", "power_e2e_p50", SECONDS),
+    ("power reqs first-token before light p50", "power_served_before_light", PERCENT),
+    ("throughput (tokens/s)", "throughput_tps", COUNT),
+    ("makespan", "makespan_s", SECONDS),
+    ("engine max waiting seen", "max_waiting_seen", COUNT),
+    ("errors", "errors", COUNT),
 )
 
 
