@@ -49,6 +49,13 @@ class FaultSwitches:
     metrics_filter: bool = True
     """``GET /metrics/?name[]=...`` answers with only the named samples (as vLLM 0.32 does);
     False: it answers 404, as an engine or a reverse proxy that serves only ``/metrics``."""
+    fail_prompt: str = ""
+    """Completion requests whose prompt contains this text (when not empty) get HTTP 500, before
+    they reach the engine: some requests fail while the others are served (a gateway in front
+    may drop fields such as ``user``, never the prompt)."""
+    drop_prompt: str = ""
+    """Streams whose prompt contains this text (when not empty) break after their first tokens:
+    the connection closes without the stream's end, as when an engine dies mid-answer."""
 
     def update(self, changes: dict[str, object]) -> None:
         """Apply a partial update, validating names and types (used by the admin endpoint)."""
@@ -73,6 +80,9 @@ class FaultSwitches:
             raise ValueError(
                 f"metrics_mode must be one of {METRICS_MODES}, got {self.metrics_mode!r}"
             )
+        for name in ("fail_prompt", "drop_prompt"):
+            if not isinstance(getattr(self, name), str):
+                raise ValueError(f"{name} must be a string, got {getattr(self, name)!r}")
         if not isinstance(self.metrics_filter, bool):
             raise ValueError(f"metrics_filter must be true or false, got {self.metrics_filter!r}")
         nth = self.fail_every_nth_completion

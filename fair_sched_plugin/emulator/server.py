@@ -123,6 +123,7 @@ def config_to_argv(config: EmulatorConfig) -> list[str]:
     argv += ["--first-byte-delay-s", repr(faults.first_byte_delay_s)]
     argv += ["--slow", repr(faults.slow)]
     argv += ["--metrics-filter" if faults.metrics_filter else "--no-metrics-filter"]
+    argv += ["--fail-prompt", faults.fail_prompt, "--drop-prompt", faults.drop_prompt]
     return argv
 
 
@@ -226,6 +227,10 @@ def _add_arguments(parser: argparse.ArgumentParser) -> None:
         default=True,
         help="serve /metrics/?name[]=... filtered by sample name, as vLLM does (else 404)",
     )
+    faults.add_argument("--fail-prompt", default="", help="prompts with this text get 500")
+    faults.add_argument(
+        "--drop-prompt", default="", help="streams of prompts with this text break after a token"
+    )
 
 
 def config_from_args(args: argparse.Namespace) -> EmulatorConfig:
@@ -250,6 +255,8 @@ def config_from_args(args: argparse.Namespace) -> EmulatorConfig:
             first_byte_delay_s=args.first_byte_delay_s,
             slow=args.slow,
             metrics_filter=args.metrics_filter,
+            fail_prompt=args.fail_prompt,
+            drop_prompt=args.drop_prompt,
         ),
     )
 
