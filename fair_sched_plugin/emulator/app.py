@@ -151,6 +151,8 @@ def parse_completion_request(
     )
     if max_tokens < 1:
         raise BadRequestError(f"max_tokens must be at least 1, got {max_tokens}")
+    if config.max_new_tokens:
+        max_tokens = min(max_tokens, config.max_new_tokens)
     stream_options = body.get("stream_options") or {}
     user = body.get("user")
     text = (

@@ -112,6 +112,10 @@ class EmulatorConfig:
     histograms only, like an engine without a finished counter the gate can read (SGLang's and
     TGI's profiles have none), so the gate counts arrivals from its own ends instead."""
     default_max_tokens: int = 16
+    max_new_tokens: int = 0
+    """Caps every request's ``max_tokens``, as vLLM's ``--generation-config`` ``max_new_tokens``
+    does: longer requests end early (``finish_reason: length``) and report what they generated;
+    0 = no cap."""
     filler_word: str = " token"
     """Output token i reads this word and the digit i % 10 (never two equal chunks in a row)."""
     request_log_size: int = 10_000
@@ -143,6 +147,8 @@ class EmulatorConfig:
                 raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
         if self.kv_capacity_tokens < 1 or self.default_max_tokens < 1:
             raise ValueError("kv_capacity_tokens and default_max_tokens must be >= 1")
+        if self.max_new_tokens < 0:
+            raise ValueError(f"max_new_tokens must be >= 0, got {self.max_new_tokens}")
         if isinstance(self.speed, bool) or not self.speed > 0:
             raise ValueError(f"speed must be a number > 0, got {self.speed!r}")
         if self.prefix_cache_blocks < 0:

@@ -114,6 +114,7 @@ def config_to_argv(config: EmulatorConfig) -> list[str]:
     argv += ["--metrics-profile", config.metrics_profile]
     argv += ["--success-counter" if config.success_counter else "--no-success-counter"]
     argv += ["--default-max-tokens", str(config.default_max_tokens)]
+    argv += ["--max-new-tokens", str(config.max_new_tokens)]
     argv += ["--speed", repr(config.speed)]
     argv += ["--prefix-cache-blocks", str(config.prefix_cache_blocks)]
     argv += ["--block-tokens", str(config.block_tokens)]
@@ -196,6 +197,12 @@ def _add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--default-max-tokens", type=int, default=defaults.default_max_tokens)
     parser.add_argument(
+        "--max-new-tokens",
+        type=int,
+        default=defaults.max_new_tokens,
+        help="cap on every request's max_tokens (0: none)",
+    )
+    parser.add_argument(
         "--speed",
         type=float,
         default=defaults.speed,
@@ -245,6 +252,7 @@ def config_from_args(args: argparse.Namespace) -> EmulatorConfig:
         metrics_profile=args.metrics_profile,
         success_counter=args.success_counter,
         default_max_tokens=args.default_max_tokens,
+        max_new_tokens=args.max_new_tokens,
         speed=args.speed,
         prefix_cache_blocks=args.prefix_cache_blocks,
         block_tokens=args.block_tokens,

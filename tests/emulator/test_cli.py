@@ -39,6 +39,7 @@ def test_config_survives_the_trip_through_argv() -> None:
         metrics_profile="sglang",
         success_counter=False,
         default_max_tokens=7,
+        max_new_tokens=5,
         speed=0.33,
         prefix_cache_blocks=100,
         block_tokens=32,
