@@ -16,13 +16,14 @@ or in flight and the engine has no sequence left, for every lease:
   per event that reached the client; a request left before its answer at most its estimate;
 - a request whose client left before sending its whole body holds none.
 
-One server per test function serves every example; each example's leases are found by their
+One server per integration serves every example (`stack`); each example's leases are found by their
 ticket's estimate, which each request's own `max_tokens` makes unique.
 `test_lifecycle_properties_litellm.py` drives the LiteLLM plugin with the same plans.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
@@ -167,7 +168,7 @@ def forwarding_app(emu: RunningEmulator) -> Starlette:
     return Starlette(routes=[Route(CHAT, endpoint, methods=["POST"])])
 
 
-@pytest_asyncio.fixture(scope="module", loop_scope="module")
+@contextlib.asynccontextmanager
 async def middleware_stack() -> AsyncIterator[Stack]:
     """The middleware in front of an app relaying to the emulator, gated on its metrics."""
     async with lifecycle_emulator() as emu, httpx.AsyncClient(trust_env=False, timeout=30) as http:
@@ -178,7 +179,7 @@ async def middleware_stack() -> AsyncIterator[Stack]:
             yield Stack(url, middleware.service, emu, LeaseLog(middleware.service))
 
 
-@pytest_asyncio.fixture(scope="module", loop_scope="module")
+@contextlib.asynccontextmanager
 async def proxy_stack() -> AsyncIterator[Stack]:
     """`fair-sched proxy` on its fallback in-flight cap (no metrics), keeping parked streams
     alive with a `200` and comments after 50 ms."""
@@ -193,6 +194,14 @@ async def proxy_stack() -> AsyncIterator[Stack]:
         async with serve(app) as url:
             service: SchedulingService = app.state.fair_sched
             yield Stack(url, service, emu, LeaseLog(service))
+
+
+@pytest_asyncio.fixture(scope="module", loop_scope="module", params=["middleware", "proxy"])
+async def stack(request: pytest.FixtureRequest) -> AsyncIterator[Stack]:
+    """One server for every example of the test: the middleware's, or the proxy's."""
+    serving = middleware_stack if request.param == "middleware" else proxy_stack
+    async with serving() as running:
+        yield running
 
 
 async def wait_idle(service: SchedulingService, emu: RunningEmulator) -> None:
@@ -260,24 +269,9 @@ async def run_example(stack: Stack, examples: list[Plan]) -> None:
     check_leases(stack.log, outcomes)
 
 
-PROPERTY_SETTINGS = settings(
-    max_examples=40,
-    deadline=None,
-    suppress_health_check=[HealthCheck.too_slow],
-)
-
-
-@PROPERTY_SETTINGS
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(examples=plans(max_size=8))
-async def test_every_lease_through_the_middleware_ends_once_started_and_charged(
-    middleware_stack: Stack, examples: list[Plan]
+async def test_every_lease_ends_once_started_and_charged(
+    stack: Stack, examples: list[Plan]
 ) -> None:
-    await run_example(middleware_stack, examples)
-
-
-@PROPERTY_SETTINGS
-@given(examples=plans(max_size=8))
-async def test_every_lease_through_the_proxy_ends_once_started_and_charged(
-    proxy_stack: Stack, examples: list[Plan]
-) -> None:
-    await run_example(proxy_stack, examples)
+    await run_example(stack, examples)

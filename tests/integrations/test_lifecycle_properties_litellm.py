@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import shutil
 from collections.abc import AsyncIterator
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -30,8 +30,6 @@ import httpx
 import pytest
 import pytest_asyncio
 from hypothesis import HealthCheck, event, given, settings
-
-from fair_sched_plugin.emulator.server import RunningEmulator
 
 from ..support import LOOPBACK, eventually, free_port, open_client
 from .conftest import MODEL
@@ -47,11 +45,13 @@ from .lifecycle import (
 )
 from .litellm_harness import (
     MASTER_KEY,
-    ProxyProcess,
     litellm_proxy,
     model_entry,
     proxy_config,
     shared_proxy_marks,
+)
+from .litellm_harness import (
+    EmulatedStack as Stack,
 )
 
 pytestmark = shared_proxy_marks()
@@ -61,14 +61,6 @@ MAX_PLANS = 6
 # principal is that one request's charge.
 LITELLM_KEYS = {f"sk-{index}": f"caller-{index}" for index in range(MAX_PLANS)}
 BUDGET_TOKENS = 10**9  # never reached: the budget is there to show each principal's spend
-
-
-@dataclass
-class Stack:
-    """One LiteLLM proxy with the plugin, in front of its emulator."""
-
-    emu: RunningEmulator
-    proxy: ProxyProcess
 
 
 @pytest_asyncio.fixture(scope="module", loop_scope="module")
