@@ -77,6 +77,8 @@ class CompletionRequest:
     user: str | None
     prefix_blocks: tuple[int, ...] = ()
     """Chained hashes of the prompt's whole cache blocks; () while prefix caching is off."""
+    prompt_text: str = ""
+    """The prompt as the engine counts it (what the fault switches look for)."""
 
 
 def estimate_prompt_tokens(text_chars: int) -> int:
@@ -149,6 +151,8 @@ def parse_completion_request(
     )
     if max_tokens < 1:
         raise BadRequestError(f"max_tokens must be at least 1, got {max_tokens}")
+    if config.max_new_tokens:
+        max_tokens = min(max_tokens, config.max_new_tokens)
     stream_options = body.get("stream_options") or {}
     user = body.get("user")
     text = (
@@ -170,6 +174,7 @@ def parse_completion_request(
         prefix_blocks=(
             prompt_blocks(text, config.block_tokens) if config.prefix_cache_blocks else ()
         ),
+        prompt_text=text,
     )
 
 
@@ -326,11 +331,15 @@ class CompletionResponse:
         request: CompletionRequest,
         renderer: CompletionRenderer,
         first_byte_delay_s: float,
+        *,
+        drop: bool = False,
     ) -> None:
         self._engine = engine
         self._request = request
         self._renderer = renderer
         self._first_byte_delay_s = first_byte_delay_s
+        # A stream that breaks after its first tokens (`FaultSwitches.drop_prompt`).
+        self._drop = drop
         self._client_gone = asyncio.Event()
         self._seq: Sequence | None = None
 
@@ -393,6 +402,9 @@ class CompletionResponse:
             body = opening + self._renderer.token_events(count, seq.state is SequenceState.FINISHED)
             opening = b""
             await send({"type": "http.response.body", "body": body, "more_body": True})
+            if self._drop:
+                # Returning mid-body makes the server close the connection: a broken stream.
+                return
         if self._client_gone.is_set():
             return  # nobody to finish the stream for
         finished = seq.state is SequenceState.FINISHED
@@ -481,8 +493,11 @@ class Emulator:
             message = "Priority scheduling is not enabled (policy is 'fcfs')."
             return error_response(400, message, "BadRequestError")
         self._completion_requests += 1
-        nth = self.engine.faults.fail_every_nth_completion
-        if nth and self._completion_requests % nth == 0:
+        faults = self.engine.faults
+        nth = faults.fail_every_nth_completion
+        if (nth and self._completion_requests % nth == 0) or (
+            faults.fail_prompt and faults.fail_prompt in completion.prompt_text
+        ):
             return error_response(500, "injected failure", "InternalServerError")
         prefix = "chatcmpl" if kind == "chat" else "cmpl"
         renderer = CompletionRenderer(
@@ -492,7 +507,11 @@ class Emulator:
             report_cached_tokens=self.config.prefix_cache_blocks > 0,
         )
         return CompletionResponse(
-            self.engine, completion, renderer, self.engine.faults.first_byte_delay_s
+            self.engine,
+            completion,
+            renderer,
+            faults.first_byte_delay_s,
+            drop=bool(faults.drop_prompt) and faults.drop_prompt in completion.prompt_text,
         )
 
     async def list_models(self, request: Request) -> JSONResponse:

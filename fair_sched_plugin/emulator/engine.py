@@ -49,6 +49,13 @@ class FaultSwitches:
     metrics_filter: bool = True
     """``GET /metrics/?name[]=...`` answers with only the named samples (as vLLM 0.32 does);
     False: it answers 404, as an engine or a reverse proxy that serves only ``/metrics``."""
+    fail_prompt: str = ""
+    """Completion requests whose prompt contains this text (when not empty) get HTTP 500, before
+    they reach the engine: some requests fail while the others are served (a gateway in front
+    may drop fields such as ``user``, never the prompt)."""
+    drop_prompt: str = ""
+    """Streams whose prompt contains this text (when not empty) break after their first tokens:
+    the connection closes without the stream's end, as when an engine dies mid-answer."""
 
     def update(self, changes: dict[str, object]) -> None:
         """Apply a partial update, validating names and types (used by the admin endpoint)."""
@@ -73,6 +80,9 @@ class FaultSwitches:
             raise ValueError(
                 f"metrics_mode must be one of {METRICS_MODES}, got {self.metrics_mode!r}"
             )
+        for name in ("fail_prompt", "drop_prompt"):
+            if not isinstance(getattr(self, name), str):
+                raise ValueError(f"{name} must be a string, got {getattr(self, name)!r}")
         if not isinstance(self.metrics_filter, bool):
             raise ValueError(f"metrics_filter must be true or false, got {self.metrics_filter!r}")
         nth = self.fail_every_nth_completion
@@ -102,6 +112,10 @@ class EmulatorConfig:
     histograms only, like an engine without a finished counter the gate can read (SGLang's and
     TGI's profiles have none), so the gate counts arrivals from its own ends instead."""
     default_max_tokens: int = 16
+    max_new_tokens: int = 0
+    """Caps every request's ``max_tokens``, as vLLM's ``--generation-config`` ``max_new_tokens``
+    does: longer requests end early (``finish_reason: length``) and report what they generated;
+    0 = no cap."""
     filler_word: str = " token"
     """Output token i reads this word and the digit i % 10 (never two equal chunks in a row)."""
     request_log_size: int = 10_000
@@ -133,6 +147,8 @@ class EmulatorConfig:
                 raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
         if self.kv_capacity_tokens < 1 or self.default_max_tokens < 1:
             raise ValueError("kv_capacity_tokens and default_max_tokens must be >= 1")
+        if self.max_new_tokens < 0:
+            raise ValueError(f"max_new_tokens must be >= 0, got {self.max_new_tokens}")
         if isinstance(self.speed, bool) or not self.speed > 0:
             raise ValueError(f"speed must be a number > 0, got {self.speed!r}")
         if self.prefix_cache_blocks < 0:

@@ -114,6 +114,7 @@ def config_to_argv(config: EmulatorConfig) -> list[str]:
     argv += ["--metrics-profile", config.metrics_profile]
     argv += ["--success-counter" if config.success_counter else "--no-success-counter"]
     argv += ["--default-max-tokens", str(config.default_max_tokens)]
+    argv += ["--max-new-tokens", str(config.max_new_tokens)]
     argv += ["--speed", repr(config.speed)]
     argv += ["--prefix-cache-blocks", str(config.prefix_cache_blocks)]
     argv += ["--block-tokens", str(config.block_tokens)]
@@ -123,6 +124,7 @@ def config_to_argv(config: EmulatorConfig) -> list[str]:
     argv += ["--first-byte-delay-s", repr(faults.first_byte_delay_s)]
     argv += ["--slow", repr(faults.slow)]
     argv += ["--metrics-filter" if faults.metrics_filter else "--no-metrics-filter"]
+    argv += ["--fail-prompt", faults.fail_prompt, "--drop-prompt", faults.drop_prompt]
     return argv
 
 
@@ -195,6 +197,12 @@ def _add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--default-max-tokens", type=int, default=defaults.default_max_tokens)
     parser.add_argument(
+        "--max-new-tokens",
+        type=int,
+        default=defaults.max_new_tokens,
+        help="cap on every request's max_tokens (0: none)",
+    )
+    parser.add_argument(
         "--speed",
         type=float,
         default=defaults.speed,
@@ -226,6 +234,10 @@ def _add_arguments(parser: argparse.ArgumentParser) -> None:
         default=True,
         help="serve /metrics/?name[]=... filtered by sample name, as vLLM does (else 404)",
     )
+    faults.add_argument("--fail-prompt", default="", help="prompts with this text get 500")
+    faults.add_argument(
+        "--drop-prompt", default="", help="streams of prompts with this text break after a token"
+    )
 
 
 def config_from_args(args: argparse.Namespace) -> EmulatorConfig:
@@ -240,6 +252,7 @@ def config_from_args(args: argparse.Namespace) -> EmulatorConfig:
         metrics_profile=args.metrics_profile,
         success_counter=args.success_counter,
         default_max_tokens=args.default_max_tokens,
+        max_new_tokens=args.max_new_tokens,
         speed=args.speed,
         prefix_cache_blocks=args.prefix_cache_blocks,
         block_tokens=args.block_tokens,
@@ -250,6 +263,8 @@ def config_from_args(args: argparse.Namespace) -> EmulatorConfig:
             first_byte_delay_s=args.first_byte_delay_s,
             slow=args.slow,
             metrics_filter=args.metrics_filter,
+            fail_prompt=args.fail_prompt,
+            drop_prompt=args.drop_prompt,
         ),
     )
 

@@ -39,10 +39,20 @@ def test_config_survives_the_trip_through_argv() -> None:
         metrics_profile="sglang",
         success_counter=False,
         default_max_tokens=7,
+        max_new_tokens=5,
         speed=0.33,
         prefix_cache_blocks=100,
         block_tokens=32,
-        faults=FaultSwitches(0.5, "missing", 4, 0.25, slow=2.0, metrics_filter=False),
+        faults=FaultSwitches(
+            0.5,
+            "missing",
+            4,
+            0.25,
+            slow=2.0,
+            metrics_filter=False,
+            fail_prompt="p1",
+            drop_prompt="p2",
+        ),
     )
     args = _emulate_parser().parse_args(["emulate", *config_to_argv(config)])
     assert config_from_args(args) == config

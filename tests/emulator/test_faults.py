@@ -63,6 +63,49 @@ async def test_every_nth_completion_fails_with_500() -> None:
     assert stats.requests_received == 4  # failed requests never reach the engine
 
 
+def marked(max_tokens: int, mark: str, **extra: object) -> dict[str, object]:
+    """A chat request whose prompt carries `mark`."""
+    return chat_body(max_tokens, messages=[{"role": "user", "content": f"Say {mark}."}], **extra)
+
+
+async def test_requests_with_a_marked_prompt_fail_with_500(emu: RunningEmulator) -> None:
+    emu.engine.faults.update({"fail_prompt": "[fail]"})
+    async with open_client(emu) as http:
+        failed = await http.post("/v1/chat/completions", json=marked(1, "[fail]"))
+        served = await http.post("/v1/chat/completions", json=marked(1, "[okay]"))
+        completion = {"model": "emulated-model", "prompt": "Say [fail].", "max_tokens": 1}
+        failed_too = await http.post("/v1/completions", json=completion)
+    assert (failed.status_code, served.status_code, failed_too.status_code) == (500, 200, 500)
+    assert failed.json()["error"]["code"] == 500
+    assert emu.engine.statistics().requests_received == 1  # the failed ones never reached it
+
+
+async def test_streams_with_a_marked_prompt_break_after_their_first_tokens(
+    emu: RunningEmulator,
+) -> None:
+    """The connection closes mid-body: the client reads the first tokens, then a protocol
+    error instead of the stream's end; the engine frees the sequence."""
+    emu.engine.faults.update({"drop_prompt": "[drop]"})
+    stream = {"stream": True, "stream_options": {"include_usage": True}}
+    received = bytearray()
+    async with open_client(emu) as http:
+        with pytest.raises(httpx.RemoteProtocolError):
+            async with http.stream(
+                "POST", "/v1/chat/completions", json=marked(50, "[drop]", **stream)
+            ) as response:
+                async for chunk in response.aiter_raw():
+                    received += chunk
+        whole = await http.post("/v1/chat/completions", json=marked(50, "[okay]", **stream))
+        # Not a stream: answered whole, never dropped.
+        plain = await http.post("/v1/chat/completions", json=marked(3, "[drop]"))
+    assert response.status_code == 200 and b"data: {" in received
+    assert b'"usage"' not in received and b"[DONE]" not in received
+    assert b'"usage"' in whole.content and whole.text.endswith("data: [DONE]\n\n")
+    assert plain.json()["usage"]["completion_tokens"] == 3
+    stats = emu.engine.statistics()
+    assert (stats.running, stats.waiting, stats.requests_aborted) == (0, 0, 1)
+
+
 async def test_first_byte_delay_holds_the_response_back(emu: RunningEmulator) -> None:
     emu.engine.faults.first_byte_delay_s = 0.5
     async with open_client(emu, timeout=0.05) as http:

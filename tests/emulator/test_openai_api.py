@@ -9,7 +9,7 @@ from typing import Any
 import httpx
 import pytest
 
-from fair_sched_plugin.emulator import RunningEmulator
+from fair_sched_plugin.emulator import RunningEmulator, run_emulator
 from fair_sched_plugin.emulator.app import (
     CompletionKind,
     CompletionRenderer,
@@ -17,7 +17,7 @@ from fair_sched_plugin.emulator.app import (
     token_text,
 )
 
-from .conftest import chat_body
+from .conftest import chat_body, fast_config, open_client
 
 
 async def stream_events(http: httpx.AsyncClient, path: str, body: dict[str, Any]) -> list[str]:
@@ -83,6 +83,16 @@ async def test_max_completion_tokens_and_the_default(client: httpx.AsyncClient) 
     assert explicit.json()["usage"]["completion_tokens"] == 4
     assert default.json()["usage"]["completion_tokens"] == 16
     assert default.json()["usage"]["prompt_tokens"] == 1  # never below one
+
+
+async def test_max_new_tokens_caps_every_answer() -> None:
+    """Like vLLM's `max_new_tokens`: a longer request ends early and reports what it generated."""
+    async with run_emulator(fast_config(max_new_tokens=3)) as emu, open_client(emu) as http:
+        capped = await http.post("/v1/chat/completions", json=chat_body(max_tokens=10))
+        shorter = await http.post("/v1/chat/completions", json=chat_body(max_tokens=2))
+    assert capped.json()["usage"]["completion_tokens"] == 3
+    assert capped.json()["choices"][0]["finish_reason"] == "length"
+    assert shorter.json()["usage"]["completion_tokens"] == 2
 
 
 async def test_models_and_health(client: httpx.AsyncClient, emu: RunningEmulator) -> None:

@@ -27,6 +27,7 @@ import pytest
 import yaml
 
 from fair_sched_plugin._http import sse_lines
+from fair_sched_plugin.emulator.server import RunningEmulator
 
 from ..processes import own_process_group, process_cpu_seconds, process_cpu_wait_seconds
 from ..support import LOOPBACK, free_port, open_client
@@ -194,6 +195,14 @@ def _kill_group(process: subprocess.Popen[bytes]) -> None:
         os.killpg(process.pid, signal.SIGKILL)
     with contextlib.suppress(subprocess.TimeoutExpired):
         process.wait(PROXY_SHUTDOWN_TIMEOUT_S)
+
+
+@dataclass
+class EmulatedStack:
+    """One emulator behind one LiteLLM proxy (a module's shared fixture)."""
+
+    emu: RunningEmulator
+    proxy: ProxyProcess
 
 
 class ProxyStartError(RuntimeError):

@@ -4,34 +4,29 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import AsyncIterator
-from dataclasses import dataclass
 
 import httpx
 import pytest
 import pytest_asyncio
 
 from fair_sched_plugin.emulator.engine import EmulatorConfig
-from fair_sched_plugin.emulator.server import RunningEmulator, run_emulator
+from fair_sched_plugin.emulator.server import run_emulator
 
 from .conftest import cancel_all, wait_until
 from .litellm_harness import (
     CHAT,
     MASTER_KEY,
-    ProxyProcess,
     litellm_proxy,
     model_entry,
     open_client,
     proxy_config,
     shared_proxy_marks,
 )
+from .litellm_harness import (
+    EmulatedStack as Stack,
+)
 
 pytestmark = shared_proxy_marks(pytest.mark.litellm_range)
-
-
-@dataclass
-class Stack:
-    emu: RunningEmulator
-    proxy: ProxyProcess
 
 
 @pytest_asyncio.fixture(loop_scope="module", scope="module")
