@@ -125,7 +125,7 @@ class LeaseLog:
             return estimate in self.admitted_estimates
         return any(
             parked.ticket.cost == estimate
-            for mine in self.service.parked_of(KEYS[plan.key]).values()
+            for mine in self.service.standings.parked_of(KEYS[plan.key]).values()
             for parked in mine
         )
 
@@ -265,7 +265,7 @@ async def run_example(stack: Stack, examples: list[Plan]) -> None:
     # Every lease the core granted ended. Its listeners hear of the leases handed to requests:
     # a grant that arrives for a request already gone is given back unused without one.
     assert released == ended >= len(stack.log.ends), (released, ended, stack.log.ends)
-    assert not stack.service.in_flight_by_user()
+    assert not stack.service.observability.view.in_flight_by_user()
     check_leases(stack.log, outcomes)
 
 
