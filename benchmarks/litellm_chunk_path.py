@@ -41,21 +41,13 @@ from litellm.types.utils import Delta, ModelResponseStream, StreamingChoices, Us
 from fair_sched_plugin._request import RequestWatch, ensure_current_request
 from fair_sched_plugin.core import Lease
 from fair_sched_plugin.litellm import scheduler
-from fair_sched_plugin.testing import GateLeaseOwner, make_ticket
+from fair_sched_plugin.testing import GateLeaseOwner, ManualGate, make_ticket
 
 SEND_TIMEOUT_S = 60.0  # the default `send_timeout_s`
 
 
-class _Gate:
-    def on_started(self, lease: Lease) -> None:
-        pass
-
-    def on_ended(self, lease: Lease) -> None:
-        pass
-
-
 def _lease() -> Lease:
-    return Lease(GateLeaseOwner(_Gate()), make_ticket("u"), 1, 0.0, 0.0, 0.0)
+    return Lease(GateLeaseOwner(ManualGate()), make_ticket("u"), 1, 0.0, 0.0, 0.0)
 
 
 def _chunks(count: int) -> list[ModelResponseStream]:
