@@ -262,20 +262,36 @@ async def test_started_at_is_taken_from_the_clock_before_the_request(
 # -- lifecycle -----------------------------------------------------------------------------------
 
 
-async def test_aclose_stops_the_task_and_closes_its_own_client(
+async def test_aclose_stops_the_task_and_closes_its_own_connection(
     loopback: LoopbackServer, engine: FakeEngine, snapshots: Snapshots
 ) -> None:
     watcher = make_watcher(loopback.url, snapshots)
     watcher.start()
     await snapshots.next()
-    owned_client = watcher._client
+    connection = watcher._plain  # a plain http:// engine: read without httpx
+    assert connection is not None and connection.connected
     await watcher.aclose()
     assert not watcher.is_running
-    assert owned_client is not None and owned_client.is_closed
+    assert not connection.connected
     requests_at_close = engine.requests
     await asyncio.sleep(0.2)  # four intervals
     assert engine.requests == requests_at_close
     await watcher.aclose()  # idempotent
+
+
+async def test_behind_a_proxy_from_the_environment_it_scrapes_with_its_own_httpx_client(
+    monkeypatch: pytest.MonkeyPatch, snapshots: Snapshots
+) -> None:
+    """httpx honours HTTP_PROXY; the plain connection would not, so it is not used."""
+    monkeypatch.setenv("HTTP_PROXY", "http://127.0.0.1:9")
+    monkeypatch.delenv("NO_PROXY", raising=False)
+    monkeypatch.delenv("no_proxy", raising=False)
+    watcher = make_watcher("http://engine.test/metrics", snapshots)
+    assert watcher._plain is None
+    watcher.start()
+    owned_client = watcher._client
+    await watcher.aclose()
+    assert owned_client is not None and owned_client.is_closed
 
 
 async def test_injected_client_is_left_open(loopback: LoopbackServer, snapshots: Snapshots) -> None:
