@@ -7,6 +7,7 @@ from collections.abc import Mapping
 from typing import Annotated, Literal
 
 from pydantic import (
+    AfterValidator,
     Field,
     ValidationError,
     ValidationInfo,
@@ -20,6 +21,16 @@ from ._messages import SAFE_KEY, nearest_key
 
 _SHA256_KEY = re.compile(r"^sha256:[0-9a-f]{64}$")
 _NAME = re.compile(r"^[A-Za-z0-9_.:@/-]{1,128}$")
+
+
+def _checked_name(value: str) -> str:
+    if not _NAME.match(value):
+        raise ValueError("must be 1-128 letters, digits or _.:@/-")
+    return value
+
+
+# A tier's or principal's name: it appears in logs, metrics labels and the queue document.
+Name = Annotated[str, AfterValidator(_checked_name)]
 # Validation context key: prices come from the adapter (see `parse_settings`).
 PRICES_FROM_ADAPTER = "prices_from_adapter"
 
@@ -44,7 +55,7 @@ class AutoWaitingBelow(Frozen):
 class TierSettings(Frozen):
     """One priority tier; tiers are listed most urgent first."""
 
-    name: str
+    name: Name
     # A number, or `auto` (optionally `{auto: {min, max}}`, or with `waiting_below_min/_max`):
     # the gate then tunes it per model group to keep `ttft_target_ms` and `tpot_below_ms`.
     # 0: no engine queue at all, release only into a running slot the gate counts free.
@@ -63,13 +74,6 @@ class TierSettings(Frozen):
     share: Annotated[float, Field(gt=0)] | None = None
     # A request parked this long in this tier moves one tier up (not on the first tier).
     promote_after_s: Annotated[float, Field(gt=0)] | None = None
-
-    @field_validator("name")
-    @classmethod
-    def _name_ok(cls, value: str) -> str:
-        if not _NAME.match(value):
-            raise ValueError("must be 1-128 letters, digits or _.:@/-")
-        return value
 
     @field_validator("waiting_below", mode="before")
     @classmethod
@@ -186,20 +190,13 @@ class BudgetSettings(Frozen):
 class PrincipalSettings(Frozen):
     """A named caller: which keys or LiteLLM identities it owns, its tier and weight."""
 
-    name: str
+    name: Name
     keys: tuple[str, ...] = ()
     match: PrincipalMatch | None = None
     tier: str | None = None
     # Weights far from 1 would make virtual times overflow or underflow to nothing.
     weight: Annotated[float, Field(ge=0.001, le=1_000_000)] = 1.0
     budget: BudgetSettings | None = None
-
-    @field_validator("name")
-    @classmethod
-    def _name_ok(cls, value: str) -> str:
-        if not _NAME.match(value):
-            raise ValueError("must be 1-128 letters, digits or _.:@/-")
-        return value
 
     @field_validator("keys")
     @classmethod
