@@ -5,6 +5,13 @@ from __future__ import annotations
 import os
 
 import pytest
+from hypothesis import settings
+
+# Property tests check behaviour, not speed: on a shared 2-core machine running two pytest
+# workers a hypothesis example can take seconds, and its per-example deadline would fail a
+# correct test (a wall-clock assertion in all but name).
+settings.register_profile("fair-sched", deadline=None)
+settings.load_profile("fair-sched")
 
 # Importing LiteLLM (the plugin's tests do, in-process and in subprocesses) must never fetch its
 # price list from the internet: tests talk to 127.0.0.1 only.
@@ -29,9 +36,19 @@ def pytest_configure(config: pytest.Config) -> None:
         "full: runs only with scripts/test --full (pytest --full): full-size floods, "
         "baselines that are printed but never asserted, real idle waits",
     )
+    config.addinivalue_line(
+        "markers",
+        "timing: asserts a ratio or bound that depends on how fast the machine runs (light "
+        "users' waits against a flood, the engine's queue under load, CPU shares): scripts/test "
+        "runs these alone, after the parallel phase, so no other test shares the CPU with them",
+    )
 
 
+@pytest.hookimpl(tryfirst=True)  # before `-m` selects: a `full` test is also a `timing` one
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    for item in items:
+        if item.get_closest_marker("full") is not None:
+            item.add_marker(pytest.mark.timing)  # full-size floods measure waits too
     if config.getoption("--full") or os.environ.get("FAIR_SCHED_FULL") == "1":
         return
     skip = pytest.mark.skip(reason="on demand only: scripts/test --full")

@@ -29,6 +29,7 @@ pytestmark = [
     pytest.mark.litellm,
     pytest.mark.timeout(300),
     pytest.mark.skipif(litellm_executable() is None, reason="needs the litellm extra"),
+    pytest.mark.timing,
 ]
 
 UNEQUAL = UnequalSize(power_requests=64, max_tokens=24, light_at_s=(1.0, 2.0))

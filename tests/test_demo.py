@@ -25,6 +25,7 @@ pytestmark = [
     pytest.mark.slow,
     pytest.mark.timeout(240),
     pytest.mark.skipif(litellm_executable() is None, reason="needs the litellm extra"),
+    pytest.mark.timing,
 ]
 
 VARIANTS = ("direct", "litellm", "plugin", "plugin_priority")

@@ -151,6 +151,7 @@ async def test_a_small_cache_evicts_the_least_recently_used_prompt() -> None:
         assert len(emu.engine.prefix_cache) == 10
 
 
+@pytest.mark.timing
 async def test_prefill_is_charged_only_for_uncached_tokens() -> None:
     """A prompt of 400 tokens at 2 ms each: its first request waits for the whole prefill, the
     repeat only for its last block. A ratio of TTFTs, not absolute times."""

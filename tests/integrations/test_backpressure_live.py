@@ -144,6 +144,7 @@ async def test_the_services_watchers_follow_backends_metrics_filter(metrics_filt
             assert watcher.filtering is metrics_filter
 
 
+@pytest.mark.timing
 async def test_burst_of_1000_parked_requests_never_floods_the_engine_queue() -> None:
     """1,000 requests from 10 users wait in our queues; the engine's waiting queue stays within
     the threshold (the scrape lag is covered by the pending credits)."""
@@ -177,6 +178,7 @@ async def test_burst_of_1000_parked_requests_never_floods_the_engine_queue() -> 
             assert (scheduler_stats.queued, scheduler_stats.in_flight) == (0, 0)
 
 
+@pytest.mark.timing
 async def test_tpot_ceiling_pauses_release_and_release_resumes() -> None:
     async with emulator(max_num_seqs=4, base_step_ms=8.0) as emu:
         settings = fair_config(emu, waiting_below=8)
@@ -264,6 +266,7 @@ async def test_engine_down_falls_back_and_recovers_when_it_returns() -> None:
             await wait_until(lambda: service.gate.status()[0].mode == "metrics", timeout_s=10)
 
 
+@pytest.mark.timing
 async def test_idle_gate_with_parked_requests_burns_almost_no_cpu() -> None:
     """Parked requests cost nothing while the gate is closed: only the watcher's scrapes run."""
     async with emulator(max_num_seqs=1, base_step_ms=5.0) as emu:
@@ -298,6 +301,7 @@ async def test_idle_gate_with_parked_requests_burns_almost_no_cpu() -> None:
             await cancel_all([blocker, *parked])
 
 
+@pytest.mark.timing
 async def test_two_deployments_each_hold_their_own_threshold_and_the_faster_serves_more() -> None:
     """Issue #16 on real servers: two emulators behind one model name, one three times slower
     per step, 200 parked requests. Each engine's own waiting queue stays within the threshold

@@ -63,6 +63,7 @@ def peaks(*engines: RunningEmulator) -> list[int]:
 
 
 @pytest.mark.slow
+@pytest.mark.timing
 async def test_late_forwarding_first_bytes_and_ends_keep_each_engines_queue_bounded() -> None:
     """A loaded proxy as the gate sees it, modelled in the driver: a released request reaches
     the engine 0.5 s after its release, its first byte and its end are reported 1 s after the

@@ -407,6 +407,7 @@ async def flood(
     return list(flood_results), list(light)
 
 
+@pytest.mark.timing
 async def test_flood_light_users_overtake_the_power_user(stack: Stack) -> None:
     await engine_idle(stack.emu)
     stack.peak.reset()

@@ -20,6 +20,7 @@ from .litellm_harness import NEEDS_LITELLM, litellm_proxy, model_entry, open_cli
 pytestmark = [
     pytest.mark.litellm,
     NEEDS_LITELLM,
+    pytest.mark.timing,
 ]
 
 LONG, SHORT = 64, 2  # output tokens

@@ -329,6 +329,7 @@ async def _flood(
 
 
 @pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions"])
+@pytest.mark.timing
 async def test_flood_light_users_overtake_heavy_user(path: str) -> None:
     """B and C finish before most of A's flood with the proxy, after nearly all of it without.
 

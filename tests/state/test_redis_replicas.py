@@ -139,6 +139,7 @@ def parked_at(leader: SchedulingService) -> Any:
 
 
 @pytest.mark.slow
+@pytest.mark.timing
 async def test_three_replicas_share_the_engines_threshold(redis_server: RedisServer) -> None:
     """With Redis, 3 replicas keep the engine's queue within one threshold and the light users'
     result is that of one replica; with per-replica memory the queue overshoots (~3x)."""
@@ -189,6 +190,7 @@ async def test_three_replicas_share_the_engines_threshold(redis_server: RedisSer
 
 
 @pytest.mark.slow
+@pytest.mark.timing
 async def test_leader_cut_off_mid_flood_a_new_leader_takes_over(
     redis_server: RedisServer, caplog: pytest.LogCaptureFixture
 ) -> None:
@@ -233,6 +235,7 @@ async def cut_off(service: SchedulingService) -> None:
 
 
 @pytest.mark.slow
+@pytest.mark.timing
 async def test_redis_stopped_mid_flood_each_replica_spends_its_share(
     own_redis_server: RedisServer, caplog: pytest.LogCaptureFixture
 ) -> None:
@@ -286,6 +289,7 @@ async def test_redis_stopped_mid_flood_each_replica_spends_its_share(
 
 
 @pytest.mark.slow
+@pytest.mark.timing
 async def test_three_proxy_replicas_behind_a_load_balancer(redis_server: RedisServer) -> None:
     """Three `fair-sched proxy` apps served by uvicorn, requests spread over them round-robin as
     a load balancer would: the light users still overtake the flood and the engine's queue stays
