@@ -193,10 +193,51 @@ class SchedulerCore(SchedulerReads):
         at once when a cap is reached, `SchedulerClosed` once closed."""
         if self._closed:
             self._check_open()
-        parked = self._enqueue(ticket)
-        parked.claimant = claimant
-        self._dispatch_queues(parked.user_queue.tier_queue.model_queues)
-        return parked
+        # One method from the ticket to the decision: this runs for every admission.
+        tier_index = self._tier_index.get(ticket.tier)
+        if tier_index is None:
+            tier_index = self._tier_position(ticket.tier)  # raises the ValueError
+        queues = self._models.get(ticket.model) or self._model_queues(ticket.model)
+        tier = queues.tiers[tier_index]
+        user_queue = tier.users.get(ticket.user)
+        if user_queue is not None and user_queue.depth >= self._max_per_user:
+            self._rejected_full_total += 1
+            raise QueueFull(
+                f"too many queued requests for this caller on model {ticket.model!r} "
+                f"(limit {self._max_per_user})",
+                retry_after_s=self._retry_hint(queues),
+                scope="user",
+            )
+        if self._queued_total >= self._max_total:
+            self._rejected_full_total += 1
+            raise QueueFull(
+                f"the scheduler queue is full (limit {self._max_total})",
+                retry_after_s=self._retry_hint(queues),
+                scope="total",
+            )
+        if user_queue is None:
+            user_queue = tier.user_queue(ticket.user)
+        waiter = Parked(ticket, self._clock.now(), user_queue, claimant)
+        depth = user_queue.depth
+        if not depth:
+            user_queue.lift()
+            tier.push(user_queue, next(self._arrivals))
+        if self._shortest_first:
+            heapq.heappush(user_queue.sized, (ticket.cost, next(self._arrivals), waiter))
+        else:
+            user_queue.waiters.append(waiter)
+        user_queue.depth = depth = depth + 1
+        tier.depths.deeper(depth)
+        if tier.promotes:
+            self._track_promotion(tier, waiter)
+        tier.queued += 1
+        queues.queued += 1
+        self._queued_total += 1
+        due = self._deadlines.add(waiter)
+        if due is not None:
+            self._wake_at(due, _DEADLINES)
+        self._dispatch_queues(queues)
+        return waiter
 
     def cancel(self, parked: Parked) -> bool:
         """The ticket leaves its queue; True if it was still queued (it will never be decided).
@@ -293,50 +334,6 @@ class SchedulerCore(SchedulerReads):
         self._on_capacity(model)
 
     # ------------------------------------------------------------------ waiting
-
-    def _enqueue(self, ticket: Ticket) -> Parked:
-        tier_index = self._tier_index.get(ticket.tier)
-        if tier_index is None:
-            tier_index = self._tier_position(ticket.tier)  # raises the ValueError
-        queues = self._models.get(ticket.model) or self._model_queues(ticket.model)
-        tier = queues.tiers[tier_index]
-        user_queue = tier.users.get(ticket.user)
-        if user_queue is not None and user_queue.depth >= self._max_per_user:
-            self._rejected_full_total += 1
-            raise QueueFull(
-                f"too many queued requests for this caller on model {ticket.model!r} "
-                f"(limit {self._max_per_user})",
-                retry_after_s=self._retry_hint(queues),
-                scope="user",
-            )
-        if self._queued_total >= self._max_total:
-            self._rejected_full_total += 1
-            raise QueueFull(
-                f"the scheduler queue is full (limit {self._max_total})",
-                retry_after_s=self._retry_hint(queues),
-                scope="total",
-            )
-        if user_queue is None:
-            user_queue = tier.user_queue(ticket.user)
-        waiter = Parked(ticket, self._clock.now(), user_queue)
-        if not user_queue.depth:
-            user_queue.lift()
-            tier.push(user_queue, next(self._arrivals))
-        if self._shortest_first:
-            heapq.heappush(user_queue.sized, (ticket.cost, next(self._arrivals), waiter))
-        else:
-            user_queue.waiters.append(waiter)
-        user_queue.depth += 1
-        tier.depths.deeper(user_queue.depth)
-        if tier.limits.promote_after_s is not None and tier.position:
-            self._track_promotion(tier, waiter)
-        tier.queued += 1
-        queues.queued += 1
-        self._queued_total += 1
-        due = self._deadlines.add(waiter)
-        if due is not None:
-            self._wake_at(due, _DEADLINES)
-        return waiter
 
     def _remove_waiter(self, waiter: Parked, new_state: int) -> None:
         """Take a queued waiter out of every structure (idempotent through `state`)."""
@@ -444,7 +441,7 @@ class SchedulerCore(SchedulerReads):
                 return True
             if self._gate.waits_for_home(head.ticket, tier.limits):
                 return False
-        self._release_head(queues, tier, user_queue, head=head)
+        self._release_head(queues, tier, user_queue, head)
         return True
 
     def _look_ahead(self, tier: TierQueue) -> tuple[UserQueue, HeapEntry] | None:
@@ -479,23 +476,24 @@ class SchedulerCore(SchedulerReads):
         queues: ModelQueues,
         tier: TierQueue,
         user_queue: UserQueue,
+        head: Parked | None = None,
         *,
         off_heap_entry: HeapEntry | None = None,
         start_tag: float | None = None,
-        head: Parked | None = None,
     ) -> None:
-        """Release `user_queue`'s head request (found by `_head_waiter`). The user's heap
-        entry is the heap's top, or `off_heap_entry` when the look-ahead took it off; then
-        `start_tag` is the passed-over head's virtual time; `head`, its head when known."""
+        """Release `user_queue`'s head request (`head`, when known). The user's heap entry is
+        the heap's top, or `off_heap_entry` when the look-ahead took it off; then `start_tag`
+        is the passed-over head's virtual time."""
         # Computed before anything changes: a release either happens whole or not at all.
         charge = self._policy.release_charge((head or user_queue.head()).ticket)
         if self._shortest_first:
             waiter = heapq.heappop(user_queue.sized)[2]
         else:
             waiter = user_queue.waiters.popleft()
-        tier.depths.shallower(user_queue.depth)
-        user_queue.depth -= 1
-        if not user_queue.depth:
+        depth = user_queue.depth
+        tier.depths.shallower(depth)
+        user_queue.depth = depth = depth - 1
+        if not depth:
             user_queue.waiters.clear()
             user_queue.sized.clear()
         tier.queued -= 1
@@ -508,12 +506,12 @@ class SchedulerCore(SchedulerReads):
             waiter.state = CANCELLED
             self._cancelled_total += 1
             if off_heap_entry is not None:
-                if user_queue.depth:
+                if depth:
                     user_queue.in_heap = True
                     heapq.heappush(tier.heap, off_heap_entry)
-            elif not user_queue.depth:
+            elif not depth:
                 tier.pop_top(user_queue)
-            if not user_queue.depth:
+            if not depth:
                 tier.forget_if_idle(user_queue)
             return
         waiter.state = GRANTED
@@ -525,19 +523,13 @@ class SchedulerCore(SchedulerReads):
             start_tag = user_queue.virtual_time
         if start_tag > tier.virtual_time:
             tier.virtual_time = start_tag
-        deployment = self._gate.place(waiter.ticket, tier.limits)
-        lease = self._make_lease(
-            queues,
-            user_queue,
-            waiter.ticket,
-            enqueued_at=waiter.enqueued_at,
-            charge=charge,
-            deployment=deployment,
-        )
+        ticket = waiter.ticket
+        deployment = self._gate.place(ticket, tier.limits)
+        lease = self._make_lease(queues, user_queue, ticket, waiter.enqueued_at, deployment, charge)
         if off_heap_entry is not None:
-            if user_queue.depth:
+            if depth:
                 tier.push(user_queue, next(self._arrivals))
-        elif user_queue.depth:
+        elif depth:
             tier.requeue_top(user_queue, next(self._arrivals))
         else:
             tier.pop_top(user_queue)
@@ -548,17 +540,16 @@ class SchedulerCore(SchedulerReads):
         queues: ModelQueues,
         user_queue: UserQueue,
         ticket: Ticket,
-        *,
         enqueued_at: float,
+        deployment: str | None,
         charge: float | None = None,
-        deployment: str | None = None,
     ) -> Lease:
         if charge is None:
             charge = self._policy.release_charge(ticket)
         user_queue.virtual_time += charge
         user_queue.in_flight += 1
-        rank = self._policy.engine_round(user_queue.unstarted, ticket.weight)
-        user_queue.unstarted += 1
+        unstarted = user_queue.unstarted
+        user_queue.unstarted = unstarted + 1
         queues.in_flight += 1
         self._in_flight_total += 1
         self._released_total += 1
@@ -570,8 +561,11 @@ class SchedulerCore(SchedulerReads):
             self._clock.now(),
             charge,
             user_queue,
-            deployment=deployment,
-            engine_rank=rank if self._gate.orders_engine_queue(ticket.model) else 0,
+            deployment,
+            # Its round in an engine queue in user order (0 where the engine has none).
+            self._policy.engine_round(unstarted, ticket.weight)
+            if self._gate.orders_engine_queue(ticket.model)
+            else 0,
         )
         self._gate.on_released(lease)
         return lease
@@ -654,7 +648,7 @@ class SchedulerCore(SchedulerReads):
         upper = waiter.user_queue.tier_queue.promote(
             waiter, now, self._arrivals, shortest_first=self._shortest_first
         )
-        if upper.limits.promote_after_s is not None and upper.position:
+        if upper.promotes:
             self._track_promotion(upper, waiter)
 
     # ------------------------------------------------------------------ deadlines
