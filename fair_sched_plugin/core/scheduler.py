@@ -118,7 +118,6 @@ class SchedulerCore(SchedulerReads):
         self._arrivals = itertools.count()
         self._lease_ids = itertools.count(1)
         self._queued_total = 0
-        self._in_flight_total = 0
         # Every waiter gets the same max wait, so deadlines are in arrival order: one deque and
         # one wake-up for its head instead of one per waiter.
         self._deadlines = Deadlines(max_wait_s)
@@ -551,7 +550,6 @@ class SchedulerCore(SchedulerReads):
         unstarted = user_queue.unstarted
         user_queue.unstarted = unstarted + 1
         queues.in_flight += 1
-        self._in_flight_total += 1
         self._released_total += 1
         lease = Lease(
             self,
@@ -581,9 +579,8 @@ class SchedulerCore(SchedulerReads):
         tier = user_queue.tier_queue
         queues = tier.model_queues
         queues.in_flight -= 1
-        self._in_flight_total -= 1
         user_queue.in_flight -= 1
-        if not lease.started:
+        if not lease._started:  # the owner reads it without the property: on every end
             user_queue.unstarted -= 1
         if abandoned:
             self._abandoned_total += 1
