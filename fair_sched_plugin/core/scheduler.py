@@ -370,18 +370,18 @@ class SchedulerCore(SchedulerReads):
             queues.redispatch = True
             return
         queues.dispatching = True
-        may_release = self._gate.may_release
+        gate = self._gate
         model = queues.model
         # Newcomers may go past a closed gate only where the engine orders its own queue by user
         # (`AdmissionGate.may_release_newcomer`): elsewhere the head is not even looked at.
-        newcomers = not self._shared_tiers and self._gate.orders_engine_queue(model)
+        newcomers = not self._shared_tiers and gate.orders_engine_queue(model)
         try:
             while True:
                 queues.redispatch = False
                 # Release while some tier, most urgent first, has a request the gate lets go.
                 while queues.queued:
                     if self._shared_tiers:
-                        chosen = self._shares.next_tier(queues, may_release)
+                        chosen = self._shares.next_tier(queues, gate.may_release)
                         if chosen is None or not self._release_next(queues, chosen[0]):
                             break
                         self._shares.charge(queues, *chosen)
@@ -389,7 +389,7 @@ class SchedulerCore(SchedulerReads):
                     for tier in queues.tiers:
                         if not tier.queued:
                             continue
-                        if may_release(model, tier.limits):
+                        if gate.may_release(model, tier.limits):
                             released = self._release_next(queues, tier)
                             break
                         if not newcomers:
