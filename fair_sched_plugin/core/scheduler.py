@@ -398,8 +398,7 @@ class SchedulerCore(SchedulerReads):
                         weight = head.head().ticket.weight
                         if self._may_go_as_newcomer(model, tier.limits, head, weight):
                             # No look-ahead: it is the head, the fair next one.
-                            self._release_head(queues, tier, head)
-                            released = True
+                            released = self._release_next(queues, tier, look_ahead=False)
                             break
                     else:
                         break
@@ -412,13 +411,23 @@ class SchedulerCore(SchedulerReads):
         finally:
             queues.dispatching = False
 
-    def _release_next(self, queues: ModelQueues, tier: TierQueue) -> bool:
-        """Release the tier's next request; False when it waits for its deployment instead."""
+    def _release_next(
+        self, queues: ModelQueues, tier: TierQueue, *, look_ahead: bool = True
+    ) -> bool:
+        """Release the tier's next request; False when it waits for its deployment instead.
+        `look_ahead=False`: the head goes, wherever its prefix is (a newcomer past a closed
+        gate). One method from the choice to the lease: this runs for every release."""
         user_queue = tier.peek()
         head = user_queue.head()
-        claimant = head.claimant  # `Parked.gone()`, inline: this runs for every release
-        if (claimant is None or not claimant.done()) and self._gate.prefers_elsewhere(
-            head.ticket, tier.limits
+        # The start tag of the request now in service: the head's virtual time, also when the
+        # look-ahead releases a user after it (see below).
+        start_tag = user_queue.virtual_time
+        off_heap_entry: HeapEntry | None = None
+        claimant = head.claimant  # `Parked.gone()`, inline
+        if (
+            look_ahead
+            and (claimant is None or not claimant.done())
+            and self._gate.prefers_elsewhere(head.ticket, tier.limits)
         ):
             # Releasing the fair head now would bind it away from the deployment that has its
             # prefix cached (a miss, which also evicts others' prefixes there), and holding
@@ -430,17 +439,57 @@ class SchedulerCore(SchedulerReads):
             found = self._look_ahead(tier) if head.passed_over < MAX_PASSED_OVER else None
             if found is not None:
                 head.passed_over += 1
-                self._release_head(
-                    queues,
-                    tier,
-                    found[0],
-                    off_heap_entry=found[1],
-                    start_tag=user_queue.virtual_time,
-                )
-                return True
-            if self._gate.waits_for_home(head.ticket, tier.limits):
+                # The user found is off the heap (`off_heap_entry`), the head's entry back on it.
+                user_queue, off_heap_entry = found
+                head = user_queue.head()
+            elif self._gate.waits_for_home(head.ticket, tier.limits):
                 return False
-        self._release_head(queues, tier, user_queue, head)
+        # Computed before anything changes: a release either happens whole or not at all.
+        charge = self._policy.release_charge(head.ticket)
+        if self._shortest_first:
+            waiter = heapq.heappop(user_queue.sized)[2]
+        else:
+            waiter = user_queue.waiters.popleft()
+        depth = user_queue.depth
+        tier.depths.shallower(depth)
+        user_queue.depth = depth = depth - 1
+        if not depth:
+            user_queue.waiters.clear()
+            user_queue.sized.clear()
+        tier.queued -= 1
+        queues.queued -= 1
+        self._queued_total -= 1
+        claimant = waiter.claimant
+        if claimant is not None and claimant.done():  # `Parked.gone()`, inline
+            # Its task was cancelled and has not run its cleanup yet: nothing to grant. The
+            # user's position is unchanged: its heap entry stays if it still has requests.
+            waiter.state = CANCELLED
+            self._cancelled_total += 1
+            if off_heap_entry is not None:
+                if depth:
+                    user_queue.in_heap = True
+                    heapq.heappush(tier.heap, off_heap_entry)
+            elif not depth:
+                tier.pop_top(user_queue)
+            if not depth:
+                tier.forget_if_idle(user_queue)
+            return True
+        waiter.state = GRANTED
+        # The tier's time must not pass a backlogged user's, or a correction (`_correct`) or a
+        # newcomer's lift would cost the users the look-ahead passed over their place.
+        if start_tag > tier.virtual_time:
+            tier.virtual_time = start_tag
+        ticket = waiter.ticket
+        deployment = self._gate.place(ticket, tier.limits)
+        lease = self._make_lease(queues, user_queue, ticket, waiter.enqueued_at, deployment, charge)
+        if off_heap_entry is not None:
+            if depth:
+                tier.push(user_queue, next(self._arrivals))
+        elif depth:
+            tier.requeue_top(user_queue, next(self._arrivals))
+        else:
+            tier.pop_top(user_queue)
+        self._decided(waiter, lease)
         return True
 
     def _look_ahead(self, tier: TierQueue) -> tuple[UserQueue, HeapEntry] | None:
@@ -469,70 +518,6 @@ class SchedulerCore(SchedulerReads):
             # still recognises them, and their order among themselves is unchanged.
             for entry in passed_over:
                 heapq.heappush(heap, entry)
-
-    def _release_head(
-        self,
-        queues: ModelQueues,
-        tier: TierQueue,
-        user_queue: UserQueue,
-        head: Parked | None = None,
-        *,
-        off_heap_entry: HeapEntry | None = None,
-        start_tag: float | None = None,
-    ) -> None:
-        """Release `user_queue`'s head request (`head`, when known). The user's heap entry is
-        the heap's top, or `off_heap_entry` when the look-ahead took it off; then `start_tag`
-        is the passed-over head's virtual time."""
-        # Computed before anything changes: a release either happens whole or not at all.
-        charge = self._policy.release_charge((head or user_queue.head()).ticket)
-        if self._shortest_first:
-            waiter = heapq.heappop(user_queue.sized)[2]
-        else:
-            waiter = user_queue.waiters.popleft()
-        depth = user_queue.depth
-        tier.depths.shallower(depth)
-        user_queue.depth = depth = depth - 1
-        if not depth:
-            user_queue.waiters.clear()
-            user_queue.sized.clear()
-        tier.queued -= 1
-        queues.queued -= 1
-        self._queued_total -= 1
-        claimant = waiter.claimant
-        if claimant is not None and claimant.done():  # `Parked.gone()`, inline
-            # Its task was cancelled and has not run its cleanup yet: nothing to grant. The
-            # user's position is unchanged: its heap entry stays if it still has requests.
-            waiter.state = CANCELLED
-            self._cancelled_total += 1
-            if off_heap_entry is not None:
-                if depth:
-                    user_queue.in_heap = True
-                    heapq.heappush(tier.heap, off_heap_entry)
-            elif not depth:
-                tier.pop_top(user_queue)
-            if not depth:
-                tier.forget_if_idle(user_queue)
-            return
-        waiter.state = GRANTED
-        # The start tag of the request now in service is the tier's virtual time. After a
-        # look-ahead it is the passed-over head's: the tier's time must not pass a backlogged
-        # user's, or a correction (`_correct`) or a newcomer's lift would cost the users passed
-        # over their place.
-        if start_tag is None:
-            start_tag = user_queue.virtual_time
-        if start_tag > tier.virtual_time:
-            tier.virtual_time = start_tag
-        ticket = waiter.ticket
-        deployment = self._gate.place(ticket, tier.limits)
-        lease = self._make_lease(queues, user_queue, ticket, waiter.enqueued_at, deployment, charge)
-        if off_heap_entry is not None:
-            if depth:
-                tier.push(user_queue, next(self._arrivals))
-        elif depth:
-            tier.requeue_top(user_queue, next(self._arrivals))
-        else:
-            tier.pop_top(user_queue)
-        self._decided(waiter, lease)
 
     def _make_lease(
         self,
