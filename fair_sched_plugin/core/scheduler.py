@@ -232,7 +232,7 @@ class SchedulerCore(SchedulerReads):
         tier.queued += 1
         queues.queued += 1
         self._queued_total += 1
-        due = self._deadlines.add(waiter)
+        due = self._deadlines.add(waiter, self._queued_total)
         if due is not None:
             self._wake_at(due, _DEADLINES)
         self._dispatch_queues(queues)
