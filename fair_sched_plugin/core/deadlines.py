@@ -24,10 +24,20 @@ class Deadlines:
     def __len__(self) -> int:
         return len(self._parked)
 
-    def add(self, parked: Parked) -> float | None:
-        """Track `parked`; the due time of a wake-up to arm, or None: one armed is due no later
-        (same max wait, later arrival)."""
-        self._parked.append(parked)
+    def add(self, parked: Parked, queued: int) -> float | None:
+        """Track `parked` (`queued`: how many are parked now, it included); the due time of a
+        wake-up to arm, or None: one armed is due no later (same max wait, later arrival)."""
+        # Tickets that left (granted, mostly) would otherwise stay until a tick reaches them,
+        # which is only at the head's deadline (`max_wait_s`, minutes): memory, and every pass
+        # of the garbage collector, would grow with that long's arrivals, not with the queue.
+        # Those in front go now (the armed wake-up may then be early: `tick` re-arms); behind a
+        # head that stays parked, a rebuild once they outnumber the live ones.
+        tracked = self._parked
+        while tracked and tracked[0].state != QUEUED:
+            tracked.popleft()
+        tracked.append(parked)
+        if len(tracked) > 2 * queued + 64:
+            self.compact(queued)
         return self.arm() if self.armed_due is None else None
 
     def arm(self) -> float | None:
@@ -61,7 +71,7 @@ class Deadlines:
 
     def compact(self, queued: int) -> None:
         # Tickets that left stay until their deadline; rebuild when they outnumber the `queued`
-        # live ones, so memory cannot grow with submit-and-cancel abuse.
+        # live ones, so memory cannot grow with submit-and-cancel abuse (or with grants: `add`).
         if len(self._parked) > 64 and len(self._parked) > 2 * queued:
             self._parked = deque(p for p in self._parked if p.state == QUEUED)
 

@@ -46,7 +46,9 @@ class Parked:
         "user_queue",
     )
 
-    def __init__(self, ticket: Ticket, now: float, user_queue: UserQueue) -> None:
+    def __init__(
+        self, ticket: Ticket, now: float, user_queue: UserQueue, claimant: Claimant | None = None
+    ) -> None:
         self.ticket = ticket
         self.enqueued_at = now
         self.tier_since = now  # when it entered its current tier (promotion counts from here)
@@ -54,7 +56,7 @@ class Parked:
         self.user_queue = user_queue
         # Times the look-ahead released someone after it instead (`MAX_PASSED_OVER`).
         self.passed_over = 0
-        self.claimant: Claimant | None = None
+        self.claimant = claimant
 
     def gone(self) -> bool:
         """The waiting side went away before the core heard of it (a cancelled task whose
@@ -140,6 +142,7 @@ class TierQueue:
         "model_queues",
         "position",
         "promote_due",
+        "promotes",
         "promoting",
         "queued",
         "share_vtime",
@@ -159,6 +162,8 @@ class TierQueue:
         self.model_queues = model_queues
         self.model = model_queues.model
         self.limits = limits
+        # Its waiters move up after `promote_after_s` (never from the most urgent tier).
+        self.promotes = limits.promote_after_s is not None and position > 0
         self.users: dict[str, UserQueue] = {}
         # Users kept only for their virtual time, longest idle first (bounded).
         self.idle: OrderedDict[str, UserQueue] = OrderedDict()

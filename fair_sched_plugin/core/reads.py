@@ -39,7 +39,6 @@ class SchedulerReads:
     _models: dict[str, ModelQueues]
     _tier_index: dict[str, int]
     _queued_total: int
-    _in_flight_total: int
     _released_total: int
     _completed_total: int
     _cancelled_total: int
@@ -57,7 +56,8 @@ class SchedulerReads:
         by_model = {model: q.in_flight for model, q in self._models.items() if q.in_flight}
         return SchedulerStatistics(
             queued=self._queued_total,
-            in_flight=self._in_flight_total,
+            # Every lease released is in flight until it completes or is abandoned.
+            in_flight=self._released_total - self._completed_total - self._abandoned_total,
             released_total=self._released_total,
             completed_total=self._completed_total,
             cancelled_total=self._cancelled_total,

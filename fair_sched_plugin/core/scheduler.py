@@ -118,7 +118,6 @@ class SchedulerCore(SchedulerReads):
         self._arrivals = itertools.count()
         self._lease_ids = itertools.count(1)
         self._queued_total = 0
-        self._in_flight_total = 0
         # Every waiter gets the same max wait, so deadlines are in arrival order: one deque and
         # one wake-up for its head instead of one per waiter.
         self._deadlines = Deadlines(max_wait_s)
@@ -193,10 +192,51 @@ class SchedulerCore(SchedulerReads):
         at once when a cap is reached, `SchedulerClosed` once closed."""
         if self._closed:
             self._check_open()
-        parked = self._enqueue(ticket)
-        parked.claimant = claimant
-        self._dispatch_queues(parked.user_queue.tier_queue.model_queues)
-        return parked
+        # One method from the ticket to the decision: this runs for every admission.
+        tier_index = self._tier_index.get(ticket.tier)
+        if tier_index is None:
+            tier_index = self._tier_position(ticket.tier)  # raises the ValueError
+        queues = self._models.get(ticket.model) or self._model_queues(ticket.model)
+        tier = queues.tiers[tier_index]
+        user_queue = tier.users.get(ticket.user)
+        if user_queue is not None and user_queue.depth >= self._max_per_user:
+            self._rejected_full_total += 1
+            raise QueueFull(
+                f"too many queued requests for this caller on model {ticket.model!r} "
+                f"(limit {self._max_per_user})",
+                retry_after_s=self._retry_hint(queues),
+                scope="user",
+            )
+        if self._queued_total >= self._max_total:
+            self._rejected_full_total += 1
+            raise QueueFull(
+                f"the scheduler queue is full (limit {self._max_total})",
+                retry_after_s=self._retry_hint(queues),
+                scope="total",
+            )
+        if user_queue is None:
+            user_queue = tier.user_queue(ticket.user)
+        waiter = Parked(ticket, self._clock.now(), user_queue, claimant)
+        depth = user_queue.depth
+        if not depth:
+            user_queue.lift()
+            tier.push(user_queue, next(self._arrivals))
+        if self._shortest_first:
+            heapq.heappush(user_queue.sized, (ticket.cost, next(self._arrivals), waiter))
+        else:
+            user_queue.waiters.append(waiter)
+        user_queue.depth = depth = depth + 1
+        tier.depths.deeper(depth)
+        if tier.promotes:
+            self._track_promotion(tier, waiter)
+        tier.queued += 1
+        queues.queued += 1
+        self._queued_total += 1
+        due = self._deadlines.add(waiter, self._queued_total)
+        if due is not None:
+            self._wake_at(due, _DEADLINES)
+        self._dispatch_queues(queues)
+        return waiter
 
     def cancel(self, parked: Parked) -> bool:
         """The ticket leaves its queue; True if it was still queued (it will never be decided).
@@ -294,50 +334,6 @@ class SchedulerCore(SchedulerReads):
 
     # ------------------------------------------------------------------ waiting
 
-    def _enqueue(self, ticket: Ticket) -> Parked:
-        tier_index = self._tier_index.get(ticket.tier)
-        if tier_index is None:
-            tier_index = self._tier_position(ticket.tier)  # raises the ValueError
-        queues = self._models.get(ticket.model) or self._model_queues(ticket.model)
-        tier = queues.tiers[tier_index]
-        user_queue = tier.users.get(ticket.user)
-        if user_queue is not None and user_queue.depth >= self._max_per_user:
-            self._rejected_full_total += 1
-            raise QueueFull(
-                f"too many queued requests for this caller on model {ticket.model!r} "
-                f"(limit {self._max_per_user})",
-                retry_after_s=self._retry_hint(queues),
-                scope="user",
-            )
-        if self._queued_total >= self._max_total:
-            self._rejected_full_total += 1
-            raise QueueFull(
-                f"the scheduler queue is full (limit {self._max_total})",
-                retry_after_s=self._retry_hint(queues),
-                scope="total",
-            )
-        if user_queue is None:
-            user_queue = tier.user_queue(ticket.user)
-        waiter = Parked(ticket, self._clock.now(), user_queue)
-        if not user_queue.depth:
-            user_queue.lift()
-            tier.push(user_queue, next(self._arrivals))
-        if self._shortest_first:
-            heapq.heappush(user_queue.sized, (ticket.cost, next(self._arrivals), waiter))
-        else:
-            user_queue.waiters.append(waiter)
-        user_queue.depth += 1
-        tier.depths.deeper(user_queue.depth)
-        if tier.limits.promote_after_s is not None and tier.position:
-            self._track_promotion(tier, waiter)
-        tier.queued += 1
-        queues.queued += 1
-        self._queued_total += 1
-        due = self._deadlines.add(waiter)
-        if due is not None:
-            self._wake_at(due, _DEADLINES)
-        return waiter
-
     def _remove_waiter(self, waiter: Parked, new_state: int) -> None:
         """Take a queued waiter out of every structure (idempotent through `state`)."""
         if waiter.state != QUEUED:
@@ -374,18 +370,18 @@ class SchedulerCore(SchedulerReads):
             queues.redispatch = True
             return
         queues.dispatching = True
-        may_release = self._gate.may_release
+        gate = self._gate
         model = queues.model
         # Newcomers may go past a closed gate only where the engine orders its own queue by user
         # (`AdmissionGate.may_release_newcomer`): elsewhere the head is not even looked at.
-        newcomers = not self._shared_tiers and self._gate.orders_engine_queue(model)
+        newcomers = not self._shared_tiers and gate.orders_engine_queue(model)
         try:
             while True:
                 queues.redispatch = False
                 # Release while some tier, most urgent first, has a request the gate lets go.
                 while queues.queued:
                     if self._shared_tiers:
-                        chosen = self._shares.next_tier(queues, may_release)
+                        chosen = self._shares.next_tier(queues, gate.may_release)
                         if chosen is None or not self._release_next(queues, chosen[0]):
                             break
                         self._shares.charge(queues, *chosen)
@@ -393,7 +389,7 @@ class SchedulerCore(SchedulerReads):
                     for tier in queues.tiers:
                         if not tier.queued:
                             continue
-                        if may_release(model, tier.limits):
+                        if gate.may_release(model, tier.limits):
                             released = self._release_next(queues, tier)
                             break
                         if not newcomers:
@@ -402,8 +398,7 @@ class SchedulerCore(SchedulerReads):
                         weight = head.head().ticket.weight
                         if self._may_go_as_newcomer(model, tier.limits, head, weight):
                             # No look-ahead: it is the head, the fair next one.
-                            self._release_head(queues, tier, head)
-                            released = True
+                            released = self._release_next(queues, tier, look_ahead=False)
                             break
                     else:
                         break
@@ -416,13 +411,23 @@ class SchedulerCore(SchedulerReads):
         finally:
             queues.dispatching = False
 
-    def _release_next(self, queues: ModelQueues, tier: TierQueue) -> bool:
-        """Release the tier's next request; False when it waits for its deployment instead."""
+    def _release_next(
+        self, queues: ModelQueues, tier: TierQueue, *, look_ahead: bool = True
+    ) -> bool:
+        """Release the tier's next request; False when it waits for its deployment instead.
+        `look_ahead=False`: the head goes, wherever its prefix is (a newcomer past a closed
+        gate). One method from the choice to the lease: this runs for every release."""
         user_queue = tier.peek()
         head = user_queue.head()
-        claimant = head.claimant  # `Parked.gone()`, inline: this runs for every release
-        if (claimant is None or not claimant.done()) and self._gate.prefers_elsewhere(
-            head.ticket, tier.limits
+        # The start tag of the request now in service: the head's virtual time, also when the
+        # look-ahead releases a user after it (see below).
+        start_tag = user_queue.virtual_time
+        off_heap_entry: HeapEntry | None = None
+        claimant = head.claimant  # `Parked.gone()`, inline
+        if (
+            look_ahead
+            and (claimant is None or not claimant.done())
+            and self._gate.prefers_elsewhere(head.ticket, tier.limits)
         ):
             # Releasing the fair head now would bind it away from the deployment that has its
             # prefix cached (a miss, which also evicts others' prefixes there), and holding
@@ -434,17 +439,57 @@ class SchedulerCore(SchedulerReads):
             found = self._look_ahead(tier) if head.passed_over < MAX_PASSED_OVER else None
             if found is not None:
                 head.passed_over += 1
-                self._release_head(
-                    queues,
-                    tier,
-                    found[0],
-                    off_heap_entry=found[1],
-                    start_tag=user_queue.virtual_time,
-                )
-                return True
-            if self._gate.waits_for_home(head.ticket, tier.limits):
+                # The user found is off the heap (`off_heap_entry`), the head's entry back on it.
+                user_queue, off_heap_entry = found
+                head = user_queue.head()
+            elif self._gate.waits_for_home(head.ticket, tier.limits):
                 return False
-        self._release_head(queues, tier, user_queue, head=head)
+        # Computed before anything changes: a release either happens whole or not at all.
+        charge = self._policy.release_charge(head.ticket)
+        if self._shortest_first:
+            waiter = heapq.heappop(user_queue.sized)[2]
+        else:
+            waiter = user_queue.waiters.popleft()
+        depth = user_queue.depth
+        tier.depths.shallower(depth)
+        user_queue.depth = depth = depth - 1
+        if not depth:
+            user_queue.waiters.clear()
+            user_queue.sized.clear()
+        tier.queued -= 1
+        queues.queued -= 1
+        self._queued_total -= 1
+        claimant = waiter.claimant
+        if claimant is not None and claimant.done():  # `Parked.gone()`, inline
+            # Its task was cancelled and has not run its cleanup yet: nothing to grant. The
+            # user's position is unchanged: its heap entry stays if it still has requests.
+            waiter.state = CANCELLED
+            self._cancelled_total += 1
+            if off_heap_entry is not None:
+                if depth:
+                    user_queue.in_heap = True
+                    heapq.heappush(tier.heap, off_heap_entry)
+            elif not depth:
+                tier.pop_top(user_queue)
+            if not depth:
+                tier.forget_if_idle(user_queue)
+            return True
+        waiter.state = GRANTED
+        # The tier's time must not pass a backlogged user's, or a correction (`_correct`) or a
+        # newcomer's lift would cost the users the look-ahead passed over their place.
+        if start_tag > tier.virtual_time:
+            tier.virtual_time = start_tag
+        ticket = waiter.ticket
+        deployment = self._gate.place(ticket, tier.limits)
+        lease = self._make_lease(queues, user_queue, ticket, waiter.enqueued_at, deployment, charge)
+        if off_heap_entry is not None:
+            if depth:
+                tier.push(user_queue, next(self._arrivals))
+        elif depth:
+            tier.requeue_top(user_queue, next(self._arrivals))
+        else:
+            tier.pop_top(user_queue)
+        self._decided(waiter, lease)
         return True
 
     def _look_ahead(self, tier: TierQueue) -> tuple[UserQueue, HeapEntry] | None:
@@ -474,93 +519,22 @@ class SchedulerCore(SchedulerReads):
             for entry in passed_over:
                 heapq.heappush(heap, entry)
 
-    def _release_head(
-        self,
-        queues: ModelQueues,
-        tier: TierQueue,
-        user_queue: UserQueue,
-        *,
-        off_heap_entry: HeapEntry | None = None,
-        start_tag: float | None = None,
-        head: Parked | None = None,
-    ) -> None:
-        """Release `user_queue`'s head request (found by `_head_waiter`). The user's heap
-        entry is the heap's top, or `off_heap_entry` when the look-ahead took it off; then
-        `start_tag` is the passed-over head's virtual time; `head`, its head when known."""
-        # Computed before anything changes: a release either happens whole or not at all.
-        charge = self._policy.release_charge((head or user_queue.head()).ticket)
-        if self._shortest_first:
-            waiter = heapq.heappop(user_queue.sized)[2]
-        else:
-            waiter = user_queue.waiters.popleft()
-        tier.depths.shallower(user_queue.depth)
-        user_queue.depth -= 1
-        if not user_queue.depth:
-            user_queue.waiters.clear()
-            user_queue.sized.clear()
-        tier.queued -= 1
-        queues.queued -= 1
-        self._queued_total -= 1
-        claimant = waiter.claimant
-        if claimant is not None and claimant.done():  # `Parked.gone()`, inline
-            # Its task was cancelled and has not run its cleanup yet: nothing to grant. The
-            # user's position is unchanged: its heap entry stays if it still has requests.
-            waiter.state = CANCELLED
-            self._cancelled_total += 1
-            if off_heap_entry is not None:
-                if user_queue.depth:
-                    user_queue.in_heap = True
-                    heapq.heappush(tier.heap, off_heap_entry)
-            elif not user_queue.depth:
-                tier.pop_top(user_queue)
-            if not user_queue.depth:
-                tier.forget_if_idle(user_queue)
-            return
-        waiter.state = GRANTED
-        # The start tag of the request now in service is the tier's virtual time. After a
-        # look-ahead it is the passed-over head's: the tier's time must not pass a backlogged
-        # user's, or a correction (`_correct`) or a newcomer's lift would cost the users passed
-        # over their place.
-        if start_tag is None:
-            start_tag = user_queue.virtual_time
-        if start_tag > tier.virtual_time:
-            tier.virtual_time = start_tag
-        deployment = self._gate.place(waiter.ticket, tier.limits)
-        lease = self._make_lease(
-            queues,
-            user_queue,
-            waiter.ticket,
-            enqueued_at=waiter.enqueued_at,
-            charge=charge,
-            deployment=deployment,
-        )
-        if off_heap_entry is not None:
-            if user_queue.depth:
-                tier.push(user_queue, next(self._arrivals))
-        elif user_queue.depth:
-            tier.requeue_top(user_queue, next(self._arrivals))
-        else:
-            tier.pop_top(user_queue)
-        self._decided(waiter, lease)
-
     def _make_lease(
         self,
         queues: ModelQueues,
         user_queue: UserQueue,
         ticket: Ticket,
-        *,
         enqueued_at: float,
+        deployment: str | None,
         charge: float | None = None,
-        deployment: str | None = None,
     ) -> Lease:
         if charge is None:
             charge = self._policy.release_charge(ticket)
         user_queue.virtual_time += charge
         user_queue.in_flight += 1
-        rank = self._policy.engine_round(user_queue.unstarted, ticket.weight)
-        user_queue.unstarted += 1
+        unstarted = user_queue.unstarted
+        user_queue.unstarted = unstarted + 1
         queues.in_flight += 1
-        self._in_flight_total += 1
         self._released_total += 1
         lease = Lease(
             self,
@@ -570,8 +544,11 @@ class SchedulerCore(SchedulerReads):
             self._clock.now(),
             charge,
             user_queue,
-            deployment=deployment,
-            engine_rank=rank if self._gate.orders_engine_queue(ticket.model) else 0,
+            deployment,
+            # Its round in an engine queue in user order (0 where the engine has none).
+            self._policy.engine_round(unstarted, ticket.weight)
+            if self._gate.orders_engine_queue(ticket.model)
+            else 0,
         )
         self._gate.on_released(lease)
         return lease
@@ -587,9 +564,8 @@ class SchedulerCore(SchedulerReads):
         tier = user_queue.tier_queue
         queues = tier.model_queues
         queues.in_flight -= 1
-        self._in_flight_total -= 1
         user_queue.in_flight -= 1
-        if not lease.started:
+        if not lease._started:  # the owner reads it without the property: on every end
             user_queue.unstarted -= 1
         if abandoned:
             self._abandoned_total += 1
@@ -654,7 +630,7 @@ class SchedulerCore(SchedulerReads):
         upper = waiter.user_queue.tier_queue.promote(
             waiter, now, self._arrivals, shortest_first=self._shortest_first
         )
-        if upper.limits.promote_after_s is not None and upper.position:
+        if upper.promotes:
             self._track_promotion(upper, waiter)
 
     # ------------------------------------------------------------------ deadlines

@@ -48,14 +48,23 @@ class DepthIndex:
 
     def deeper(self, depth: int) -> None:
         """A user's queue grew to `depth`."""
-        while depth > len(self._tree) - 1:
-            _grow(self._tree, len(self._tree) - 1)
-        _add(self._tree, depth, 1)
+        tree = self._tree
+        size = len(tree) - 1
+        while depth > size:
+            _grow(tree, size)
+            size *= 2
+        while depth <= size:  # `_add(tree, depth, 1)`, inline: on every admission's path
+            tree[depth] += 1
+            depth += depth & -depth
         self.total += 1
 
     def shallower(self, depth: int) -> None:
         """A user's queue of `depth` lost a request."""
-        _add(self._tree, depth, -1)
+        tree = self._tree
+        size = len(tree) - 1
+        while depth <= size:  # `_add(tree, depth, -1)`, inline: on every release's path
+            tree[depth] -= 1
+            depth += depth & -depth
         self.total -= 1
 
     def capped_total(self, k: int) -> int:

@@ -221,7 +221,12 @@ class Lease:
         """
         if self._ended:
             return False
-        if tokens_used is not None and not request_tokens_in_range(tokens_used):
+        if (
+            tokens_used is not None
+            # A plain int in range is the common case: checked inline, without the call.
+            and (type(tokens_used) is not int or not 0 <= tokens_used <= MAX_REQUEST_TOKENS)
+            and not request_tokens_in_range(tokens_used)
+        ):
             _left_out("tokens used", tokens_used)
             tokens_used = None
         if cost_used is not None and not request_cost_in_range(cost_used):

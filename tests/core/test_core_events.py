@@ -115,6 +115,31 @@ def test_a_cancelled_head_leaves_an_early_wake_up_that_does_nothing() -> None:
     assert core.take_decisions() == [] and core.next_due() == 13.0
 
 
+@pytest.mark.parametrize("stuck_head", [False, True])
+def test_granted_tickets_are_not_kept_until_their_deadline(stuck_head: bool) -> None:
+    """Granted tickets leave the deadlines' deque long before the head's deadline (the only
+    tick there is): what it holds follows the queue, not the arrivals of `max_wait_s`; also
+    behind a head that stays parked (`stuck_head`: a batch ticket that interactive keeps
+    behind), where only a rebuild can drop them."""
+    clock = FakeClock(start=0.0)
+    core = _core(InflightLimitGate(1), clock)
+    holder = core.try_acquire(make_ticket("holder"))
+    assert holder is not None
+    if stuck_head:
+        core.submit(make_ticket("batch-user", tier="batch"))
+    for user in range(3):
+        core.submit(make_ticket(f"u{user}"))
+    lease = holder
+    for index in range(2_000):
+        lease.release()
+        (decision,) = core.take_decisions()
+        assert isinstance(decision.outcome, Lease)
+        lease = decision.outcome
+        core.submit(make_ticket(f"u{index % 3}"))
+    assert core.statistics().queued == 3 + stuck_head
+    assert len(core._deadlines) <= 2 * (3 + stuck_head) + 64 + 1  # no tick ran: clock at 0
+
+
 def test_promotion_is_a_wake_up_and_moves_the_ticket_one_tier_up() -> None:
     clock = FakeClock(start=0.0)
     gate = ManualGate()
