@@ -1,7 +1,8 @@
 """One HTTP request as fair-sched watches it: is its client still there, which leases it holds.
 
-The middleware, the standalone proxy (through the middleware) and the wrapper around LiteLLM's
-proxy app all run a request through `RequestWatch.run()`. It gives every adapter the same rules:
+`FairSchedulerMiddleware` runs every request it schedules, or watches for an app that schedules
+deeper inside (LiteLLM's pre-call hook), through `RequestWatch.run()`; the standalone proxy is
+behind that middleware. It gives every adapter the same rules:
 
 - A client that leaves is noticed (`disconnected`) once the body has been read: one side task
   then owns the server's `receive()` and every later reader gets its result, so no body message
@@ -106,6 +107,7 @@ class RequestWatch:
         *,
         max_lease_s: float | None = None,
         send_timeout_s: float | None = None,
+        max_wait_header: bytes | None = None,
     ) -> None:
         self._receive = receive or _no_receive
         self._send = send
@@ -137,7 +139,9 @@ class RequestWatch:
         # After the keep-alive began: the app's error response, collected to become an event.
         self._error_status: int | None = None
         self._error_body = bytearray()
-        self._scope: Scope | None = None
+        # The client's `x-fair-sched-max-wait-s`, as the middleware read it with the other
+        # headers (one walk over them per request).
+        self._max_wait_header = max_wait_header
         self._chunks_since_yield = 0
         # A refusal of ours that the app answers in its own words (LiteLLM reshapes an
         # HTTPException's body): `refuse()` makes the watch send our answer instead.
@@ -157,7 +161,6 @@ class RequestWatch:
 
     async def run(self, app: ASGIApp, scope: Scope) -> None:
         """Run `app` for this request under the rules above; re-raise what the app raises."""
-        self._scope = scope
         token = _current.set(self)
         try:
             # In a task of its own (which copies the context, so the app sees this watch) that
@@ -220,16 +223,10 @@ class RequestWatch:
 
         A value that is not a positive number of seconds is refused (400 naming the header).
         """
-        if self._scope is None:
-            return None
-        raw = None
-        for name, value in self._scope.get("headers", ()):
-            if name.lower() == MAX_WAIT_HEADER.encode():
-                raw = value.decode("latin-1").strip()
-        if raw is None:
+        if self._max_wait_header is None:
             return None
         try:
-            seconds = float(raw)
+            seconds = float(self._max_wait_header.decode("latin-1").strip())
         except ValueError:
             seconds = float("nan")
         if not seconds > 0 or seconds == float("inf"):
@@ -616,29 +613,3 @@ def _error_payload(status: int, body: bytes) -> dict[str, Any]:
                 return {**error(status, found, code=str(status)).body}
     text = body.decode("utf-8", "replace").strip() or f"HTTP {status}"
     return error(status, text[:2000], code=str(status)).body
-
-
-class WatchRequests:
-    """Pure ASGI wrapper running every HTTP request under a `RequestWatch`.
-
-    For apps that schedule deeper inside (LiteLLM's pre-call hook): code in the request's task
-    finds the watch with `current_request()`, asks it to watch for the client leaving, and hands
-    it the lease, which then ends with the request at the latest.
-    """
-
-    def __init__(
-        self, app: ASGIApp, *, max_lease_s: float | None = None, send_timeout_s: float | None = None
-    ) -> None:
-        self.app = app
-        self._max_lease_s = max_lease_s
-        self._send_timeout_s = send_timeout_s
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http" or current_request() is not None:
-            # Not HTTP, or already watched (the middleware in front scheduled it).
-            await self.app(scope, receive, send)
-            return
-        watch = RequestWatch(
-            receive, send, max_lease_s=self._max_lease_s, send_timeout_s=self._send_timeout_s
-        )
-        await watch.run(self.app, scope)
