@@ -147,7 +147,8 @@ class FairSchedulerMiddleware:
     ) -> None:
         self.app = app
         self._unknown_models: UnknownModels = unknown_models
-        exact = dict.fromkeys(observability.ADMIN_PATHS, _ADMIN) if admin or serve_admin else {}
+        has_admin = admin is not None or serve_admin
+        exact = dict.fromkeys(observability.ADMIN_PATHS, _ADMIN) if has_admin else {}
         if serve_queue:
             exact[QUEUE_PATH] = _QUEUE
         patterns: list[tuple[str, RouteMode]] = [(pattern, "schedule") for pattern in paths]

@@ -18,9 +18,12 @@ from types import FrameType, SimpleNamespace
 from typing import Any
 
 import pytest
-from starlette.routing import Router
+from starlette.requests import Request
+from starlette.responses import Response
+from starlette.routing import Route, Router
 
 from fair_sched_plugin._request import DEPLOYMENT_HEADER, RequestWatch, current_request
+from fair_sched_plugin.observability import STATUS_PATH
 from fair_sched_plugin.service import SchedulingService
 
 from .litellm_harness import NEEDS_LITELLM
@@ -78,16 +81,22 @@ def _stub_litellm_app(seen: list[Seen]) -> Any:
     return app
 
 
+async def _refused(request: Request) -> Response:
+    return Response(status_code=401)
+
+
 def _wrapped_proxy(service: SchedulingService, seen: list[Seen]) -> tuple[Any, Any]:
     """The proxy app's middleware stack after `install_request_watch`, and the stub under it.
 
     Built outside a running loop, so no SIGTERM handler is installed in the test process."""
     from fair_sched_plugin.litellm._proxy import install_request_watch
-    from fair_sched_plugin.litellm._routes import litellm_admin_routes
 
     stub = _stub_litellm_app(seen)
     proxy_server = SimpleNamespace(app=SimpleNamespace(middleware_stack=stub), master_key=None)
-    admin = Router(routes=litellm_admin_routes(proxy_server, service))
+    # Where the integration's admin routes go (`_routes.litellm_admin_routes`, which would also
+    # join prometheus_client's global registry): one that refuses everyone, as they do without
+    # a master key.
+    admin = Router(routes=[Route(STATUS_PATH, _refused)])
     assert install_request_watch(proxy_server, service, admin=admin)
     return proxy_server.app.middleware_stack, stub
 
