@@ -9,6 +9,15 @@ then the lease's end), on the memory:// scheduler with an in-flight limit:
 - **park, then grant**: the slot is held, the request parks (with a disconnect watch, as the
   integrations wait), the holder's lease ends, the parked request is granted and its lease ends.
 
+and, where the `litellm` extra is installed, one request through the wrapping a LiteLLM proxy's
+app gets (`install_request_watch`, around a stub app that does what the pre-call hook does with
+the request's watch: admit, hold the lease, answer):
+
+- **LiteLLM, hook-scheduled**: `POST /v1/chat/completions`, from the server's call of the proxy
+  app to the lease's end (the middleware's routing and header scan, the request's watch, the
+  admission, the response and the end). Also printed: the regex searches and header scans it
+  made (C calls, seen by the profiler; header scans counted by the scope's header list).
+
 Counted with `sys.setprofile`: every call into a Python function (the project's and the
 standard library's, asyncio included; C functions are not counted), and "module switches":
 calls whose callee is in a different module than its caller (a measure of back-and-forth).
@@ -18,11 +27,13 @@ Warm-up requests run first, so imports and first-time set-up are not counted.
 from __future__ import annotations
 
 import asyncio
+import re
 import sys
 from collections import Counter
 from types import FrameType
 from typing import Any
 
+from fair_sched_plugin._request import current_request
 from fair_sched_plugin.identity import Credentials
 from fair_sched_plugin.service import SchedulingService
 
@@ -35,8 +46,13 @@ class CallCounter:
         self.switches = 0
         self.project_calls = 0
         self.by_module: Counter[str] = Counter()
+        self.header_scans = 0
+
+        self.regex_searches = 0
 
     def __call__(self, frame: FrameType, event: str, arg: Any) -> None:
+        if event == "c_call" and isinstance(getattr(arg, "__self__", None), re.Pattern):
+            self.regex_searches += 1
         if event != "call":
             return
         self.calls += 1
@@ -78,14 +94,106 @@ async def _measure() -> dict[str, CallCounter]:
     granted.lease.release()
     sys.setprofile(None)
     await service.aclose()
+    if _has_litellm():
+        results["LiteLLM, hook-scheduled"] = await _litellm_request()
     return results
+
+
+def _has_litellm() -> bool:
+    import importlib.util
+
+    return importlib.util.find_spec("litellm") is not None
+
+
+class CountingHeaders(list[tuple[bytes, bytes]]):
+    """A scope's header list that counts how often it is walked."""
+
+    scans = 0
+
+    def __iter__(self) -> Any:
+        CountingHeaders.scans += 1
+        return super().__iter__()
+
+
+async def _litellm_request() -> CallCounter:
+    from types import SimpleNamespace
+
+    from fair_sched_plugin.litellm._proxy import install_request_watch
+
+    service = SchedulingService({"unknown_model_max_inflight": 1})
+    principal = service.identify(Credentials(api_key="sk-a"))
+
+    async def hook_app(scope: Any, receive: Any, send: Any) -> None:
+        """What LiteLLM's app and our pre-call hook do with the request's watch."""
+        await receive()  # LiteLLM reads the body
+        request = current_request()
+        assert request is not None
+        admission = await service.admit(
+            principal,
+            "m",
+            BODY,
+            disconnected=request.watch(),
+            waiting=request,
+            max_wait_s=request.max_wait_s(service.settings.queue.max_wait_s),
+        )
+        request.hold(admission.lease)
+        request.forwarded = True
+        await send({"type": "http.response.start", "status": 200, "headers": []})
+        await send({"type": "http.response.body", "body": b"{}", "more_body": False})
+
+    proxy_server = SimpleNamespace(app=SimpleNamespace(middleware_stack=hook_app))
+    install_request_watch(proxy_server, service)
+    app = proxy_server.app.middleware_stack
+
+    async def one_request(counter: CallCounter | None) -> None:
+        sent = asyncio.Event()
+
+        async def receive() -> Any:
+            if not sent.is_set():
+                sent.set()
+                return {"type": "http.request", "body": b"{}", "more_body": False}
+            await asyncio.Event().wait()  # the client stays
+
+        async def send(message: Any) -> None:
+            pass
+
+        headers = CountingHeaders(
+            [(b"host", b"127.0.0.1"), (b"authorization", b"Bearer sk-a"), (b"accept", b"*/*")]
+        )
+        scope = {
+            "type": "http",
+            "method": "POST",
+            "path": "/v1/chat/completions",
+            "headers": headers,
+            "state": {},
+        }
+        CountingHeaders.scans = 0
+        if counter is not None:
+            sys.setprofile(counter)
+        await app(scope, receive, send)
+        sys.setprofile(None)
+        if counter is not None:
+            counter.header_scans = CountingHeaders.scans
+
+    for _ in range(3):
+        await one_request(None)
+    counter = CallCounter()
+    await one_request(counter)
+    await service.aclose()
+    return counter
 
 
 def main() -> None:
     results = asyncio.run(_measure())
-    print(f"{'path':>18} {'calls':>6} {'project calls':>14} {'module switches':>16}")
+    print(f"{'path':>24} {'calls':>6} {'project calls':>14} {'module switches':>16}")
     for path, counter in results.items():
-        print(f"{path:>18} {counter.calls:>6} {counter.project_calls:>14} {counter.switches:>16}")
+        print(f"{path:>24} {counter.calls:>6} {counter.project_calls:>14} {counter.switches:>16}")
+    litellm = results.get("LiteLLM, hook-scheduled")
+    if litellm is not None:
+        print(
+            f"LiteLLM, hook-scheduled: {litellm.regex_searches} regex searches, "
+            f"{litellm.header_scans} header scans"
+        )
     for path, counter in results.items():
         top = ", ".join(f"{m} {n}" for m, n in counter.by_module.most_common(8))
         print(f"{path}: {top}")

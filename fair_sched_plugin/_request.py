@@ -1,13 +1,17 @@
 """One HTTP request as fair-sched watches it: is its client still there, which leases it holds.
 
-The middleware, the standalone proxy (through the middleware) and the wrapper around LiteLLM's
-proxy app all run a request through `RequestWatch.run()`. It gives every adapter the same rules:
+`FairSchedulerMiddleware` runs every request it schedules, or watches for an app that schedules
+deeper inside (LiteLLM's pre-call hook), through `RequestWatch.run()`; the standalone proxy is
+behind that middleware. It gives every adapter the same rules:
 
 - A client that leaves is noticed (`disconnected`) once the body has been read: one side task
   then owns the server's `receive()` and every later reader gets its result, so no body message
   is ever taken from the app.
-- A lease the request holds (`hold()`) ends with the request at the latest: completed once the
-  response went out (or its first byte did), abandoned if nothing ever did.
+- A lease the request holds (`hold()`) is the watch's from then on: the watch alone marks its
+  first byte and ends it, in that order, exactly once (`_end_lease`). It ends with the request at
+  the latest: completed once the response went out (or its first byte did), abandoned if nothing
+  ever did. Adapters only report what they saw (`report()` the engine's usage,
+  `engine_answered()`, `engine_never_answered()`, `engine_timed_out()`); none ends a lease.
 - Nobody listens any more (the client left), the lease is older than `max_lease_s`, or the client
   stopped reading for `send_timeout_s`: the app is cancelled (its upstream request closes, so the
   engine frees the sequence), the lease ends, and the connection is closed.
@@ -29,7 +33,7 @@ import contextvars
 import json
 import logging
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Literal
 
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
@@ -69,6 +73,9 @@ SSE_HEADERS = [
     (b"x-accel-buffering", b"no"),
 ]
 
+# How a lease ended (`RequestWatch._end_lease`).
+LeaseOutcome = Literal["completed", "interrupted", "abandoned"]
+
 _current: contextvars.ContextVar[RequestWatch | None] = contextvars.ContextVar(
     "fair_sched_request", default=None
 )
@@ -106,6 +113,7 @@ class RequestWatch:
         *,
         max_lease_s: float | None = None,
         send_timeout_s: float | None = None,
+        max_wait_header: bytes | None = None,
     ) -> None:
         self._receive = receive or _no_receive
         self._send = send
@@ -137,7 +145,9 @@ class RequestWatch:
         # After the keep-alive began: the app's error response, collected to become an event.
         self._error_status: int | None = None
         self._error_body = bytearray()
-        self._scope: Scope | None = None
+        # The client's `x-fair-sched-max-wait-s`, as the middleware read it with the other
+        # headers (one walk over them per request).
+        self._max_wait_header = max_wait_header
         self._chunks_since_yield = 0
         # A refusal of ours that the app answers in its own words (LiteLLM reshapes an
         # HTTPException's body): `refuse()` makes the watch send our answer instead.
@@ -157,7 +167,6 @@ class RequestWatch:
 
     async def run(self, app: ASGIApp, scope: Scope) -> None:
         """Run `app` for this request under the rules above; re-raise what the app raises."""
-        self._scope = scope
         token = _current.set(self)
         try:
             # In a task of its own (which copies the context, so the app sees this watch) that
@@ -220,16 +229,10 @@ class RequestWatch:
 
         A value that is not a positive number of seconds is refused (400 naming the header).
         """
-        if self._scope is None:
-            return None
-        raw = None
-        for name, value in self._scope.get("headers", ()):
-            if name.lower() == MAX_WAIT_HEADER.encode():
-                raw = value.decode("latin-1").strip()
-        if raw is None:
+        if self._max_wait_header is None:
             return None
         try:
-            seconds = float(raw)
+            seconds = float(self._max_wait_header.decode("latin-1").strip())
         except ValueError:
             seconds = float("nan")
         if not seconds > 0 or seconds == float("inf"):
@@ -296,37 +299,66 @@ class RequestWatch:
             limit = f"max_lease_s={self._max_lease_s:g}"
             self.stop(LeaseExpired(f"the request held its engine slot longer than {limit}"))
 
+    # What adapters saw of a lease's engine request: events for the watch, which alone marks a
+    # lease's first byte and ends it (`_end_lease`).
+
     def report(self, lease: Lease, tokens_used: int | None, cost_used: float | None) -> None:
         """What the engine said `lease`'s request used; charged when the lease ends here.
 
         A detached watch (no connection: nothing to see the response go out) ends the lease
         now, as the end of its request."""
+        if not lease.active:
+            return  # ended already (a late hook): nothing left to charge
+        self._reported[lease] = (tokens_used, cost_used)
         if self._send is None:
-            lease.release(tokens_used, cost_used=cost_used)
-        else:
-            self._reported[lease] = (tokens_used, cost_used)
+            self._end_lease(lease, "completed")
+
+    def engine_answered(self, lease: Lease) -> None:
+        """The engine's first chunk for `lease` came (an adapter sees it before it is sent)."""
+        lease.mark_started()
+
+    def engine_never_answered(self, lease: Lease) -> None:
+        """The engine gave no answer for `lease` (refused on the way, or failed before its
+        first chunk): it ends now, abandoned, so the turn passes on uncharged and no answer
+        of ours counts as the engine's first byte."""
+        self._end_lease(lease, "abandoned")
+
+    def engine_timed_out(self, lease: Lease) -> None:
+        """The engine had `lease`'s request until we gave up waiting for its answer: it ends
+        now (before our own answer, which is not the engine's first byte), charged what the
+        engine can have generated, as for a client that leaves."""
+        self._end_lease(lease, "interrupted")
 
     def end_leases(self) -> None:
         """End every lease this request holds, each in the one way that fits (idempotent)."""
         for lease in self.leases:
             self._end_lease(lease)
 
-    def _end_lease(self, lease: Lease) -> None:
-        """The one place a watched request's lease ends; its first byte is recorded before.
+    def _end_lease(self, lease: Lease, outcome: LeaseOutcome | None = None) -> None:
+        """The one place a request's lease ends (once); its first byte is recorded before.
+
+        Without an `outcome` an adapter reported, the request's end says which:
 
         - A response went out: completed, charged what the engine reported (`report()`), else
           the estimate.
         - We stopped it (the client left, or max_lease_s ran out) after the request went on to
-          the engine: completed too, charged the output the engine can have generated before
+          the engine: interrupted, charged the output the engine can have generated before
           the abort reached it (never refunded).
         - Nothing reached the engine: abandoned, so the turn passes on uncharged.
         """
         if not lease.active:
             return
         tokens_used, cost_used = self._reported.pop(lease, (None, None))
-        if lease.started or self.response_started:
+        if outcome is None:
+            if lease.started or self.response_started:
+                outcome = "completed"
+            elif self.forwarded and self.stopped is not None:
+                outcome = "interrupted"
+            else:
+                outcome = "abandoned"
+        if outcome == "completed":
             lease.release(tokens_used, cost_used=cost_used)
-        elif self.forwarded and self.stopped is not None:
+        elif outcome == "interrupted":
             charge = self.interrupted_tokens
             lease.release(charge(lease) if charge is not None else lease.ticket.cost)
         else:
@@ -616,29 +648,3 @@ def _error_payload(status: int, body: bytes) -> dict[str, Any]:
                 return {**error(status, found, code=str(status)).body}
     text = body.decode("utf-8", "replace").strip() or f"HTTP {status}"
     return error(status, text[:2000], code=str(status)).body
-
-
-class WatchRequests:
-    """Pure ASGI wrapper running every HTTP request under a `RequestWatch`.
-
-    For apps that schedule deeper inside (LiteLLM's pre-call hook): code in the request's task
-    finds the watch with `current_request()`, asks it to watch for the client leaving, and hands
-    it the lease, which then ends with the request at the latest.
-    """
-
-    def __init__(
-        self, app: ASGIApp, *, max_lease_s: float | None = None, send_timeout_s: float | None = None
-    ) -> None:
-        self.app = app
-        self._max_lease_s = max_lease_s
-        self._send_timeout_s = send_timeout_s
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http" or current_request() is not None:
-            # Not HTTP, or already watched (the middleware in front scheduled it).
-            await self.app(scope, receive, send)
-            return
-        watch = RequestWatch(
-            receive, send, max_lease_s=self._max_lease_s, send_timeout_s=self._send_timeout_s
-        )
-        await watch.run(self.app, scope)

@@ -12,6 +12,14 @@ called; once running the app is cancelled, so its engine request is closed), aft
 `max_lease_s`, or when the app raises (the exception is re-raised). Everything else passes
 straight through.
 
+Which requests are scheduled is one table, built once: each path pattern with its mode
+(`paths=` are scheduled; `routes=` adds patterns with modes of their own, such as LiteLLM's
+pass-through routes; `others=` is the mode of every other request). A request costs one dict
+lookup (the paths answered here: `/fair-sched/*`), for a POST one search of one compiled regex,
+and one walk over its headers, whatever its mode. The LiteLLM integration puts one instance in
+front of the proxy app with `others="watch"`: every request runs under a `RequestWatch`, which
+LiteLLM's pre-call hook finds and hands its lease to (`fair_sched_plugin.litellm._proxy`).
+
 Where the model has several deployments (`backends.<model>.api_bases`), the scheduler binds each
 request to one of them and the app must send it there: the deployment's key (its api_base
 without a trailing "/", credentials and query as configured) is
@@ -34,14 +42,14 @@ import json
 import logging
 import re
 from collections.abc import Callable, Iterable, Mapping
-from typing import Any
+from typing import Any, Literal
 
 from starlette.datastructures import Headers
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from . import _responses, observability
 from ._body import parse_request_body, rewrite_priority
-from ._request import DEPLOYMENT_HEADER, RequestWatch
+from ._request import DEPLOYMENT_HEADER, MAX_WAIT_HEADER, RequestWatch
 from ._shutdown import install_sigterm_drain
 from ._usage import JsonUsageFinder, Usage, read_usage
 from .config import FairSchedSettings
@@ -51,6 +59,21 @@ from .identity import Credentials
 from .service import SchedulingService, UnknownModels
 
 UserResolver = Callable[[Scope, Mapping[str, Any]], str | None]
+
+# What the middleware does with an HTTP request whose path matches a pattern (for patterns: a
+# POST's; any other method gets the `others` mode):
+# - "schedule": read the body, wait for the request's turn, then call the app; a body that is
+#   not a JSON object naming a model is refused (400);
+# - "schedule_if_model": the same where the body names a model; any other body goes on to the
+#   app unscheduled, under the request's watch (for paths where it cannot reach a scheduled
+#   engine: LiteLLM's pass-through routes to hosted providers);
+# - "watch": call the app under the request's `RequestWatch` (an app that schedules deeper inside
+#   finds it with `current_request()`: LiteLLM's pre-call hook);
+# - "pass": call the app as it is.
+RouteMode = Literal["schedule", "schedule_if_model", "watch", "pass"]
+# The paths the middleware answers itself (exact; not patterns).
+_ADMIN = "admin"
+_QUEUE = "queue"
 
 # Where a caller asks, with its own API key, where its parked requests stand.
 QUEUE_PATH = "/fair-sched/queue"
@@ -69,7 +92,13 @@ SSE_LINE_LIMIT_BYTES = 64 * 1024
 # deployment the request is bound to, None where the gate knows no deployment of its model.
 DEPLOYMENT_STATE = "fair_sched_deployment"
 
-__all__ = ["DEFAULT_PATHS", "DEPLOYMENT_STATE", "QUEUE_PATH", "FairSchedulerMiddleware"]
+__all__ = [
+    "DEFAULT_PATHS",
+    "DEPLOYMENT_STATE",
+    "QUEUE_PATH",
+    "FairSchedulerMiddleware",
+    "RouteMode",
+]
 
 logger = logging.getLogger("fair_sched")
 
@@ -92,9 +121,10 @@ class FairSchedulerMiddleware:
     ``GET /fair-sched/queue`` answers a caller, identified as its requests are (its API key),
     with its own parked requests per model, their estimated positions and ETAs
     (`serve_queue=False` leaves that path to the app).
-    `pass_unmodelled=True` passes a body that is not a JSON object naming a model to the app
-    unscheduled instead of answering 400: only for paths where such a body cannot reach a
-    scheduled engine (LiteLLM's pass-through routes to hosted providers).
+    `paths` are patterns (searched, as `re.search` does) of the paths whose POSTs are scheduled;
+    `routes` adds `(pattern, mode)` pairs after them (`RouteMode`), and `others` ("pass" or
+    "watch") is the mode of every other HTTP request. The patterns are combined into one regex,
+    so each must stand on its own (no numbered back-references).
     """
 
     def __init__(
@@ -104,21 +134,25 @@ class FairSchedulerMiddleware:
         *,
         service: SchedulingService | None = None,
         paths: Iterable[str] = DEFAULT_PATHS,
+        routes: Iterable[tuple[str, RouteMode]] = (),
+        others: Literal["pass", "watch"] = "pass",
         resolve_user: UserResolver | None = None,
         max_body_bytes: int = MAX_BODY_BYTES,
         serve_admin: bool = False,
         admin_key: str | None = None,
         reject_unknown_keys: bool = False,
         unknown_models: UnknownModels = "share",
-        pass_unmodelled: bool = False,
         serve_queue: bool = True,
         admin: ASGIApp | None = None,
     ) -> None:
         self.app = app
-        self._serve_queue = serve_queue
         self._unknown_models: UnknownModels = unknown_models
-        self._pass_unmodelled = pass_unmodelled
-        self._paths = [re.compile(pattern) for pattern in paths]
+        has_admin = admin is not None or serve_admin
+        exact = dict.fromkeys(observability.ADMIN_PATHS, _ADMIN) if has_admin else {}
+        if serve_queue:
+            exact[QUEUE_PATH] = _QUEUE
+        patterns: list[tuple[str, RouteMode]] = [(pattern, "schedule") for pattern in paths]
+        self._routes = _Routes(exact, [*patterns, *routes], others)
         self._resolve_user = resolve_user
         self._max_body_bytes = max_body_bytes
         self._reject_unknown_keys = reject_unknown_keys
@@ -149,30 +183,22 @@ class FairSchedulerMiddleware:
         if self._config_error is not None:
             await self._refuse(self._config_error, scope, receive, send)
             return
-        if scope["type"] == "lifespan":
-            await self._lifespan(scope, receive, send)
+        if scope["type"] != "http":
+            if scope["type"] == "lifespan":
+                await self._lifespan(scope, receive, send)
+            else:
+                await self.app(scope, receive, send)
             return
-        if (
-            self._admin is not None
-            and scope["type"] == "http"
-            and scope.get("path") in observability.ADMIN_PATHS
-        ):
+        mode = self._routes.mode(scope.get("method", ""), scope.get("path", ""))
+        if mode == _ADMIN and self._admin is not None:
             await self._admin(scope, receive, send)
             return
-        if (
-            self._serve_queue
-            and scope["type"] == "http"
-            and scope.get("path") == QUEUE_PATH
-            and scope.get("method") in ("GET", "HEAD")
-        ):
+        if mode == _QUEUE:
             await self._standing(scope, send)
             return
-        if (
-            scope["type"] != "http"
-            or scope.get("method") != "POST"
-            or not any(pattern.search(scope.get("path", "")) for pattern in self._paths)
-        ):
-            await self.app(_without_client_deployment(scope), receive, send)
+        scope, max_wait_header = _read_headers(scope)
+        if mode == "pass":
+            await self.app(scope, receive, send)
             return
         settings = self.service.settings
         watch = RequestWatch(
@@ -180,8 +206,12 @@ class FairSchedulerMiddleware:
             send,
             max_lease_s=settings.max_lease_s,
             send_timeout_s=settings.send_timeout_s,
+            max_wait_header=max_wait_header,
         )
-        await _ScheduledRequest(self, scope, watch).run()
+        if mode == "watch":
+            await watch.run(self.app, scope)
+        else:
+            await _ScheduledRequest(self, scope, watch, mode == "schedule_if_model").run()
 
     async def _refuse(self, error: ConfigError, scope: Scope, receive: Receive, send: Send) -> None:
         """Invalid settings: the server's start-up fails with their message (uvicorn logs it and
@@ -267,9 +297,15 @@ class _ScheduledRequest:
     """Per-request state: body, lease, response progress (the connection is `watch`'s)."""
 
     def __init__(
-        self, middleware: FairSchedulerMiddleware, scope: Scope, watch: RequestWatch
+        self,
+        middleware: FairSchedulerMiddleware,
+        scope: Scope,
+        watch: RequestWatch,
+        only_with_model: bool,
     ) -> None:
         self.middleware = middleware
+        # "schedule_if_model": a body naming no model goes on to the app unscheduled.
+        self.only_with_model = only_with_model
         self.service = middleware.service
         self.scope = scope
         self.watch = watch
@@ -286,10 +322,8 @@ class _ScheduledRequest:
         body_bytes = await self._read_body(receive, send)
         if body_bytes is None:
             return  # the client left before sending its body, or it was too large
-        if self.middleware._pass_unmodelled and not _names_a_model(body_bytes):
-            await self.middleware.app(
-                _without_client_deployment(scope), self._replay(body_bytes, receive), send
-            )
+        if self.only_with_model and not _names_a_model(body_bytes):
+            await self.middleware.app(scope, self._replay(body_bytes, receive), send)
             return
         try:
             body = parse_request_body(body_bytes)
@@ -456,17 +490,108 @@ def _for_app(
     return kept
 
 
-def _without_client_deployment(scope: Scope) -> Scope:
-    """`scope` for a request the middleware does not schedule, without a client's own
-    `x-fair-sched-deployment`: the app may trust that header on every route (one that forwards
-    an unscheduled call, an embeddings route say, by it would otherwise go where the client
-    said, past the deployment's gate)."""
-    if scope["type"] != "http" or not any(
-        name.lower() == DEPLOYMENT_HEADER for name, _ in scope.get("headers", ())
-    ):
-        return scope
-    headers = [(n, v) for n, v in scope["headers"] if n.lower() != DEPLOYMENT_HEADER]
-    return {**scope, "headers": headers}
+_MAX_WAIT_HEADER = MAX_WAIT_HEADER.encode()
+
+
+def _read_headers(scope: Scope) -> tuple[Scope, bytes | None]:
+    """One walk over an HTTP request's headers: `scope` without a client's own
+    `x-fair-sched-deployment`, and the client's `x-fair-sched-max-wait-s` (the last one).
+
+    The app may trust that header on every route, scheduled or not (one that forwards an
+    unscheduled call, an embeddings route say, by it would otherwise go where the client said,
+    past the deployment's gate)."""
+    max_wait = None
+    from_client = False
+    for name, value in scope["headers"]:
+        lowered = name.lower()
+        if lowered == _MAX_WAIT_HEADER:
+            max_wait = value
+        elif lowered == DEPLOYMENT_HEADER:
+            from_client = True
+    if from_client:
+        headers = [(n, v) for n, v in scope["headers"] if n.lower() != DEPLOYMENT_HEADER]
+        scope = {**scope, "headers": headers}
+    return scope, max_wait
+
+
+class _Routes:
+    """Each HTTP request's mode, from one table built once: the exact paths the middleware
+    answers (a dict), then, for a POST, every pattern in one compiled regex (the first that
+    matches gives the mode)."""
+
+    def __init__(
+        self,
+        exact: Mapping[str, str],
+        patterns: Iterable[tuple[str, RouteMode]],
+        others: RouteMode,
+    ) -> None:
+        self._exact = dict(exact)
+        self._others: str = others
+        self._modes: dict[str, str] = {}
+        alternatives = []
+        anchored = True
+        for index, (pattern, mode) in enumerate(patterns):
+            re.compile(pattern)  # on its own first: a bad pattern's error is its own
+            name = f"fair_sched_route{index}"
+            self._modes[name] = mode
+            alternatives.append(f"(?P<{name}>{_scoped_flags(pattern)})")
+            anchored = anchored and _only_at_start(pattern)
+        joined = "|".join(alternatives)
+        if anchored:
+            # Each matches only at the start: a search need not try the later positions.
+            joined = f"^(?:{joined})"
+        self._regex = re.compile(joined) if alternatives else None
+
+    def mode(self, method: str, path: str) -> str:
+        exact = self._exact.get(path)
+        if exact is not None and (exact == _ADMIN or method in ("GET", "HEAD")):
+            return exact
+        if method == "POST" and self._regex is not None:
+            found = self._regex.search(path)
+            if found is not None and found.lastgroup is not None:
+                return self._modes[found.lastgroup]
+        return self._others
+
+
+_GLOBAL_FLAGS = re.compile(r"^\(\?([aiLmsux]+)\)")
+
+
+def _scoped_flags(pattern: str) -> str:
+    """`(?i)rest` as `(?i:rest)`: global flags are allowed only at the start of the combined
+    regex, scoped ones anywhere."""
+    found = _GLOBAL_FLAGS.match(pattern)
+    if found is None:
+        return pattern
+    return f"(?{found.group(1)}:{pattern[found.end() :]})"
+
+
+def _only_at_start(pattern: str) -> bool:
+    """True where `pattern` can match only at the start of a path: it begins with `^` and has
+    no `|` outside groups and character classes (`^a|b` finds `b` anywhere)."""
+    if not pattern.startswith("^"):
+        return False
+    depth = 0
+    escaped = False
+    class_from = -1  # inside a character class: the index of its first member, else -1
+    for index, char in enumerate(pattern):
+        if escaped:
+            escaped = False
+        elif char == "\\":
+            escaped = True
+        elif class_from >= 0:
+            if char == "^" and index == class_from and pattern[index - 1] == "[":
+                class_from += 1  # `[^...]`
+            elif char == "]" and index > class_from:  # a `]` first in a class is a member
+                class_from = -1
+        elif char == "[":
+            class_from = index + 1
+        elif char == "(":
+            depth += 1
+        elif char == ")":
+            depth -= 1
+        elif char == "|" and depth == 0:
+            return False
+    return True
 
 
 def _usage_from_sse(chunk: bytes) -> Usage | None:

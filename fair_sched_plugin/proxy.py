@@ -269,7 +269,7 @@ class _ProxyRoutes:
                 self._service.names.redact(_describe(exc)),
             )
             if isinstance(exc, httpx.ReadTimeout):
-                _charge_leases(self._service)
+                _charge_leases()
             else:
                 _abandon_leases()
             # Retry when the queue ahead would have drained at the measured rate, or at least
@@ -307,22 +307,24 @@ def upstream_url(api_base: str, suffix: str) -> str:
 
 
 def _abandon_leases() -> None:
-    """The engine never had the running request: its turn passes on uncharged, and our own
-    answer is not the engine's first byte (the gate would count a slot taken there)."""
+    """The engine never had the running request: the request's watch ends its lease now, so
+    the turn passes on uncharged and our own answer is not the engine's first byte (the gate
+    would count a slot taken there)."""
     watch = current_request()
-    for lease in watch.leases if watch is not None else ():
-        lease.abandon()
+    if watch is not None:
+        for lease in watch.leases:
+            watch.engine_never_answered(lease)
 
 
-def _charge_leases(service: SchedulingService) -> None:
-    """The engine had the request until we gave up waiting for its answer (a read timeout): it
-    is charged what the engine can have generated, as for a client that leaves; abandoned, each
-    request longer than the timeout would use the engine for free. Ended here, before our own
-    answer, which is not the engine's first byte."""
+def _charge_leases() -> None:
+    """The engine had the request until we gave up waiting for its answer (a read timeout): the
+    request's watch ends its lease now (before our own answer, which is not the engine's first
+    byte), charged what the engine can have generated, as for a client that leaves; abandoned,
+    each request longer than the timeout would use the engine for free."""
     watch = current_request()
-    for lease in watch.leases if watch is not None else ():
-        if lease.active:
-            lease.release(service.charges.interrupted_tokens(lease))
+    if watch is not None:
+        for lease in watch.leases:
+            watch.engine_timed_out(lease)
 
 
 async def _send_retrying_once(

@@ -85,3 +85,64 @@ async def test_a_reader_that_stops_is_cut_off_after_quick_sends_before() -> None
     assert "stopped reading" in str(watch.stopped)
     assert len(sent) == 5
     assert not lease.active
+
+
+class _RecordingOwner:
+    """A lease owner that records what it hears, in order."""
+
+    def __init__(self) -> None:
+        self.events: list[tuple[str, int | None]] = []
+
+    def lease_started(self, lease: Lease) -> None:
+        self.events.append(("started", None))
+
+    def lease_ended(self, lease: Lease, tokens_used: int | None, *, abandoned: bool) -> None:
+        self.events.append(("abandoned" if abandoned else "ended", tokens_used))
+
+
+async def _run_hook_app(report: Any) -> list[tuple[str, int | None]]:
+    """A request whose app holds a lease, reports to the watch as LiteLLM's hooks do
+    (`report(watch, lease)`), then answers with a body; what the lease's owner heard."""
+    owner = _RecordingOwner()
+    lease = Lease(owner, make_ticket("u"), 1, 0.0, 0.0, 0.0)
+    watch = RequestWatch(_receive, _server_send)
+
+    async def app(scope: Any, receive: Any, send: Any) -> None:
+        watch.hold(lease)
+        watch.forwarded = True
+        report(watch, lease)
+        await send({"type": "http.response.start", "status": 200, "headers": []})
+        await send({"type": "http.response.body", "body": b"{}", "more_body": False})
+        report(watch, lease)  # a late hook (LiteLLM's success log event): ignored
+
+    await watch.run(app, {"type": "http", "headers": []})
+    return owner.events
+
+
+async def _server_send(message: dict[str, Any]) -> None:
+    pass
+
+
+async def test_the_watch_marks_the_first_byte_then_ends_the_lease_once_with_the_usage() -> None:
+    def answered(watch: RequestWatch, lease: Lease) -> None:
+        watch.engine_answered(lease)
+        watch.report(lease, 42, None)
+
+    assert await _run_hook_app(answered) == [("started", None), ("ended", 42)]
+
+
+async def test_no_answer_from_the_engine_ends_the_lease_before_our_own_answer() -> None:
+    """Our error answer goes out after: it is not the engine's first byte."""
+
+    def never(watch: RequestWatch, lease: Lease) -> None:
+        watch.engine_never_answered(lease)
+
+    assert await _run_hook_app(never) == [("abandoned", None)]
+
+
+async def test_a_timeout_is_charged_what_the_engine_can_have_generated() -> None:
+    def timed_out(watch: RequestWatch, lease: Lease) -> None:
+        watch.interrupted_tokens = lambda lease: 7
+        watch.engine_timed_out(lease)
+
+    assert await _run_hook_app(timed_out) == [("ended", 7)]

@@ -6,16 +6,19 @@ registered class itself defines them (inherited ones are skipped), so both are d
 Deny by default: every call that names a model is scheduled, whatever its route (OpenAI,
 Anthropic `/v1/messages`, Gemini `:generateContent`, responses, embeddings, ...), and so is every
 pass-through call (its body goes to an engine as is, model or not). LiteLLM's pass-through routes
-(`/vllm/...` and the like) do not all run this hook, so `FairSchedulerMiddleware` in front of the
-proxy app schedules those (see `_proxy.install_request_watch`); the hook then finds the request's
-lease and leaves it. Calls that name no model (files, batches, vector stores, ...) cannot reach a
-model deployment and pass. On every call the client's own `priority` is removed, also from the
-client objects LiteLLM forwards as written (the realtime session routes, `NESTED_CLIENT_BODY`).
+(`/vllm/...` and the like) do not all run this hook, so the one `FairSchedulerMiddleware` in front
+of the proxy app schedules those (see `_proxy.install_request_watch`); the hook then finds the
+request's lease and leaves it. Calls that name no model (files, batches, vector stores, ...)
+cannot reach a model deployment and pass. On every call the client's own `priority` is removed,
+also from the client objects LiteLLM forwards as written (the realtime session routes,
+`NESTED_CLIENT_BODY`).
 
 A granted lease belongs to the HTTP request, not to anything the client sends: it is held by the
 request's `RequestWatch` (found through a context variable in every hook of that request), which
-also ends it when the request ends, when the client leaves, or after `max_lease_s`. Nothing in the
-request body or metadata names it, so no other request can end it.
+alone marks its first byte and ends it: when the request ends, when the client leaves, or after
+`max_lease_s`. The hooks only report to it what they saw (the engine's first chunk, its usage, a
+failure before any answer, LiteLLM's timeout). Nothing in the request body or metadata names the
+lease, so no other request can end it.
 """
 
 from __future__ import annotations
@@ -247,33 +250,36 @@ class FairSchedCallback(CustomLogger):
     async def async_post_call_streaming_iterator_hook(
         self, user_api_key_dict: Any, response: Any, request_data: dict[str, Any]
     ) -> AsyncGenerator[Any, None]:
-        lease = _request_lease()
-        if lease is None:
-            # Not ours to end (nothing to schedule, or it ended): chunks pass as they come.
+        request = current_request()
+        lease = request.lease if request is not None else None
+        if request is None or lease is None:
+            # No lease held (nothing to schedule, or it ended): chunks pass as they come.
             async for chunk in response:
                 yield chunk
             return
         usage: Any = None
+        answered = False
         try:
             # Per chunk only what the end needs (this loop runs for every token LiteLLM relays).
             async for chunk in response:
-                if not lease.started:
-                    lease.mark_started()
+                if not answered:
+                    answered = True
+                    request.engine_answered(lease)
                 usage = chunk_usage(chunk) or usage
                 yield chunk
         finally:
             # Also on a mid-stream disconnect (the generator is closed or cancelled).
             if lease.started:
-                _release_with_usage(lease, self._service, usage)
+                _report_usage(lease, self._service, usage)
             else:
-                lease.abandon()  # no chunk came: the engine failed before its answer
+                request.engine_never_answered(lease)  # the engine failed before its answer
 
     async def async_post_call_success_hook(
         self, data: dict[str, Any], user_api_key_dict: Any, response: Any
     ) -> Any:
         lease = _request_lease()
         if lease is not None:
-            _release_with_usage(lease, self._service, getattr(response, "usage", None))
+            _report_usage(lease, self._service, getattr(response, "usage", None))
         return response
 
     # No `async_log_failure_event`: it fires for each failed attempt, and LiteLLM's router may
@@ -286,19 +292,18 @@ class FairSchedCallback(CustomLogger):
         user_api_key_dict: Any,
         traceback_str: str | None = None,
     ) -> None:
-        lease = _request_lease()
-        if lease is not None and not lease.started:
-            request = current_request()
-            if isinstance(original_exception, Timeout) and request is not None:
+        request = current_request()
+        lease = request.lease if request is not None else None
+        if request is not None and lease is not None and not lease.started:
+            if isinstance(original_exception, Timeout):
                 # LiteLLM gave up on a request the engine had (a `timeout` the client may set
                 # itself): charged what the engine can have generated, as when a client leaves;
                 # never abandoned, or each such request would use the engine for free.
-                service = self.service
-                request.report(lease, service.charges.interrupted_tokens(lease), None)
+                request.engine_timed_out(lease)
                 return
             # Refused on the way (another hook, the router) or failed before any answer: the
             # turn passes on uncharged. A started one ends with its response (the watch).
-            lease.abandon()
+            request.engine_never_answered(lease)
 
     async def async_log_success_event(
         self, kwargs: dict[str, Any], response_obj: Any, start_time: Any, end_time: Any
@@ -306,7 +311,7 @@ class FairSchedCallback(CustomLogger):
         # Runs in a task LiteLLM creates from the request's context, so it sees its lease.
         lease = _request_lease()
         if lease is not None:
-            _release_with_usage(lease, self._service, getattr(response_obj, "usage", None))
+            _report_usage(lease, self._service, getattr(response_obj, "usage", None))
 
 
 def chunk_usage(chunk: Any) -> Any:
@@ -435,7 +440,7 @@ def _request_lease() -> Lease | None:
     return request.lease if request is not None else None
 
 
-def _release_with_usage(lease: Lease, service: SchedulingService | None, usage: Any) -> None:
+def _report_usage(lease: Lease, service: SchedulingService | None, usage: Any) -> None:
     """Report what the engine said the request used (`SchedulingService.charge_of`: uncached
     prompt plus output tokens, and their money cost at the model's price —
     `backends.<model>.price`, else LiteLLM's own cost data) to the request's watch, which ends

@@ -21,9 +21,8 @@ from typing import Any
 import yaml
 from starlette.types import ASGIApp
 
-from .._request import WatchRequests
 from .._shutdown import install_sigterm_drain
-from ..asgi import FairSchedulerMiddleware
+from ..asgi import FairSchedulerMiddleware, RouteMode
 from ..config import FairSchedSettings, load_settings
 from ..errors import ConfigError
 from ..service import SchedulingService
@@ -123,12 +122,16 @@ def load_proxy_settings(proxy_server: Any | None) -> tuple[FairSchedSettings, di
         raise ConfigError(f"{exc}\n  (in {config_path})") from None
 
 
-def pass_through_paths() -> tuple[tuple[str, ...], tuple[str, ...]]:
-    """Patterns for LiteLLM's pass-through routes, generated from LiteLLM's own route list:
-    (routes to self-hosted engines: `/vllm/...`; routes to hosted providers: `/openai/...`, ...).
+def pass_through_routes() -> list[tuple[str, RouteMode]]:
+    """The middleware's table for LiteLLM's pass-through routes, generated from LiteLLM's own
+    route list: a pattern and a mode for the routes to self-hosted engines (`/vllm/...`), and
+    one for the routes to hosted providers (`/openai/...`, ...).
 
     Their bodies reach the target without LiteLLM's pre-call hook (the router pass-through
-    never calls it), so the middleware in front of the proxy schedules them.
+    never calls it), so the middleware in front of the proxy schedules them: whatever goes to
+    a self-hosted engine, model or not (400 if not JSON); a body for a hosted provider only
+    where it names a model (a router model: scheduled), since one that names none (a file
+    upload, ...) cannot reach our engines.
     """
     from litellm.proxy._types import LiteLLMRoutes
 
@@ -136,20 +139,26 @@ def pass_through_paths() -> tuple[tuple[str, ...], tuple[str, ...]]:
     self_hosted = [prefix for prefix in prefixes if prefix in SELF_HOSTED_PASS_THROUGH]
     hosted = [prefix for prefix in prefixes if prefix not in SELF_HOSTED_PASS_THROUGH]
 
-    def pattern(group: list[str]) -> tuple[str, ...]:
-        if not group:
-            return ()
-        return (r"^(" + "|".join(re.escape(prefix) for prefix in group) + r")(/|$)",)
+    def pattern(group: list[str]) -> str:
+        return r"^(" + "|".join(re.escape(prefix) for prefix in group) + r")(/|$)"
 
-    return pattern(self_hosted), pattern(hosted)
+    table: list[tuple[str, RouteMode]] = []
+    if self_hosted:
+        table.append((pattern(self_hosted), "schedule"))
+    if hosted:
+        table.append((pattern(hosted), "schedule_if_model"))
+    return table
 
 
 def install_request_watch(
     proxy_server: Any, service: SchedulingService, *, admin: ASGIApp | None = None
 ) -> bool:
-    """Run every request of the proxy app under a `RequestWatch` (client gone, max_lease_s),
-    schedule LiteLLM's pass-through routes with the middleware in front of it, and answer the
-    admin paths there with `admin` (before LiteLLM's own middleware and router: `_routes`).
+    """Put one `FairSchedulerMiddleware` in front of the proxy app: it schedules LiteLLM's
+    pass-through routes itself (`pass_through_routes`), runs every other request under a
+    `RequestWatch` (client gone, max_lease_s; the pre-call hook schedules those and hands the
+    watch its lease), and answers the admin paths with `admin` (before LiteLLM's own
+    middleware and router: `_routes`). One layer, one path lookup and one walk over the
+    headers per request.
 
     Wraps the built middleware stack (add_middleware is refused once the app has started).
     Inside the running proxy (its start-up, after uvicorn installed its signal handlers) a
@@ -166,19 +175,15 @@ def install_request_watch(
         )
         return False
     if not isinstance(stack, FairSchedulerMiddleware):
-        settings = service.settings
-        self_hosted, hosted = pass_through_paths()
-        watched = WatchRequests(
-            stack, max_lease_s=settings.max_lease_s, send_timeout_s=settings.send_timeout_s
-        )
-        # A body for a hosted provider that names no model (a file upload, ...) cannot reach
-        # our engines: it passes. One naming a model may be a router model: scheduled.
-        hosted_scheduled = FairSchedulerMiddleware(
-            watched, service=service, paths=hosted, pass_unmodelled=True
-        )
-        # Whatever goes to a self-hosted engine is scheduled, model or not (400 if not JSON).
+        # The OpenAI paths (/v1/chat/completions, ...) are LiteLLM's own: its pre-call hook
+        # schedules them, under the watch this layer gives every request.
         app.middleware_stack = FairSchedulerMiddleware(
-            hosted_scheduled, service=service, paths=self_hosted, admin=admin
+            stack,
+            service=service,
+            paths=(),
+            routes=pass_through_routes(),
+            others="watch",
+            admin=admin,
         )
         with contextlib.suppress(RuntimeError):  # no running loop: not inside a server
             asyncio.get_running_loop()
