@@ -314,7 +314,10 @@ class DeploymentLedger:
         # finished counter each one that is shows how long the way there took, beyond the grace
         # (see grace_s); without it one that arrived in time may only show now (its arrival hid
         # behind a departure whose end we had not seen yet), so it shows nothing.
-        exact = finished is not None
+        counted = finished is not None
+        # Without the counter an arrival may hide behind a departure (until we see its end),
+        # except in an interval that began with the engine empty: there growth is arrivals.
+        exact = counted or not (previous.waiting or previous.running)
         graced = self.graced
         while arrived > 0 and graced:
             released_at = graced.popleft()
@@ -332,7 +335,7 @@ class DeploymentLedger:
                 self.pending_count -= 1
                 arrived -= 1
                 if shown:
-                    self._arrived(as_of - lease.released_at, exact)
+                    self._arrived(as_of - lease.released_at, counted)
         # Arrivals left over with no lease to settle are others' (or ours settled already).
         self.arrivals_owed = min(max(0, -arrived), self.in_flight)
 
@@ -389,8 +392,12 @@ class DeploymentLedger:
         gate released as many more, and the engine's queue reached 5-7 against 3 once all of
         them arrived. So the grace is at least the slowest of the latest ways there that scrapes
         showed (release to the scrape whose arrivals settled the lease, a lease the grace had
-        settled too soon included: see _settle_arrivals), where they show them unambiguously.
-        With the engine's finished counter that is every scrape, and the grace is also at least
+        settled too soon included: see _settle_arrivals), where they show them unambiguously:
+        with the engine's finished counter at every scrape, without it after a scrape that
+        showed the engine empty (no departure can hide an arrival then; a lease the grace
+        settled too soon, as a starved LiteLLM's first requests took 2.1 s, shows there) and,
+        for the leases still pending, where the interval counted no end. With the counter the
+        grace is also at least
         the quickest recent release-to-first-byte time: a first byte comes no sooner than its
         request reached the engine, and the quickest (no wait in the engine's queue) is the way
         there and back. A longer grace costs nothing there, since the arrivals settle leases

@@ -1265,12 +1265,15 @@ def test_a_proxy_forwarding_out_of_order_does_not_overshoot_the_threshold() -> N
     strict=True,
     reason="open: without the finished counter an arrival the scrapes show late may be a lease "
     "that hid behind a departure as well as one the proxy forwarded late, so the grace does "
-    "not learn the slowest way there, and the queue reaches 4 against 3",
+    "not always learn the slowest way there: the queue reaches 4-5 against 3 in 3 of 8 runs",
 )
 def test_without_the_counter_a_proxy_forwarding_out_of_order_does_not_overshoot() -> None:
     """The same without the finished counter: a deterministic reproducer of the open defect of
     tests/integrations/test_bound_under_stress.py (a CPU-starved LiteLLM, no counter: about 1
-    run in 6 peaks at 4-5 against 3), the same before and after the grace learned the way
-    back."""
-    stats = _simulate({}, max_num_seqs=4, seed=0, **OUT_OF_ORDER)
-    assert stats.max_waiting <= 3  # 4 here, before and after
+    run in 6 peaks at 4-5 against 3). The grace learns the way there from intervals that began
+    with the engine empty (nothing to hide an arrival) and from those that counted no end: 3
+    of these 8 runs still peak at 4-5 (6 of 8 before the grace covered the slowest way there)."""
+    peaks = [
+        _simulate({}, max_num_seqs=4, seed=seed, **OUT_OF_ORDER).max_waiting for seed in range(8)
+    ]
+    assert max(peaks) <= 3, peaks
