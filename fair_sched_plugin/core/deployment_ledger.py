@@ -51,8 +51,12 @@ from .ticket import Lease, TierLimits
 from .tuning import QueueTuner
 
 _MAX_FIRST_BYTES = 10_000
-# How many of a deployment's latest release-to-first-byte times stretch its grace.
+# How many of a deployment's latest release-to-first-byte times stretch its grace, and of the
+# ways back (round trip less the way there) that shorten it without the finished counter.
 _FIRST_BYTES_FOR_GRACE = 8
+# How many of the latest ways there (release to the scrape whose arrivals settled the lease) the
+# grace covers: the slowest of them.
+_ARRIVALS_FOR_GRACE = 32
 # Weight of the newest good scrape in a deployment's smoothed scrape duration.
 _SCRAPE_SMOOTHING = 0.3
 
@@ -138,6 +142,14 @@ class DeploymentLedger:
     first_byte_after: deque[float] = field(
         default_factory=lambda: deque(maxlen=_FIRST_BYTES_FOR_GRACE)
     )
+    # How long after their release the latest leases were shown arrived by a scrape's growth,
+    # where it shows arrivals unambiguously (see _settle_arrivals), and without the finished
+    # counter, how much longer the quickest round trip was at each (the way back): grace_s.
+    arrived_after: deque[float] = field(default_factory=lambda: deque(maxlen=_ARRIVALS_FOR_GRACE))
+    way_back: deque[float] = field(default_factory=lambda: deque(maxlen=_FIRST_BYTES_FOR_GRACE))
+    # When each lease the grace settled was released, while no scrape has shown its arrival yet:
+    # that arrival settles no other lease (see _settle_arrivals). At most the leases in flight.
+    graced: deque[float] = field(default_factory=lambda: deque(maxlen=_MAX_FIRST_BYTES))
     # The gate held a request back for this engine's queue since the last scrape (demand).
     held_back: bool = False
     # ... by a tier without an engine queue (below 1): it needs a free slot, so it probes.
@@ -297,6 +309,24 @@ class DeploymentLedger:
         # never made up and would only keep leases pending until first byte or grace for good.
         arrived = round(arrivals) - self.settled_since_scrape - self.arrivals_owed
         self.settled_since_scrape = 0
+        # Leases the grace settled before their arrival showed come first (the oldest): theirs
+        # may be among these arrivals, and settling others for them let as many more in. With the
+        # finished counter each one that is shows how long the way there took, beyond the grace
+        # (see grace_s); without it one that arrived in time may only show now (its arrival hid
+        # behind a departure whose end we had not seen yet), so it shows nothing.
+        counted = finished is not None
+        # Without the counter an arrival may hide behind a departure (until we see its end),
+        # except in an interval that began with the engine empty: there growth is arrivals.
+        exact = counted or not (previous.waiting or previous.running)
+        graced = self.graced
+        while arrived > 0 and graced:
+            released_at = graced.popleft()
+            arrived -= 1
+            if exact:
+                self.arrived_after.append(as_of - released_at)
+        # Without the counter an interval that counted an end may count arrivals late (those
+        # that hid behind departures in earlier ones): only the others show the way there.
+        shown = exact or not ends
         pending = self.pending
         while arrived > 0 and pending and pending[0].released_at <= as_of:
             lease = pending.popleft()
@@ -304,6 +334,8 @@ class DeploymentLedger:
                 self.pending_ids.discard(lease.lease_id)
                 self.pending_count -= 1
                 arrived -= 1
+                if shown:
+                    self._arrived(as_of - lease.released_at, counted)
         # Arrivals left over with no lease to settle are others' (or ours settled already).
         self.arrivals_owed = min(max(0, -arrived), self.in_flight)
 
@@ -311,6 +343,14 @@ class DeploymentLedger:
         """No settling by growth at this scrape: what it shows starts the count afresh."""
         _take_until(self.unattributed_ends, snapshot.started_at - self.group.metrics_lag_s)
         self.settled_since_scrape = self.arrivals_owed = 0
+        self.graced.clear()
+
+    def _arrived(self, after: float, exact: bool) -> None:
+        """A scrape's growth showed a lease arrived `after` seconds from its release (see
+        grace_s); without the finished counter, the quickest round trip less that is a way back."""
+        self.arrived_after.append(after)
+        if not exact and self.first_byte_after:
+            self.way_back.append(min(self.first_byte_after) - after)
 
     def _account_scraped(self) -> None:
         """Forget what the latest scrape must already show: the first bytes that came back
@@ -338,22 +378,51 @@ class DeploymentLedger:
                 self.pending_count -= 1
                 # Its arrival may show in a later interval's growth (the grace guessed): there
                 # it must settle no other lease (see _settle_arrivals).
-                self.settled_since_scrape += 1
+                self.graced.append(lease.released_at)
+        graced = self.graced
+        while len(graced) > max(0, self.in_flight):
+            graced.popleft()
 
     def grace_s(self) -> float:
         """How long after its release a pending lease is taken to be in a scrape: the configured
-        grace, or the quickest of the deployment's latest release-to-first-byte times where even
-        that took longer. A CPU-starved proxy (LiteLLM with busy loops on its core) took 2.1 s
-        and more to forward requests the gate released: the 1 s grace settled them while they
-        were still in it, the gate released as many more, and the engine's queue reached 5-7
-        against 3 once all of them arrived. A first byte comes no sooner than its request
-        reached the engine; the quickest one (no wait in the engine's queue) is the way there
-        and back, which bounds the way there as well as the proxy's pace allows, at the price
-        of the way back: a lease already in the engine that no growth settles stays pending
-        that much longer."""
-        recent = self.first_byte_after
+        grace, or longer where the deployment's latest leases took longer to arrive.
+
+        A CPU-starved proxy (LiteLLM with busy loops on its core) took 2.1 s and more to forward
+        requests the gate released: the 1 s grace settled them while they were still in it, the
+        gate released as many more, and the engine's queue reached 5-7 against 3 once all of
+        them arrived. So the grace is at least the slowest of the latest ways there that scrapes
+        showed (release to the scrape whose arrivals settled the lease, a lease the grace had
+        settled too soon included: see _settle_arrivals), where they show them unambiguously:
+        with the engine's finished counter at every scrape, without it after a scrape that
+        showed the engine empty (no departure can hide an arrival then; a lease the grace
+        settled too soon, as a starved LiteLLM's first requests took 2.1 s, shows there) and,
+        for the leases still pending, where the interval counted no end. With the counter the
+        grace is also at least
+        the quickest recent release-to-first-byte time: a first byte comes no sooner than its
+        request reached the engine, and the quickest (no wait in the engine's queue) is the way
+        there and back. A longer grace costs nothing there, since the arrivals settle leases
+        before it passes.
+
+        Without the counter a lease that refills a slot as another request leaves (its arrival
+        hides behind that departure until we see the end) stays pending until the grace, its
+        first byte or that end, and the last two come the way back late: a grace of the way
+        there and back kept refills pending a way back too long, and behind a starved proxy (1 s
+        there, 1 s back) `auto` ran 6.2 of 8 slots, with a queue of 11 as the hidden refills
+        came out in bursts (7.8 and 5 with the 1 s grace, which the way there happened to be).
+        There the quickest round trip counts less the way back, which each lease a scrape showed
+        arrived measures (the quickest round trip then less its way there; the largest of the
+        latest, so the grace is never the quickest way there alone): a proxy that slows down
+        still stretches the grace as its first bytes do."""
         grace = self.group.arrival_grace_s
-        return max(grace, min(recent)) if recent else grace
+        arrived = max(self.arrived_after, default=grace)
+        recent = self.first_byte_after
+        if not recent:
+            return max(grace, arrived)
+        round_trip = min(recent)
+        snapshot = self.latest
+        if self.way_back and (snapshot is None or snapshot.requests_finished is None):
+            round_trip -= max(self.way_back)
+        return max(grace, arrived, round_trip)
 
     def scrape_would_settle(self, now: float) -> bool:
         """A fresh scrape would settle the oldest pending lease (its grace has passed)."""

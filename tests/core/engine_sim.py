@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import heapq
 import itertools
+import random
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -43,6 +44,10 @@ class EngineSim:
     max_num_seqs: int = 8
     service_s: float = 1.0
     transit_s: float = 0.05
+    # Each request's way to the engine takes up to this much longer (uniform, seeded by
+    # `seed`): a starved proxy forwards some requests later than others, out of release order.
+    transit_jitter_s: float = 0.0
+    seed: int = 0
     proxy_delay_s: float = 0.0
     lag_s: float = 0.0
     poll_s: float = 0.1
@@ -59,7 +64,9 @@ class EngineSim:
     # Time to first byte as the proxy measures it, per tier: (release time, seconds).
     ttfb: dict[str, list[tuple[float, float]]] = field(default_factory=dict)
     samples: list[Sample] = field(default_factory=list)
-    _in_transit: deque[_Request] = field(default_factory=deque)
+    # Requests on their way to the engine: (arrival time, order, request), a heap.
+    _in_transit: list[tuple[float, int, _Request]] = field(default_factory=list)
+    _rng: random.Random = field(init=False)
     _waiting: deque[_Request] = field(default_factory=deque)
     _running: list[_Request] = field(default_factory=list)
     _history: deque[tuple[float, int, int, int]] = field(default_factory=deque)
@@ -68,6 +75,9 @@ class EngineSim:
     _next_scrape: float = 0.0
     _lease_ids: itertools.count[int] = field(default_factory=lambda: itertools.count(1))
     _completed: int = 0
+
+    def __post_init__(self) -> None:
+        self._rng = random.Random(self.seed)
 
     def run(
         self,
@@ -94,7 +104,7 @@ class EngineSim:
                     ticket = Ticket(model, "user", tier.name)
                     lease = Lease(owner, ticket, next(self._lease_ids), now, now, 0.0)
                     self.gate.on_released(lease)
-                    self._in_transit.append(_Request(lease, tier.name, now + self.transit_s))
+                    self.admit(lease, tier.name)
                     count -= 1
                 left[tier] = count
                 if count:
@@ -114,8 +124,15 @@ class EngineSim:
             self._next_scrape = now + self.poll_s
 
     def admit(self, lease: Lease, tier: str) -> None:
-        """A request released to this engine (it arrives after `transit_s`)."""
-        self._in_transit.append(_Request(lease, tier, self.clock.now() + self.transit_s))
+        """A request released to this engine (it arrives after `transit_s`, plus up to
+        `transit_jitter_s`)."""
+        transit = self.transit_s
+        if self.transit_jitter_s:
+            transit += self._rng.uniform(0.0, self.transit_jitter_s)
+        arrives_at = self.clock.now() + transit
+        heapq.heappush(
+            self._in_transit, (arrives_at, next(self._order), _Request(lease, tier, arrives_at))
+        )
 
     @property
     def queue(self) -> tuple[int, int]:
@@ -127,8 +144,8 @@ class EngineSim:
         return self._completed
 
     def _step_engine(self, now: float) -> None:
-        while self._in_transit and self._in_transit[0].arrives_at <= now:
-            self._waiting.append(self._in_transit.popleft())
+        while self._in_transit and self._in_transit[0][0] <= now:
+            self._waiting.append(heapq.heappop(self._in_transit)[2])
         service = self.service_s * self.slowdown(now)
         for request in [r for r in self._running if now - r.started_at >= service]:
             self._running.remove(request)

@@ -1235,3 +1235,45 @@ def test_a_proxy_slower_to_forward_than_the_grace_does_not_overshoot_the_thresho
         )
         assert stats.max_waiting <= 3, finished_counter
         assert stats.running >= 0.9 * (8 + 3) * 1.0 / 2.5, finished_counter
+
+
+# A starved proxy forwards what the gate released out of order: some requests after 0.5 s,
+# others after 3 s (seeded, so each run is the same).
+OUT_OF_ORDER = {"transit_s": 0.5, "transit_jitter_s": 2.5, "proxy_delay_s": 0.3, "service_s": 1.0}
+
+
+def test_a_proxy_forwarding_out_of_order_does_not_overshoot_the_threshold() -> None:
+    """With the engine's finished counter the scrapes' arrivals are exact, and the grace covers
+    the slowest of the latest ways there they showed (DeploymentLedger.grace_s). Before, the
+    grace was the quickest round trip: leases still in the proxy were settled, the gate
+    released as many more, and the engine's queue reached 4-5 against 3 in 6 of these 8 runs.
+    The engine runs what the promise allows: 4 slots and 3 queued over 1.75 s of transit on
+    average and 1 s of service, (4 + 3) x 1 / 2.75 = 2.5 running."""
+    for seed in range(8):
+        stats = _simulate(
+            {},
+            max_num_seqs=4,
+            finished_counter=True,
+            seed=seed,
+            **OUT_OF_ORDER,
+        )
+        assert stats.max_waiting <= 3, seed
+        assert stats.running >= 0.9 * (4 + 3) * 1.0 / 2.75, seed
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="open: without the finished counter an arrival the scrapes show late may be a lease "
+    "that hid behind a departure as well as one the proxy forwarded late, so the grace does "
+    "not always learn the slowest way there: the queue reaches 4-5 against 3 in 3 of 8 runs",
+)
+def test_without_the_counter_a_proxy_forwarding_out_of_order_does_not_overshoot() -> None:
+    """The same without the finished counter: a deterministic reproducer of the open defect of
+    tests/integrations/test_bound_under_stress.py (a CPU-starved LiteLLM, no counter: about 1
+    run in 6 peaks at 4-5 against 3). The grace learns the way there from intervals that began
+    with the engine empty (nothing to hide an arrival) and from those that counted no end: 3
+    of these 8 runs still peak at 4-5 (6 of 8 before the grace covered the slowest way there)."""
+    peaks = [
+        _simulate({}, max_num_seqs=4, seed=seed, **OUT_OF_ORDER).max_waiting for seed in range(8)
+    ]
+    assert max(peaks) <= 3, peaks
