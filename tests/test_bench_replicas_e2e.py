@@ -59,7 +59,7 @@ def _quiet(message: str) -> None:
 def unequal(tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict[str, Any]]:
     workdir: Path = tmp_path_factory.mktemp("unequal")
     try:
-        return _by_name(asyncio.run(run_unequal(UNEQUAL, workdir, _quiet)))
+        return _by_name(asyncio.run(run_unequal(UNEQUAL, workdir, _quiet, with_direct=False)))
     finally:
         kill_leftover_groups()
 
@@ -74,7 +74,7 @@ def shared(tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict[str, Any]
 
 
 def test_unequal_every_run_completes_without_errors(unequal: dict[str, dict[str, Any]]) -> None:
-    assert set(unequal) == {"direct", "litellm", "plugin"}
+    assert set(unequal) == {"litellm", "plugin"}
     requests = UNEQUAL.power_requests + 2 * len(UNEQUAL.light_at_s)
     for summary in unequal.values():
         assert summary["errors"] == 0
@@ -116,14 +116,12 @@ def test_unequal_throughput_at_least_litellms_default(unequal: dict[str, dict[st
     assert unequal["plugin"]["throughput_tps"] >= unequal["litellm"]["throughput_tps"]
 
 
-def test_unequal_light_users_ttft_a_fraction_of_direct_fifo(
+def test_unequal_light_users_ttft_below_litellms_default(
     unequal: dict[str, dict[str, Any]],
 ) -> None:
-    """Direct FIFO puts the light users behind the whole flood (~7 waves of 8 on the fast
-    engine); with the plugin they wait for one of a dozen slots to free (~0.1 of that). The
-    issue's target is 0.10x at full size (120 requests); this run is half as long, so 0.25x."""
-    direct = unequal["direct"]["light_ttft_p50"]
-    assert unequal["plugin"]["light_ttft_p50"] <= 0.25 * direct
+    """Through LiteLLM, the plugin's light users wait less than behind LiteLLM's own router.
+    (Light users against direct FIFO is the demo's claim, checked once, by
+    `test_demo.py::test_demo_guard_light_users_throughput_and_the_engines_queue`.)"""
     assert unequal["plugin"]["light_ttft_p50"] < unequal["litellm"]["light_ttft_p50"]
 
 

@@ -25,7 +25,6 @@ pytestmark = [
     pytest.mark.slow,
     pytest.mark.timeout(240),
     pytest.mark.skipif(litellm_executable() is None, reason="needs the litellm extra"),
-    pytest.mark.timing,
 ]
 
 VARIANTS = ("direct", "litellm", "plugin", "plugin_priority")
@@ -54,6 +53,7 @@ def _summaries(out: Path) -> dict[str, dict[str, Any]]:
     return {name: variant["summary"] for name, variant in variants.items()}
 
 
+@pytest.mark.timing
 def test_demo_results_hold_the_four_variants(demo_output: Path) -> None:
     summaries = _summaries(demo_output)
     assert set(VARIANTS) <= set(summaries)
@@ -62,12 +62,14 @@ def test_demo_results_hold_the_four_variants(demo_output: Path) -> None:
         assert summary["generated_tokens"] > 0
 
 
+@pytest.mark.timing
 def test_demo_with_the_plugin_light_users_go_before_the_flood(demo_output: Path) -> None:
     summaries = _summaries(demo_output)
     for name in ("plugin", "plugin_priority"):
         assert summaries[name]["light_ttft_p50"] < summaries[name]["power_ttft_p50"]
 
 
+@pytest.mark.timing
 def test_demo_direct_fifo_makes_light_users_wait_behind_the_flood(demo_output: Path) -> None:
     direct = _summaries(demo_output)["direct"]
     assert direct["light_ttft_p50"] > direct["power_ttft_p50"]
@@ -85,6 +87,7 @@ GUARD_THROUGHPUT_OVER_LITELLM = 0.90
 GUARD_WAITING_BELOW = 3
 
 
+@pytest.mark.timing
 def test_demo_guard_light_users_throughput_and_the_engines_queue(demo_output: Path) -> None:
     summaries = _summaries(demo_output)
     direct, litellm = summaries["direct"], summaries["litellm"]
@@ -101,6 +104,7 @@ def test_demo_guard_light_users_throughput_and_the_engines_queue(demo_output: Pa
         assert summary["max_waiting_seen"] <= GUARD_WAITING_BELOW, (name, summary)
 
 
+@pytest.mark.timing
 def test_demo_writes_summary_and_plots(demo_output: Path) -> None:
     assert "light TTFT p50" in (demo_output / "summary.md").read_text()
     plots = [demo_output / "ttft-cdf.png", *(demo_output / f"timeline-{v}.png" for v in VARIANTS)]
@@ -108,6 +112,7 @@ def test_demo_writes_summary_and_plots(demo_output: Path) -> None:
         assert plot.stat().st_size > 0, plot
 
 
+@pytest.mark.timing
 def test_demo_prints_the_live_page_of_each_plugin_variant(demo_output: Path) -> None:
     printed = (demo_output / "stdout.txt").read_text()
     pages = re.findall(r"\[(\w+)\] watch it live: (http://127\.0\.0\.1:\d+/fair-sched/ui)", printed)
@@ -115,6 +120,7 @@ def test_demo_prints_the_live_page_of_each_plugin_variant(demo_output: Path) -> 
     assert "admin key" in printed
 
 
+@pytest.mark.timing
 def test_demo_writes_its_run_into_the_docs_tables_between_the_markers(demo_output: Path) -> None:
     summaries = _summaries(demo_output)
     begin, end = f"<!-- {MARKER}:begin -->", f"<!-- {MARKER}:end -->"
@@ -130,6 +136,7 @@ def test_demo_writes_its_run_into_the_docs_tables_between_the_markers(demo_outpu
         assert f"| {light:.2f} s |" in table or f"| **{light:.2f} s** |" in table, relative
 
 
+# The report's content, not its numbers: it runs in the parallel phase.
 def test_bench_quick_flood_and_core_writes_a_report(tmp_path: Path) -> None:
     out = tmp_path / "report"
     assert main(["bench", "--quick", "--scenarios", "flood,core", "--out", str(out)]) == 0
