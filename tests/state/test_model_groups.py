@@ -1,0 +1,329 @@
+"""Leadership per model group (`state_leadership: per_model`): each model's group elects its own
+fenced leader on one real redis-server, the leases spread over the live replicas, and a leader's
+failure moves only its group's models. One emulated engine per model."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import AsyncIterator, Sequence
+from typing import Any
+
+import httpx
+import pytest
+
+from fair_sched_plugin.config import load_settings
+from fair_sched_plugin.core import InflightLimitGate, TierLimits
+from fair_sched_plugin.driver import FairScheduler
+from fair_sched_plugin.emulator.server import RunningEmulator
+from fair_sched_plugin.identity import Credentials
+from fair_sched_plugin.service import SchedulingService
+from fair_sched_plugin.state import open_state
+from fair_sched_plugin.state.groups import ModelGroups
+from fair_sched_plugin.state.redis_replica import RedisReplica
+
+from ..integrations.conftest import MODEL, chat_body, emulator, fair_config, wait_until
+from .conftest import RedisServer, unique_prefix, vanish
+
+OTHER = "small"
+WAITING_BELOW = 2
+HEARTBEAT_S = 0.1
+TTL_S = 1.0
+FLOOD_SIZE = 30
+# The other model's requests, kept coming during the failover (bounded).
+STREAM_LIMIT = 400
+STREAM_CONCURRENCY = 6
+
+
+def per_model_config(tiny: RunningEmulator, small: RunningEmulator, url: str) -> dict[str, Any]:
+    config = fair_config(
+        tiny,
+        waiting_below=WAITING_BELOW,
+        state=url,
+        state_prefix=unique_prefix(),
+        state_heartbeat_s=HEARTBEAT_S,
+        state_lease_ttl_s=TTL_S,
+        state_leadership="per_model",
+    )
+    config["backends"][OTHER] = {"api_base": f"{small.base_url}/v1"}
+    return config
+
+
+# ---------------------------------------------------------------------- configuration
+
+
+def test_one_leader_for_every_model_is_the_default() -> None:
+    settings = load_settings({})
+    assert settings.state_leadership == "one"
+    assert settings.leadership_groups(["a", "b"]) == ()
+    core = FairScheduler((TierLimits("interactive"),), InflightLimitGate(4))
+    replica = open_state("redis://127.0.0.1:1/0", core, model_groups=[("a", ["a"])])
+    assert isinstance(replica, RedisReplica)  # one group: today's keys, no groups
+
+
+def test_per_model_groups_listed_first_then_each_model_alone_in_sorted_order() -> None:
+    settings = load_settings(
+        {"state_leadership": "per_model", "state_model_groups": {"llamas": ["l8", "l70"]}}
+    )
+    assert settings.leadership_groups(["z", "l70", "b", "l8"]) == (
+        ("llamas", ("l8", "l70")),
+        ("b", ("b",)),
+        ("z", ("z",)),
+    )
+    core = FairScheduler((TierLimits("interactive"),), InflightLimitGate(4))
+    groups = open_state(
+        "redis://127.0.0.1:1/0",
+        core,
+        model_groups=settings.leadership_groups(["b", "l8"]),
+        replica="r",
+    )
+    assert isinstance(groups, ModelGroups)
+    assert groups.group_names == ("llamas", "b")
+    # The home group (the first) takes the models no group names.
+    assert groups.member_for("unknown") is groups.members[0]
+    assert groups.member_for("b") is groups.members[1]
+    assert groups.members[1]._link is not None
+    assert groups.members[1]._link.leader_key == "fair_sched:g:b:leader"
+
+
+@pytest.mark.parametrize(
+    ("section", "message"),
+    [
+        ({"state_model_groups": {"g": ["a"]}}, "state_model_groups: needs state_leadership"),
+        (
+            {"state_leadership": "per_model", "state_model_groups": {"g": ["a"], "h": ["a"]}},
+            "state_model_groups.h: model 'a' is also in group 'g'",
+        ),
+        (
+            {"state_leadership": "per_model", "state_model_groups": {"g": []}},
+            "state_model_groups.g: needs at least one model",
+        ),
+        ({"state_leadership": "per_group"}, "state_leadership"),
+    ],
+)
+def test_bad_model_groups_are_refused_naming_the_key(section: dict[str, Any], message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        load_settings(section)
+
+
+# ---------------------------------------------------------------------- on Redis
+
+
+@contextlib.asynccontextmanager
+async def replicas(configs: list[dict[str, Any]]) -> AsyncIterator[list[SchedulingService]]:
+    services = [SchedulingService(config) for config in configs]
+    try:
+        for service in services:
+            service.start()
+        yield services
+    finally:
+        await asyncio.gather(*(asyncio.wait_for(s.aclose(), 10) for s in services))
+
+
+def groups_of(service: SchedulingService) -> ModelGroups:
+    scheduler = service.scheduler
+    assert isinstance(scheduler, ModelGroups)
+    return scheduler
+
+
+def leaders(services: Sequence[SchedulingService]) -> dict[str, str] | None:
+    """Each model's leader, if every replica agrees on it, sees all alive and each leader's
+    gate reads its model's engine; None otherwise."""
+    seen = {model: {groups_of(s).leader_for(model) for s in services} for model in (MODEL, OTHER)}
+    if any(len(names) != 1 or None in names for names in seen.values()):
+        return None
+    chosen = {model: next(iter(names)) for model, names in seen.items() if None not in names}
+    by_name = {s.scheduler.replica: s for s in services}
+    for model, name in chosen.items():
+        leader = by_name.get(name or "")
+        if leader is None:
+            return None
+        rows = [row for row in leader.scheduler.gate_status() if row.model == model]
+        if not rows or rows[0].mode != "metrics":
+            return None
+    if any(s.scheduler.state_statistics().replicas_alive != len(services) for s in services):
+        return None
+    return {model: str(name) for model, name in chosen.items()}
+
+
+async def spread_out(services: Sequence[SchedulingService]) -> dict[str, str]:
+    """Until the two models' leaders are on two different replicas (a replica that took both
+    hands one over), and everyone agrees."""
+
+    def spread() -> bool:
+        chosen = leaders(services)
+        return chosen is not None and chosen[MODEL] != chosen[OTHER]
+
+    await wait_until(spread, timeout_s=20)
+    chosen = leaders(services)
+    assert chosen is not None
+    return chosen
+
+
+@pytest.mark.redis
+async def test_two_models_leaders_land_on_two_replicas(redis_server: RedisServer) -> None:
+    """Two replicas, two models: each model's group is led by a different replica, and a
+    request for either model entering at either replica is granted by its model's leader."""
+    async with (
+        emulator(max_num_seqs=4) as tiny,
+        emulator(max_num_seqs=4, models=(OTHER,)) as small,
+    ):
+        config = per_model_config(tiny, small, redis_server.url)
+        async with replicas([config] * 2) as services:
+            chosen = await spread_out(services)
+            assert chosen[MODEL] != chosen[OTHER]
+            for service in services:
+                principal = service.identify(Credentials(api_key="sk-a"))
+                for model in (MODEL, OTHER):
+                    admission = await asyncio.wait_for(service.admit(principal, model, {}), 10)
+                    service.finish(admission.lease)
+            by_name = {s.scheduler.replica: s for s in services}
+            for model, name in chosen.items():
+                # Its leader decided both replicas' requests for it: two released.
+                deciding = by_name[name].scheduler
+                assert isinstance(deciding, ModelGroups)
+                member = deciding.member_for(model)
+                await wait_until(lambda m=member: m.statistics().in_flight_by_model == {})  # type: ignore[misc]
+            status = services[0].observability.status()["state"]
+            assert dict(status["leaders"]) == chosen
+
+
+class Traffic:
+    """Requests for either model through the replicas in `entries`; every answer recorded in
+    one ordered event list, beside the markers the test writes into it."""
+
+    def __init__(self, engines: dict[str, RunningEmulator], entries: list[SchedulingService]):
+        self.engines = engines
+        self.entries = entries
+        self.events: list[tuple[str, str]] = []
+        self.answers: dict[tuple[str, int], int] = {}
+        self.sent = dict.fromkeys(engines, 0)
+
+    async def request(self, model: str, user: str) -> None:
+        index = self.sent[model]
+        self.sent[model] += 1
+        service = self.entries[index % len(self.entries)]
+        principal = service.identify(Credentials(api_key=f"sk-{user}"))
+        body = {**chat_body(max_tokens=16, stream=True), "model": model}
+        admission = await service.admit(principal, model, body)
+        self.events.append(("granted", model))
+        lease = admission.lease
+        try:
+            url = f"{self.engines[model].base_url}/v1/chat/completions"
+            async with self.client.stream("POST", url, json=body) as response:
+                async for _ in response.aiter_raw():
+                    lease.mark_started()
+        finally:
+            service.finish(lease)
+        self.answers[(model, index)] = self.answers.get((model, index), 0) + 1
+
+    async def stream(self, model: str, stop: asyncio.Event) -> None:
+        """Keep STREAM_CONCURRENCY requests for `model` going until `stop` (or the limit)."""
+        running: set[asyncio.Task[None]] = set()
+        while not stop.is_set() and self.sent[model] < STREAM_LIMIT:
+            while len(running) < STREAM_CONCURRENCY and self.sent[model] < STREAM_LIMIT:
+                running.add(asyncio.ensure_future(self.request(model, "b")))
+            done, running = await asyncio.wait(
+                running, timeout=0.5, return_when=asyncio.FIRST_COMPLETED
+            )
+            for task in done:
+                task.result()
+        await asyncio.gather(*running)
+
+    def between(self, first: str, last: str, model: str) -> int:
+        """How many of `model`'s requests were granted between two markers."""
+        marks = [event for event, _ in self.events]
+        start, end = marks.index(first), marks.index(last)
+        return sum(1 for event in self.events[start:end] if event == ("granted", model))
+
+
+@pytest.mark.slow
+@pytest.mark.redis
+async def test_killing_one_models_leader_mid_flood_moves_only_that_model(
+    redis_server: RedisServer, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Three replicas, two models, each model's leader on its own replica. User A floods the
+    other model while user B keeps requests for `tiny` coming; the other model's leader is cut
+    off without a handover. `tiny`'s requests keep being granted while the other model has no
+    leader, `tiny`'s leader and epoch stay; the other model gets a new leader, every request is
+    answered exactly once, and neither engine's queue goes past its threshold (the failed-over
+    one by at most one, as with one leader)."""
+    async with (
+        emulator(max_num_seqs=4) as tiny,
+        emulator(max_num_seqs=4, models=(OTHER,)) as small,
+    ):
+        config = per_model_config(tiny, small, redis_server.url)
+        async with replicas([config] * 3) as services:
+            chosen = await spread_out(services)
+            by_name = {s.scheduler.replica: s for s in services}
+            doomed, tiny_leader = by_name[chosen[OTHER]], by_name[chosen[MODEL]]
+            tiny_epoch = groups_of(tiny_leader).member_for(MODEL)._epoch
+            survivors = [s for s in services if s is not doomed]
+            traffic = Traffic({MODEL: tiny, OTHER: small}, survivors)
+            limits = httpx.Limits(max_connections=200, max_keepalive_connections=200)
+            stop = asyncio.Event()
+            async with httpx.AsyncClient(limits=limits, timeout=60, trust_env=False) as client:
+                traffic.client = client  # type: ignore[attr-defined]
+                stream = asyncio.ensure_future(traffic.stream(MODEL, stop))
+                flood = [
+                    asyncio.ensure_future(traffic.request(OTHER, "a")) for _ in range(FLOOD_SIZE)
+                ]
+                try:
+                    await wait_until(
+                        lambda: (
+                            doomed.scheduler.statistics().queued > 0
+                            and traffic.events.count(("granted", MODEL)) >= 3
+                        ),
+                        timeout_s=15,
+                    )
+                    traffic.events.append(("cut off", OTHER))
+                    cut_at = asyncio.get_running_loop().time()
+                    with caplog.at_level(logging.INFO, logger="fair_sched"):
+                        await vanish_groups(doomed)
+
+                        def taken_over() -> bool:
+                            names = {groups_of(s).leader_for(OTHER) for s in survivors}
+                            return len(names) == 1 and names < set(by_name) - {chosen[OTHER]}
+
+                        await wait_until(taken_over, timeout_s=10)
+                    traffic.events.append(("new leader", OTHER))
+                    # Reported, not asserted (seen within a poll of the election).
+                    failover_s = asyncio.get_running_loop().time() - cut_at
+                    await asyncio.wait_for(asyncio.gather(*flood), timeout=90)
+                    stop.set()
+                    await asyncio.wait_for(stream, timeout=60)
+                finally:
+                    stop.set()
+                    for task in [*flood, stream]:
+                        task.cancel()
+                    await asyncio.gather(*flood, stream, return_exceptions=True)
+            during = traffic.between("cut off", "new leader", MODEL)
+            tiny_after = groups_of(tiny_leader).member_for(MODEL)
+            tiny_stayed = tiny_after.leading and tiny_after._epoch == tiny_epoch
+            new_leader = groups_of(survivors[0]).leader_for(OTHER)
+            tiny_waiting = tiny.engine.statistics().max_waiting_seen
+            small_waiting = small.engine.statistics().max_waiting_seen
+    print(
+        f"\n{OTHER}'s leader cut off mid-flood: {during} of {MODEL}'s requests granted while "
+        f"{OTHER} had no leader (new leader seen after {failover_s:.2f} s, TTL {TTL_S:g} s); "
+        f"engines' max waiting {MODEL} {tiny_waiting}, "
+        f"{OTHER} {small_waiting} (threshold {WAITING_BELOW})"
+    )
+    assert during >= 1  # the other model's requests kept being granted
+    assert tiny_stayed  # its leader did not move
+    assert new_leader in {s.scheduler.replica for s in survivors}
+    assert sorted(i for m, i in traffic.answers if m == OTHER) == list(range(FLOOD_SIZE))
+    assert set(traffic.answers.values()) == {1}  # every request answered exactly once
+    assert tiny_waiting <= WAITING_BELOW
+    assert small_waiting <= WAITING_BELOW + 1
+
+
+async def vanish_groups(service: SchedulingService) -> None:
+    """Cut a replica with a leader per group off without any handover (every group's tasks and
+    connections, and its engine watchers)."""
+    for member in groups_of(service).members:
+        await vanish(member)
+    for group in service.watchers().values():
+        for watcher in group:
+            await watcher.aclose()
