@@ -184,7 +184,7 @@ async def test_two_models_leaders_land_on_two_replicas(redis_server: RedisServer
                 deciding = by_name[name].scheduler
                 assert isinstance(deciding, ModelGroups)
                 member = deciding.member_for(model)
-                await wait_until(lambda m=member: m.statistics().in_flight_by_model == {})  # type: ignore[misc]
+                await wait_until(lambda m=member: m.statistics().in_flight_by_model == {})
             status = services[0].observability.status()["state"]
             assert dict(status["leaders"]) == chosen
 
@@ -192,6 +192,8 @@ async def test_two_models_leaders_land_on_two_replicas(redis_server: RedisServer
 class Traffic:
     """Requests for either model through the replicas in `entries`; every answer recorded in
     one ordered event list, beside the markers the test writes into it."""
+
+    client: httpx.AsyncClient
 
     def __init__(self, engines: dict[str, RunningEmulator], entries: list[SchedulingService]):
         self.engines = engines
@@ -264,7 +266,7 @@ async def test_killing_one_models_leader_mid_flood_moves_only_that_model(
             limits = httpx.Limits(max_connections=200, max_keepalive_connections=200)
             stop = asyncio.Event()
             async with httpx.AsyncClient(limits=limits, timeout=60, trust_env=False) as client:
-                traffic.client = client  # type: ignore[attr-defined]
+                traffic.client = client
                 stream = asyncio.ensure_future(traffic.stream(MODEL, stop))
                 flood = [
                     asyncio.ensure_future(traffic.request(OTHER, "a")) for _ in range(FLOOD_SIZE)
