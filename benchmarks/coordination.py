@@ -31,6 +31,13 @@ group of its own (`state_leadership: per_model`): M leader processes, each leadi
 group (the conductor waits until the leases have spread), and the K followers send each ticket
 to its model's leader. granted/s is then the fleet's (every leader's core added up) and the
 leader CPU columns show the busiest leader's; compare the fleet's ceiling with `--models 1`'s.
+
+`--leader-work-us N` makes each leader's core spend N µs more on every admission it grants, in
+its gate's `on_released`: CPU (a busy loop), or with `--leader-work blocked` its event loop held
+without CPU (a sleep: a leader whose loop is also busy with its own requests, as in a LiteLLM
+proxy, and a way to see the loop's ceiling on a machine with fewer cores than processes). The
+first leader's loop then saturates at about 10^6 / (N + its own µs) admissions/s, and the
+fleet's granted/s with `--models 2` shows what a second leader adds.
 """
 
 from __future__ import annotations
@@ -48,7 +55,7 @@ from typing import IO, Any
 
 from state_store import TIERS, percentile, redis_server
 
-from fair_sched_plugin.core import InflightLimitGate, Ticket
+from fair_sched_plugin.core import InflightLimitGate, Lease, Ticket
 from fair_sched_plugin.driver import FairScheduler
 from fair_sched_plugin.state import ReplicaScheduler, open_state
 
@@ -62,8 +69,30 @@ GIVE_UP_P99_S = 0.100
 CLOCK_TICKS = os.sysconf("SC_CLK_TCK")
 
 
-def core() -> FairScheduler:
-    return FairScheduler(TIERS, InflightLimitGate(10**9), max_per_user=10**9, max_total=10**9)
+class _DearGate(InflightLimitGate):
+    """An open gate whose every release costs `work_s` of CPU, or of its loop's time without
+    CPU (`blocked`) (`--leader-work-us`, `--leader-work`)."""
+
+    def __init__(self, limit: int, work_s: float, *, blocked: bool) -> None:
+        super().__init__(limit)
+        self._work_s = work_s
+        self._blocked = blocked
+
+    def on_released(self, lease: Lease) -> None:
+        if self._blocked:
+            time.sleep(self._work_s)
+        else:
+            until = time.thread_time() + self._work_s
+            while time.thread_time() < until:
+                pass
+        super().on_released(lease)
+
+
+def core(work_us: float = 0.0, work: str = "cpu") -> FairScheduler:
+    gate = InflightLimitGate(10**9)
+    if work_us:
+        gate = _DearGate(10**9, work_us / 1e6, blocked=work == "blocked")
+    return FairScheduler(TIERS, gate, max_per_user=10**9, max_total=10**9)
 
 
 def model_names(models: int) -> list[str]:
@@ -104,11 +133,11 @@ async def _commands() -> AsyncIterator[dict[str, Any]]:
         yield json.loads(line)
 
 
-async def leader_role(url: str, index: int, models: int) -> None:
+async def leader_role(url: str, index: int, models: int, work_us: float, work: str) -> None:
     """Lead (one group of its own with --models); answer `stats` with its own core's counters
     until `quit` or end of input."""
     name = leader_name(index, models)
-    leader = open_state(url, core(), replica=name, **replica_options(models))
+    leader = open_state(url, core(work_us, work), replica=name, **replica_options(models))
     leader.start()
     await _until(lambda: leader.leading, "leader elected")
     _say({"ready": True, "pid": os.getpid()})
@@ -273,8 +302,13 @@ class Worker:
             self.process.wait(5)
 
 
-def worker_options(url: str, index: int, models: int) -> list[str]:
-    return ["--index", str(index), "--models", str(models), "--redis-url", url]
+def worker_options(
+    url: str, index: int, models: int, work_us: float = 0.0, work: str = "cpu"
+) -> list[str]:
+    return [
+        "--index", str(index), "--models", str(models), "--redis-url", url,
+        "--leader-work-us", str(work_us), "--leader-work", work,
+    ]  # fmt: skip
 
 
 def ask(leaders: list[Worker]) -> list[dict[str, Any]]:
@@ -284,14 +318,16 @@ def ask(leaders: list[Worker]) -> list[dict[str, Any]]:
 
 
 @contextlib.contextmanager
-def fleet(url: str, followers: int, models: int) -> Iterator[tuple[list[Worker], list[Worker]]]:
+def fleet(
+    url: str, followers: int, models: int, work_us: float, work: str
+) -> Iterator[tuple[list[Worker], list[Worker]]]:
     """The leaders (one, or one per model), each leading one group, then `followers` followers
     that know them."""
     started: list[Worker] = []
     try:
         leaders = []
         for index in range(models):
-            leader = Worker("--role", "leader", *worker_options(url, index, models))
+            leader = Worker("--role", "leader", *worker_options(url, index, models, work_us, work))
             started.append(leader)
             leaders.append(leader)
             leader.receive()
@@ -436,8 +472,16 @@ def run(url: str, args: argparse.Namespace) -> list[dict[str, Any]]:
     ceilings: list[tuple[int, int, float | None, float | None]] = []
     redis = redis_pid(url)
     print(f"load average before: {' '.join(f'{value:.2f}' for value in os.getloadavg())}")
+    if args.leader_work_us:
+        print(
+            f"each leader spends {args.leader_work_us:g} µs more on every admission "
+            f"({'its loop held, no CPU' if args.leader_work == 'blocked' else 'CPU'})"
+        )
     for models, followers in [(m, k) for m in args.models for k in args.followers]:
-        with fleet(url, followers, models) as (leaders, members):
+        with fleet(url, followers, models, args.leader_work_us, args.leader_work) as (
+            leaders,
+            members,
+        ):
             step(leaders, members, redis, 50.0, 0.5)  # warm up: scripts, connections
             before_passed: float | None = None  # the last rate before p99 first passed 10 ms
             within: float | None = None  # the highest rate within 10 ms (noise can dip back)
@@ -497,12 +541,26 @@ def cli() -> None:
         "--models",
         help="comma-separated M values: 1 (one leader), or M models each with its own leader",
     )
+    parser.add_argument(
+        "--leader-work-us",
+        type=float,
+        default=0.0,
+        help="extra time (µs) each leader spends on every admission it grants",
+    )
+    parser.add_argument(
+        "--leader-work",
+        choices=("cpu", "blocked"),
+        default="cpu",
+        help="that time as CPU (a busy loop) or as its event loop held without CPU (a sleep)",
+    )
     parser.add_argument("--json", help="write every step's row to this file")
     parser.add_argument("--role", choices=("leader", "follower"), help=argparse.SUPPRESS)
     parser.add_argument("--index", type=int, default=0, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.role == "leader":
-        asyncio.run(leader_role(args.redis_url, args.index, int(args.models or 1)))
+        models = int(args.models or 1)
+        work_us, work = args.leader_work_us, args.leader_work
+        asyncio.run(leader_role(args.redis_url, args.index, models, work_us, work))
         return
     if args.role == "follower":
         asyncio.run(follower_role(args.redis_url, args.index, int(args.models or 1)))
