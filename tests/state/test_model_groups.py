@@ -17,6 +17,7 @@ from fair_sched_plugin.config import load_settings
 from fair_sched_plugin.core import InflightLimitGate, TierLimits
 from fair_sched_plugin.driver import FairScheduler
 from fair_sched_plugin.emulator.server import RunningEmulator
+from fair_sched_plugin.errors import BudgetExceeded
 from fair_sched_plugin.identity import Credentials
 from fair_sched_plugin.service import SchedulingService
 from fair_sched_plugin.state import open_state
@@ -329,3 +330,56 @@ async def vanish_groups(service: SchedulingService) -> None:
     for group in service.watchers().values():
         for watcher in group:
             await watcher.aclose()
+
+
+@pytest.mark.redis
+async def test_a_principals_spend_on_every_model_counts_in_one_budget_book(
+    redis_server: RedisServer,
+) -> None:
+    """The budget book spans models: it is the home group's (the first), whichever replica
+    leads each model. Spends on both models at both replicas reach one book, every replica
+    loads it, and the principal is refused at either replica once over budget."""
+    config = {
+        "state": redis_server.url,
+        "state_prefix": unique_prefix(),
+        "state_heartbeat_s": HEARTBEAT_S,
+        "state_lease_ttl_s": TTL_S,
+        "state_leadership": "per_model",
+        "unknown_model_max_inflight": 4,
+        "principals": [
+            {
+                "name": "heavy",
+                "keys": ["sk-heavy"],
+                "budget": {"tokens": 100, "per": "hour", "action": "reject"},
+            }
+        ],
+    }
+    services = [SchedulingService(config, models=["m", "n"]) for _ in range(2)]
+    try:
+        for service in services:
+            service.start()
+
+        def spread() -> bool:
+            names = {m: {groups_of(s).leader_for(m) for s in services} for m in "mn"}
+            found = [next(iter(n)) for n in names.values() if len(n) == 1]
+            return len(found) == 2 and None not in found and found[0] != found[1]
+
+        await wait_until(spread, timeout_s=20)
+        for service in services:
+            heavy = service.identify(Credentials(api_key="sk-heavy"))
+            for model in "mn":
+                body = {"model": model, "messages": [{"role": "user", "content": "x"}]}
+                admission = await asyncio.wait_for(service.admit(heavy, model, body), 10)
+                service.finish(admission.lease, tokens_used=30)
+
+        def spent_everywhere() -> bool:
+            verdicts = [s.budgets.verdict("heavy") for s in services]
+            return all(v is not None and v.spent == 120 for v in verdicts)
+
+        await wait_until(spent_everywhere, timeout_s=10)
+        for service in services:
+            heavy = service.identify(Credentials(api_key="sk-heavy"))
+            with pytest.raises(BudgetExceeded):
+                await service.admit(heavy, "n", {"model": "n", "messages": []})
+    finally:
+        await asyncio.gather(*(asyncio.wait_for(s.aclose(), 10) for s in services))
