@@ -314,6 +314,16 @@ async def spread_over(
     raise AssertionError(f"the groups' leases did not spread: {names}")
 
 
+def differential(examples: int) -> Any:
+    """Hypothesis settings for these tests: deterministic, no deadline (Redis round trips)."""
+    return settings(
+        max_examples=examples,
+        deadline=None,
+        derandomize=True,
+        suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow],
+    )
+
+
 async def play_both(
     url: str, ops: list[tuple[Any, ...]], fairness: str = "tokens", models: str = "m"
 ) -> None:
@@ -328,23 +338,13 @@ async def play_both(
         assert shared.final_state() == memory.final_state()
 
 
-@settings(
-    max_examples=25,
-    deadline=None,
-    derandomize=True,
-    suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow],
-)
+@differential(25)
 @given(ops=operations)
 def test_memory_and_redis_grant_the_same(redis_server: RedisServer, ops: list[Any]) -> None:
     asyncio.run(asyncio.wait_for(play_both(redis_server.url, ops), 60))
 
 
-@settings(
-    max_examples=25,
-    deadline=None,
-    derandomize=True,
-    suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow],
-)
+@differential(25)
 @given(ops=cost_operations)
 # Two users backlogged behind an open gate, one asking for dear requests, one for cheap ones,
 # ends reporting their cost: the cheap one is served more often between the dear one's turns.
@@ -368,12 +368,7 @@ def test_memory_and_redis_grant_the_same_under_cost_fairness(
     asyncio.run(asyncio.wait_for(play_both(redis_server.url, ops, "cost"), 60))
 
 
-@settings(
-    max_examples=15,
-    deadline=None,
-    derandomize=True,
-    suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow],
-)
+@differential(15)
 @given(ops=grouped_operations)
 def test_memory_and_redis_grant_the_same_with_a_leader_per_model(
     redis_server: RedisServer, ops: list[Any]

@@ -26,6 +26,7 @@ from fair_sched_plugin.state.redis_replica import RedisReplica
 
 from ..integrations.conftest import MODEL, chat_body, emulator, fair_config, wait_until
 from .conftest import RedisServer, unique_prefix, vanish
+from .test_redis_replicas import replicas
 
 OTHER = "small"
 WAITING_BELOW = 2
@@ -112,14 +113,16 @@ def test_bad_model_groups_are_refused_naming_the_key(section: dict[str, Any], me
 
 
 @contextlib.asynccontextmanager
-async def replicas(configs: list[dict[str, Any]]) -> AsyncIterator[list[SchedulingService]]:
-    services = [SchedulingService(config) for config in configs]
-    try:
-        for service in services:
-            service.start()
-        yield services
-    finally:
-        await asyncio.gather(*(asyncio.wait_for(s.aclose(), 10) for s in services))
+async def fleet(
+    url: str, count: int
+) -> AsyncIterator[tuple[RunningEmulator, RunningEmulator, list[SchedulingService]]]:
+    """An emulated engine per model, and `count` replicas with a leader per model."""
+    async with (
+        emulator(max_num_seqs=4) as tiny,
+        emulator(max_num_seqs=4, models=(OTHER,)) as small,
+        replicas([per_model_config(tiny, small, url)] * count) as services,
+    ):
+        yield tiny, small, services
 
 
 def groups_of(service: SchedulingService) -> ModelGroups:
@@ -166,28 +169,23 @@ async def spread_out(services: Sequence[SchedulingService]) -> dict[str, str]:
 async def test_two_models_leaders_land_on_two_replicas(redis_server: RedisServer) -> None:
     """Two replicas, two models: each model's group is led by a different replica, and a
     request for either model entering at either replica is granted by its model's leader."""
-    async with (
-        emulator(max_num_seqs=4) as tiny,
-        emulator(max_num_seqs=4, models=(OTHER,)) as small,
-    ):
-        config = per_model_config(tiny, small, redis_server.url)
-        async with replicas([config] * 2) as services:
-            chosen = await spread_out(services)
-            assert chosen[MODEL] != chosen[OTHER]
-            for service in services:
-                principal = service.identify(Credentials(api_key="sk-a"))
-                for model in (MODEL, OTHER):
-                    admission = await asyncio.wait_for(service.admit(principal, model, {}), 10)
-                    service.finish(admission.lease)
-            by_name = {s.scheduler.replica: s for s in services}
-            for model, name in chosen.items():
-                # Its leader decided both replicas' requests for it: two released.
-                deciding = by_name[name].scheduler
-                assert isinstance(deciding, ModelGroups)
-                member = deciding.member_for(model)
-                await wait_until(lambda m=member: m.statistics().in_flight_by_model == {})
-            status = services[0].observability.status()["state"]
-            assert dict(status["leaders"]) == chosen
+    async with fleet(redis_server.url, 2) as (_, _, services):
+        chosen = await spread_out(services)
+        assert chosen[MODEL] != chosen[OTHER]
+        for service in services:
+            principal = service.identify(Credentials(api_key="sk-a"))
+            for model in (MODEL, OTHER):
+                admission = await asyncio.wait_for(service.admit(principal, model, {}), 10)
+                service.finish(admission.lease)
+        by_name = {s.scheduler.replica: s for s in services}
+        for model, name in chosen.items():
+            # Its leader's core decided both replicas' requests for it, and no other's.
+            deciding = groups_of(by_name[name])
+            assert deciding.member_for(model).decides
+            await wait_until(lambda d=deciding: d.core.statistics().completed_total == 2)
+            assert deciding.core.statistics().released_total == 2
+        status = services[0].observability.status()["state"]
+        assert dict(status["leaders"]) == chosen
 
 
 class Traffic:
@@ -252,61 +250,54 @@ async def test_killing_one_models_leader_mid_flood_moves_only_that_model(
     leader, `tiny`'s leader and epoch stay; the other model gets a new leader, every request is
     answered exactly once, and neither engine's queue goes past its threshold (the failed-over
     one by at most one, as with one leader)."""
-    async with (
-        emulator(max_num_seqs=4) as tiny,
-        emulator(max_num_seqs=4, models=(OTHER,)) as small,
-    ):
-        config = per_model_config(tiny, small, redis_server.url)
-        async with replicas([config] * 3) as services:
-            chosen = await spread_out(services)
-            by_name = {s.scheduler.replica: s for s in services}
-            doomed, tiny_leader = by_name[chosen[OTHER]], by_name[chosen[MODEL]]
-            tiny_epoch = groups_of(tiny_leader).member_for(MODEL)._epoch
-            survivors = [s for s in services if s is not doomed]
-            traffic = Traffic({MODEL: tiny, OTHER: small}, survivors)
-            limits = httpx.Limits(max_connections=200, max_keepalive_connections=200)
-            stop = asyncio.Event()
-            async with httpx.AsyncClient(limits=limits, timeout=60, trust_env=False) as client:
-                traffic.client = client
-                stream = asyncio.ensure_future(traffic.stream(MODEL, stop))
-                flood = [
-                    asyncio.ensure_future(traffic.request(OTHER, "a")) for _ in range(FLOOD_SIZE)
-                ]
-                try:
-                    await wait_until(
-                        lambda: (
-                            doomed.scheduler.statistics().queued > 0
-                            and traffic.events.count(("granted", MODEL)) >= 3
-                        ),
-                        timeout_s=15,
-                    )
-                    traffic.events.append(("cut off", OTHER))
-                    cut_at = asyncio.get_running_loop().time()
-                    with caplog.at_level(logging.INFO, logger="fair_sched"):
-                        await vanish_groups(doomed)
+    async with fleet(redis_server.url, 3) as (tiny, small, services):
+        chosen = await spread_out(services)
+        by_name = {s.scheduler.replica: s for s in services}
+        doomed, tiny_leader = by_name[chosen[OTHER]], by_name[chosen[MODEL]]
+        tiny_epoch = groups_of(tiny_leader).member_for(MODEL)._epoch
+        survivors = [s for s in services if s is not doomed]
+        traffic = Traffic({MODEL: tiny, OTHER: small}, survivors)
+        limits = httpx.Limits(max_connections=200, max_keepalive_connections=200)
+        stop = asyncio.Event()
+        async with httpx.AsyncClient(limits=limits, timeout=60, trust_env=False) as client:
+            traffic.client = client
+            stream = asyncio.ensure_future(traffic.stream(MODEL, stop))
+            flood = [asyncio.ensure_future(traffic.request(OTHER, "a")) for _ in range(FLOOD_SIZE)]
+            try:
+                await wait_until(
+                    lambda: (
+                        doomed.scheduler.statistics().queued > 0
+                        and traffic.events.count(("granted", MODEL)) >= 3
+                    ),
+                    timeout_s=15,
+                )
+                traffic.events.append(("cut off", OTHER))
+                cut_at = asyncio.get_running_loop().time()
+                with caplog.at_level(logging.INFO, logger="fair_sched"):
+                    await vanish_groups(doomed)
 
-                        def taken_over() -> bool:
-                            names = {groups_of(s).leader_for(OTHER) for s in survivors}
-                            return len(names) == 1 and names < set(by_name) - {chosen[OTHER]}
+                    def taken_over() -> bool:
+                        names = {groups_of(s).leader_for(OTHER) for s in survivors}
+                        return len(names) == 1 and names < set(by_name) - {chosen[OTHER]}
 
-                        await wait_until(taken_over, timeout_s=10)
-                    traffic.events.append(("new leader", OTHER))
-                    # Reported, not asserted (seen within a poll of the election).
-                    failover_s = asyncio.get_running_loop().time() - cut_at
-                    await asyncio.wait_for(asyncio.gather(*flood), timeout=90)
-                    stop.set()
-                    await asyncio.wait_for(stream, timeout=60)
-                finally:
-                    stop.set()
-                    for task in [*flood, stream]:
-                        task.cancel()
-                    await asyncio.gather(*flood, stream, return_exceptions=True)
-            during = traffic.between("cut off", "new leader", MODEL)
-            tiny_after = groups_of(tiny_leader).member_for(MODEL)
-            tiny_stayed = tiny_after.leading and tiny_after._epoch == tiny_epoch
-            new_leader = groups_of(survivors[0]).leader_for(OTHER)
-            tiny_waiting = tiny.engine.statistics().max_waiting_seen
-            small_waiting = small.engine.statistics().max_waiting_seen
+                    await wait_until(taken_over, timeout_s=10)
+                traffic.events.append(("new leader", OTHER))
+                # Reported, not asserted (seen within a poll of the election).
+                failover_s = asyncio.get_running_loop().time() - cut_at
+                await asyncio.wait_for(asyncio.gather(*flood), timeout=90)
+                stop.set()
+                await asyncio.wait_for(stream, timeout=60)
+            finally:
+                stop.set()
+                for task in [*flood, stream]:
+                    task.cancel()
+                await asyncio.gather(*flood, stream, return_exceptions=True)
+        during = traffic.between("cut off", "new leader", MODEL)
+        tiny_after = groups_of(tiny_leader).member_for(MODEL)
+        tiny_stayed = tiny_after.leading and tiny_after._epoch == tiny_epoch
+        new_leader = groups_of(survivors[0]).leader_for(OTHER)
+        tiny_waiting = tiny.engine.statistics().max_waiting_seen
+        small_waiting = small.engine.statistics().max_waiting_seen
     print(
         f"\n{OTHER}'s leader cut off mid-flood: {during} of {MODEL}'s requests granted while "
         f"{OTHER} had no leader (new leader seen after {failover_s:.2f} s, TTL {TTL_S:g} s); "
