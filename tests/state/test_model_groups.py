@@ -188,6 +188,34 @@ async def test_two_models_leaders_land_on_two_replicas(redis_server: RedisServer
         assert dict(status["leaders"]) == chosen
 
 
+def scrapes_of(service: SchedulingService, model: str) -> int:
+    readings = service.observability.view.deployments()
+    return sum(reading.scrapes_total for reading in readings if reading.model == model)
+
+
+@pytest.mark.redis
+async def test_each_engine_is_read_only_by_its_models_leader(redis_server: RedisServer) -> None:
+    """Scrape once per engine, per group: each model's engine serves about one replica's
+    worth of `/metrics` pages, its model's leader's; the other replica (which leads the other
+    model) reads it not at all."""
+    async with fleet(redis_server.url, 2) as (tiny, small, services):
+        chosen = await spread_out(services)
+        by_name = {s.scheduler.replica: s for s in services}
+        engines = {MODEL: tiny, OTHER: small}
+        for model, name in chosen.items():
+            leader = by_name[name]
+            other = next(s for s in services if s is not leader)
+            pages_before = engines[model].emulator.metrics_requests
+            leader_before, other_before = scrapes_of(leader, model), scrapes_of(other, model)
+            target = leader_before + 20
+            await wait_until(lambda m=model, s=leader, t=target: scrapes_of(s, m) >= t)
+            pages = engines[model].emulator.metrics_requests - pages_before
+            leader_scrapes = scrapes_of(leader, model) - leader_before
+            assert scrapes_of(other, model) == other_before, model
+            # One scrape may be in flight at either end of the window.
+            assert pages <= 1.2 * leader_scrapes + 1, (model, pages, leader_scrapes)
+
+
 class Traffic:
     """Requests for either model through the replicas in `entries`; every answer recorded in
     one ordered event list, beside the markers the test writes into it."""
