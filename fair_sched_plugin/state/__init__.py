@@ -59,4 +59,5 @@ def open_state(
         groups=[(group, tuple(models)) for group, models in model_groups],
         member=lambda group, spread: member(f"{prefix}g:{group}:", spread),
         tenure_s=lease_ttl_s,
+        heartbeat_s=heartbeat_s,
     )

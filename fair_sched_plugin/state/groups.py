@@ -10,10 +10,15 @@ owns what spans models (the budget book and its `$` spends) and every model no g
 One group is the special case: `open_state` then builds a plain `RedisReplica` on today's keys.
 
 Leases spread over the live replicas: a replica that already leads its share of the groups
-(groups / live replicas, rounded up) lets a free lease wait two heartbeats for a replica that
-leads fewer, and a replica that leads two more groups than another live one hands one over
-(resigns it) once it has led it for a lease TTL, at most one a TTL. A free lease is still
-taken by somebody within the TTL plus a few heartbeats.
+(groups / replicas seen alive within a lease TTL's worth of heartbeats, rounded up) lets a free
+lease wait two heartbeats for a replica that leads fewer, and a replica that leads two more
+groups than another live one hands one over (resigns it) once it has led it for a lease TTL,
+at most one a TTL. A free lease is still taken by somebody within the TTL plus a few
+heartbeats.
+
+Redis unreachable, each group falls back to a local term and rejoins on its own heartbeat; the
+replica's one gate spends 1/n of each threshold of a group's models while that group is local
+(`MetricsGate.share_with(n, models)`).
 """
 
 from __future__ import annotations
@@ -63,6 +68,7 @@ class ModelGroups(ReplicaScheduler):
         groups: Sequence[ModelGroup],
         member: Callable[[str, ModelGroups], RedisReplica],
         tenure_s: float,
+        heartbeat_s: float,
     ) -> None:
         if len(groups) < 2:
             raise ValueError("leadership per model group needs at least two groups")
@@ -70,9 +76,14 @@ class ModelGroups(ReplicaScheduler):
         self._mode = "shared"
         self.group_names = tuple(name for name, _ in groups)
         self._route = {model: index for index, (_, models) in enumerate(groups) for model in models}
+        self._group_models = [models for _, models in groups]
         self.members = [member(name, self) for name in self.group_names]
         self._tenure_s = tenure_s
         self._handed_over_at = -math.inf
+        # Replica -> the heartbeat (any group's, counted) that last saw it alive.
+        self._seen: dict[str, int] = {}
+        self._beats = 0
+        self._beats_per_ttl = max(1, math.ceil(tenure_s / heartbeat_s))
 
     @property
     def coordinated(self) -> bool:
@@ -218,13 +229,40 @@ class ModelGroups(ReplicaScheduler):
     # ------------------------------------------------------------------ spreading (`Spread`)
 
     def _led(self) -> Counter[str]:
-        """How many groups each replica leads, as this replica last saw them."""
-        leaders = (member.state_statistics().leader for member in self.members)
-        return Counter(leader for leader in leaders if leader is not None)
+        """How many groups each replica leads in Redis, as this replica last saw them (a local
+        term, while Redis was unreachable, is nobody's lease)."""
+        led: Counter[str] = Counter()
+        for member in self.members:
+            if member.leading:
+                led[self.replica] += 1
+            elif member.mode == "shared" and not member.decides:
+                leader = member.state_statistics().leader
+                if leader is not None:
+                    led[leader] += 1
+        return led
+
+    def saw_alive(self, group: RedisReplica) -> None:
+        # Counted in heartbeats that reached Redis, not in seconds: after Redis restarted
+        # empty, the first heartbeats see only themselves, and a replica that counted only
+        # those would take every group and hand them out again one by one.
+        self._beats += 1
+        self._seen.update(dict.fromkeys(group.alive_replicas, self._beats))
+        forget = self._beats - self._beats_per_ttl * len(self.members)
+        self._seen = {name: beat for name, beat in self._seen.items() if beat >= forget}
 
     def may_contend(self, group: RedisReplica) -> bool:
-        share = math.ceil(len(self.members) / max(1, len(group.alive_replicas)))
+        share = math.ceil(len(self.members) / max(1, len(self._seen)))
         return self._led()[self.replica] < share
+
+    def shares_changed(self) -> None:
+        # Each group's models their group's share: a group that rejoined first must not give
+        # a group still local the whole threshold back, nor keep a group it leads again at a
+        # local share. The home group's is every other model's (models nobody named).
+        if self._gate is None:
+            return
+        self._gate.share_with(self.members[0].local_sharers)
+        for index, member in enumerate(self.members[1:], start=1):
+            self._gate.share_with(member.local_sharers, self._group_models[index])
 
     def hand_over(self, group: RedisReplica) -> bool:
         now = asyncio.get_running_loop().time()

@@ -45,6 +45,10 @@ logger = logging.getLogger("fair_sched")
 class Spread(Protocol):
     """How a replica's model groups (`groups.py`) spread their leases over the live replicas."""
 
+    def saw_alive(self, group: RedisReplica) -> None:
+        """`group`'s heartbeat reached Redis and read the replicas alive."""
+        ...
+
     def may_contend(self, group: RedisReplica) -> bool:
         """False while this replica already leads its share of the groups: it lets a free
         lease wait a little for a replica that leads fewer."""
@@ -53,6 +57,11 @@ class Spread(Protocol):
     def hand_over(self, group: RedisReplica) -> bool:
         """True when this replica leads more groups than another live one by two or more: it
         resigns `group`'s lease so that one takes it."""
+        ...
+
+    def shares_changed(self) -> None:
+        """A group went local or rejoined: the replica's one gate spends the smallest share
+        any of its groups needs (`RedisReplica.local_sharers`)."""
         ...
 
 
@@ -91,6 +100,8 @@ class RedisReplica(ReplicaScheduler):
         # When this replica first saw the lease free and let it wait (`Spread.may_contend`).
         self._free_since: float | None = None
         self.led_since: float | None = None
+        # 1 while shared; in local mode the replicas whose threshold this one shares.
+        self.local_sharers = 1
 
     @property
     def coordinated(self) -> bool:
@@ -253,8 +264,7 @@ class RedisReplica(ReplicaScheduler):
         self._close_term()  # the local one: our leases and tickets go to the shared leader
         self._session += 1  # replies addressed to the session before the outage are stale
         self._mode = "shared"
-        if self._gate is not None:
-            self._gate.share_with(1)
+        self._share(1)
 
     def _store_failed(self, exc: StateStoreError) -> None:
         self._counters["store_errors"] += 1
@@ -271,10 +281,16 @@ class RedisReplica(ReplicaScheduler):
             sharers,
         )
         self._close_term()
-        if self._gate is not None:
-            self._gate.share_with(sharers)
+        self._share(sharers)
         self._took_part = True
         self._open_term(LOCAL_EPOCH, hold=True)
+
+    def _share(self, sharers: int) -> None:
+        self.local_sharers = sharers
+        if self._spread is not None:
+            self._spread.shares_changed()
+        elif self._gate is not None:
+            self._gate.share_with(sharers)
 
     # ------------------------------------------------------------------ the heartbeat
 
@@ -305,6 +321,8 @@ class RedisReplica(ReplicaScheduler):
 
     async def _after_beat(self, link: RedisLink, beat: Beat) -> None:
         self._alive = beat.alive or [self.replica]
+        if self._spread is not None:
+            self._spread.saw_alive(self)
         self._published = None
         if beat.statistics:
             try:
