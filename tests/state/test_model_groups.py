@@ -25,7 +25,7 @@ from fair_sched_plugin.state.groups import ModelGroups
 from fair_sched_plugin.state.redis_replica import RedisReplica
 
 from ..integrations.conftest import MODEL, chat_body, emulator, fair_config, wait_until
-from .conftest import RedisServer, unique_prefix, vanish
+from .conftest import RedisServer, restart_until_rejoined, unique_prefix, vanish
 from .test_redis_replicas import replicas
 
 OTHER = "small"
@@ -459,13 +459,8 @@ async def test_redis_stopped_mid_flood_each_engine_stays_within_its_threshold(
                         ),
                         timeout_s=30,
                     )
-                    own_redis_server.start()
-                    await wait_until(
-                        lambda: (
-                            all(s.scheduler.mode == "shared" for s in services)
-                            and leaders(services) is not None
-                        ),
-                        timeout_s=15,
+                    await restart_until_rejoined(
+                        own_redis_server, services, lambda: leaders(services) is not None
                     )
                     await asyncio.wait_for(asyncio.gather(*flood), timeout=90)
                 finally:
