@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import logging
 from collections.abc import AsyncIterator, Sequence
 from typing import Any
 
@@ -188,6 +187,12 @@ async def test_two_models_leaders_land_on_two_replicas(redis_server: RedisServer
         assert dict(status["leaders"]) == chosen
 
 
+def parked(service: SchedulingService, model: str) -> int:
+    """`model`'s requests queued in `service`'s own core (where it decides for `model`)."""
+    queued = service.scheduler.core.statistics().queued_by_model_tier
+    return sum(count for (name, _), count in queued.items() if name == model)
+
+
 def scrapes_of(service: SchedulingService, model: str) -> int:
     readings = service.observability.view.deployments()
     return sum(reading.scrapes_total for reading in readings if reading.model == model)
@@ -226,6 +231,7 @@ class Traffic:
         self.engines = engines
         self.entries = entries
         self.events: list[tuple[str, str]] = []
+        self.times: list[float] = []  # each event's loop time (reported, never asserted)
         self.answers: dict[tuple[str, int], int] = {}
         self.sent = dict.fromkeys(engines, 0)
 
@@ -236,7 +242,7 @@ class Traffic:
         principal = service.identify(Credentials(api_key=f"sk-{user}"))
         body = {**chat_body(max_tokens=16, stream=True), "model": model}
         admission = await service.admit(principal, model, body)
-        self.events.append(("granted", model))
+        self.mark("granted", model)
         lease = admission.lease
         try:
             url = f"{self.engines[model].base_url}/v1/chat/completions"
@@ -260,6 +266,20 @@ class Traffic:
                 task.result()
         await asyncio.gather(*running)
 
+    def mark(self, event: str, model: str) -> None:
+        self.events.append((event, model))
+        self.times.append(asyncio.get_running_loop().time())
+
+    def rate_after(self, mark: str, model: str, window_s: float) -> float:
+        """`model`'s grants per second in the `window_s` after a marker (for the report)."""
+        start = self.times[[event for event, _ in self.events].index(mark)]
+        granted = [
+            at
+            for (event, name), at in zip(self.events, self.times, strict=True)
+            if (event, name) == ("granted", model) and start <= at < start + window_s
+        ]
+        return len(granted) / window_s
+
     def between(self, first: str, last: str, model: str) -> int:
         """How many of `model`'s requests were granted between two markers."""
         marks = [event for event, _ in self.events]
@@ -270,7 +290,7 @@ class Traffic:
 @pytest.mark.slow
 @pytest.mark.redis
 async def test_killing_one_models_leader_mid_flood_moves_only_that_model(
-    redis_server: RedisServer, caplog: pytest.LogCaptureFixture
+    redis_server: RedisServer,
 ) -> None:
     """Three replicas, two models, each model's leader on its own replica. User A floods the
     other model while user B keeps requests for `tiny` coming; the other model's leader is cut
@@ -294,25 +314,28 @@ async def test_killing_one_models_leader_mid_flood_moves_only_that_model(
             try:
                 await wait_until(
                     lambda: (
-                        doomed.scheduler.statistics().queued > 0
-                        and traffic.events.count(("granted", MODEL)) >= 3
+                        parked(doomed, OTHER) > 0 and traffic.events.count(("granted", MODEL)) >= 3
                     ),
                     timeout_s=15,
                 )
-                traffic.events.append(("cut off", OTHER))
+                traffic.mark("cut off", OTHER)
+                small_before_cut = traffic.events.count(("granted", OTHER))
                 cut_at = asyncio.get_running_loop().time()
-                with caplog.at_level(logging.INFO, logger="fair_sched"):
-                    await vanish_groups(doomed)
+                await vanish_groups(doomed)
 
-                    def taken_over() -> bool:
-                        names = {groups_of(s).leader_for(OTHER) for s in survivors}
-                        return len(names) == 1 and names < set(by_name) - {chosen[OTHER]}
+                def taken_over() -> bool:
+                    names = {groups_of(s).leader_for(OTHER) for s in survivors}
+                    return len(names) == 1 and names < set(by_name) - {chosen[OTHER]}
 
-                    await wait_until(taken_over, timeout_s=10)
-                traffic.events.append(("new leader", OTHER))
+                await wait_until(taken_over, timeout_s=10)
+                traffic.mark("new leader", OTHER)
+                new_leader_at = traffic.times[-1]
                 # Reported, not asserted (seen within a poll of the election).
                 failover_s = asyncio.get_running_loop().time() - cut_at
                 await asyncio.wait_for(asyncio.gather(*flood), timeout=90)
+                # tiny's requests go on for half a second after the new leader (the report's
+                # rate after it), bounded.
+                await wait_until(lambda: traffic.times[-1] >= new_leader_at + 0.5, timeout_s=15)
                 stop.set()
                 await asyncio.wait_for(stream, timeout=60)
             finally:
@@ -321,6 +344,8 @@ async def test_killing_one_models_leader_mid_flood_moves_only_that_model(
                     task.cancel()
                 await asyncio.gather(*flood, stream, return_exceptions=True)
         during = traffic.between("cut off", "new leader", MODEL)
+        rate_during = during / failover_s
+        rate_after = traffic.rate_after("new leader", MODEL, 0.5)
         tiny_after = groups_of(tiny_leader).member_for(MODEL)
         tiny_stayed = tiny_after.leading and tiny_after._epoch == tiny_epoch
         new_leader = groups_of(survivors[0]).leader_for(OTHER)
@@ -328,10 +353,12 @@ async def test_killing_one_models_leader_mid_flood_moves_only_that_model(
         small_waiting = small.engine.statistics().max_waiting_seen
     print(
         f"\n{OTHER}'s leader cut off mid-flood: {during} of {MODEL}'s requests granted while "
-        f"{OTHER} had no leader (new leader seen after {failover_s:.2f} s, TTL {TTL_S:g} s); "
+        f"{OTHER} had no leader (new leader seen after {failover_s:.2f} s, TTL {TTL_S:g} s; "
+        f"{MODEL} granted {rate_during:.0f}/s then, {rate_after:.0f}/s in the 0.5 s after); "
         f"engines' max waiting {MODEL} {tiny_waiting}, "
         f"{OTHER} {small_waiting} (threshold {WAITING_BELOW})"
     )
+    assert small_before_cut < FLOOD_SIZE  # cut off mid-flood
     assert during >= 1  # the other model's requests kept being granted
     assert tiny_stayed  # its leader did not move
     assert new_leader in {s.scheduler.replica for s in survivors}
