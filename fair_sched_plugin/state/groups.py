@@ -41,9 +41,7 @@ ModelGroup = tuple[str, tuple[str, ...]]  # (group name, its models)
 
 def sum_statistics(parts: Sequence[SchedulerStatistics]) -> SchedulerStatistics:
     """Several deciding cores' statistics as one (counts added, per-key counts merged)."""
-    counts = [
-        sum(count for count in column) for column in zip(*(part[:8] for part in parts), strict=True)
-    ]
+    counts = [sum(column) for column in zip(*(part[:8] for part in parts), strict=True)]
     counts = counts or [0] * 8
     by_tier: dict[tuple[str, str], int] = {}
     by_model: dict[str, int] = {}
