@@ -310,14 +310,15 @@ async def test_killing_one_models_leader_mid_flood_moves_only_that_model(
         async with httpx.AsyncClient(limits=limits, timeout=60, trust_env=False) as client:
             traffic.client = client
             stream = asyncio.ensure_future(traffic.stream(MODEL, stop))
-            flood = [asyncio.ensure_future(traffic.request(OTHER, "a")) for _ in range(FLOOD_SIZE)]
+            flood: list[asyncio.Future[None]] = []
             try:
-                await wait_until(
-                    lambda: (
-                        parked(doomed, OTHER) > 0 and traffic.events.count(("granted", MODEL)) >= 3
-                    ),
-                    timeout_s=15,
-                )
+                # tiny's requests flow first; then A's flood, cut off while it waits in the
+                # doomed leader's core (checked the moment it is: the flood lasts a second).
+                await wait_until(lambda: traffic.events.count(("granted", MODEL)) >= 3, 15)
+                flood += [
+                    asyncio.ensure_future(traffic.request(OTHER, "a")) for _ in range(FLOOD_SIZE)
+                ]
+                await wait_until(lambda: parked(doomed, OTHER) > 0, timeout_s=15)
                 traffic.mark("cut off", OTHER)
                 small_before_cut = traffic.events.count(("granted", OTHER))
                 cut_at = asyncio.get_running_loop().time()
