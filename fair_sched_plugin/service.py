@@ -11,6 +11,7 @@ stands and `Retry-After` (`_standing`), graceful drain (`_drain`), deployments' 
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
@@ -165,6 +166,7 @@ class SchedulingService:
             prefix=settings.state_prefix,
             heartbeat_s=settings.state_heartbeat_s,
             lease_ttl_s=settings.state_lease_ttl_s,
+            model_groups=settings.leadership_groups(self.known_models),
         )
         self._http_client = http_client
         self._watchers: dict[str, list[MetricsWatcher]] = {}
@@ -234,7 +236,7 @@ class SchedulingService:
                     name_filter=backend.metrics_filter,
                     # While another replica decides, it reads the engine: one engine's worth of
                     # scrapes, however many replicas share it.
-                    active=self._decides,
+                    active=functools.partial(self.scheduler.decides_for, model),
                 )
                 watcher.start()
                 self._watchers.setdefault(model, []).append(watcher)
@@ -498,9 +500,6 @@ class SchedulingService:
             self.gate.update(model, snapshot)
 
         return on_snapshot
-
-    def _decides(self) -> bool:
-        return self.scheduler.decides
 
     def _scrape_all_now(self) -> None:
         """This replica starts deciding: its engines' readings are the other replica's, so each

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import re
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from typing import Annotated, Literal
 
 from pydantic import (
@@ -31,6 +31,8 @@ def _checked_name(value: str) -> str:
 
 # A tier's or principal's name: it appears in logs, metrics labels and the queue document.
 Name = Annotated[str, AfterValidator(_checked_name)]
+# A model's name as LiteLLM's `model_name` or a backends key (a group's member).
+ModelName = Annotated[str, Field(min_length=1, max_length=256)]
 # Validation context key: prices come from the adapter (see `parse_settings`).
 PRICES_FROM_ADAPTER = "prices_from_adapter"
 
@@ -318,6 +320,10 @@ class FairSchedSettings(Frozen):
     state_prefix: Annotated[str, Field(min_length=1, max_length=64)] = "fair_sched:"
     state_heartbeat_s: Annotated[float, Field(gt=0, le=60)] = 1.0
     state_lease_ttl_s: Annotated[float, Field(gt=0, le=3600)] = 10.0
+    # One leader decides for every model, or each model group elects its own (docs/redis.md);
+    # groups of models that share a leader (with `per_model`; a model not listed is its own).
+    state_leadership: Literal["one", "per_model"] = "one"
+    state_model_groups: dict[Name, tuple[ModelName, ...]] = Field(default_factory=dict)
     observability: ObservabilitySettings = ObservabilitySettings()
 
     @field_validator("tiers")
@@ -346,6 +352,7 @@ class FairSchedSettings(Frozen):
                 f"state_lease_ttl_s: must be at least twice state_heartbeat_s "
                 f"({self.state_heartbeat_s:g}) (got {self.state_lease_ttl_s:g})"
             )
+        self._check_model_groups()
         tier_names = {tier.name for tier in self.tiers}
         if self.tiers[0].promote_after_s is not None:
             raise ValueError("tiers[0].promote_after_s: the first tier has no tier above it")
@@ -389,6 +396,43 @@ class FairSchedSettings(Frozen):
                     )
                 seen_keys[key] = principal.name
         return self
+
+    def _check_model_groups(self) -> None:
+        if self.state_model_groups and self.state_leadership != "per_model":
+            raise ValueError("state_model_groups: needs state_leadership: per_model")
+        seen: dict[str, str] = {}
+        for group, models in self.state_model_groups.items():
+            where = f"state_model_groups.{group}"
+            if not models:
+                raise ValueError(f"{where}: needs at least one model")
+            for model in models:
+                if model in seen:
+                    raise ValueError(f"{where}: model {model!r} is also in group {seen[model]!r}")
+                seen[model] = group
+            outside = self.backends.keys() - set(models)
+            if group in outside:
+                raise ValueError(
+                    f"{where}: the name of backends.{group}, a model outside the group (each "
+                    "model not in a group leads a group of its own, named after it)"
+                )
+
+    def leadership_groups(self, models: Iterable[str]) -> tuple[tuple[str, tuple[str, ...]], ...]:
+        """The model groups that elect their own leaders, home group first: with
+        `state_leadership: one`, none (one leader for every model); with `per_model`, the
+        groups `state_model_groups` lists, then every other model in `models` on its own (in
+        sorted order, so that replicas with the same models agree)."""
+        if self.state_leadership == "one":
+            return ()
+        listed = list(self.state_model_groups.items())
+        grouped = {model for _, members in listed for model in members}
+        names = {group for group, _ in listed}
+        for model in sorted(set(models) - grouped):
+            if model in names:
+                raise ValueError(
+                    f"state_model_groups.{model}: the name of model {model!r}, outside the group"
+                )
+            listed.append((model, (model,)))
+        return tuple(listed)
 
     @property
     def default_tier_name(self) -> str:

@@ -110,6 +110,7 @@ class MetricsGate:
         self._request_scrape = request_scrape
         self._listener: CapacityListener | None = None
         self._sharers = 1
+        self._model_sharers: dict[str, int] = {}
         self._growth_settles = True
 
     # ------------------------------------------------------------------ inputs
@@ -123,17 +124,28 @@ class MetricsGate:
         keep the rule: it then reads no end of ours."""
         self._growth_settles = False
 
-    def share_with(self, replicas: int) -> None:
+    def share_with(self, replicas: int, models: Iterable[str] | None = None) -> None:
         """Spend only 1/`replicas` of every threshold, cap and free slot (at least 1 each
         for thresholds and caps): several
         replicas that each run their own gate against one engine (shared state unreachable)
-        must not each spend all of it. 1 restores the whole."""
+        must not each spend all of it. 1 restores the whole. `models`: only theirs (a leader
+        per model group: each group falls back and rejoins on its own); None: every model
+        not given its own share."""
         if replicas < 1:
             raise ValueError(f"replicas must be >= 1 (got {replicas})")
-        widened = replicas < self._sharers
-        self._sharers = replicas
+        if models is None:
+            widened = replicas < self._sharers
+            self._sharers = replicas
+        else:
+            widened = False
+            for model in models:
+                widened = widened or replicas < self._sharers_of(model)
+                self._model_sharers[model] = replicas
         if widened:
             self._notify(None)
+
+    def _sharers_of(self, model: str) -> int:
+        return self._model_sharers.get(model, self._sharers)
 
     def set_listener(self, listener: CapacityListener) -> None:
         self._listener = listener
@@ -147,7 +159,7 @@ class MetricsGate:
         now = self._now()
         if snapshot.ok:
             ledger.scraped(
-                snapshot, now, shared=self._sharers > 1, ends_in_step=self._growth_settles
+                snapshot, now, shared=self._sharers_of(model) > 1, ends_in_step=self._growth_settles
             )
         else:
             ledger.last_error = snapshot.error or "scrape failed"
@@ -198,13 +210,14 @@ class MetricsGate:
         """Some deployment of the model has room for one more request of this tier."""
         state = self._groups.get(model)
         if state is None:
-            return self._unknown_in_flight.get(model, 0) < share(self._unknown_cap, self._sharers)
+            cap = share(self._unknown_cap, self._sharers_of(model))
+            return self._unknown_in_flight.get(model, 0) < cap
         now = self._now()
         reason = None
         room = False
         for ledger in state.ledgers.values():
             self._refresh_mode(ledger, now)
-            ledger.blocked_reason = blocked_reason(ledger, tier, now, self._sharers)
+            ledger.blocked_reason = blocked_reason(ledger, tier, now, self._sharers_of(model))
             if ledger.blocked_reason is None:
                 room = True
             elif reason is None:
@@ -247,7 +260,7 @@ class MetricsGate:
         now = self._now()
         for ledger in state.ledgers.values():
             self._refresh_mode(ledger, now)
-            if blocked_reason(ledger, tier, now, self._sharers, newcomer=True) is None:
+            if blocked_reason(ledger, tier, now, self._sharers_of(model), newcomer=True) is None:
                 return True
         return False
 
@@ -303,13 +316,14 @@ class MetricsGate:
         now = self._now()
         candidates = []
         fresh: list[Candidate] = []
+        sharers = self._sharers_of(state.spec.model)
         for ledger in state.ledgers.values():
             self._refresh_mode(ledger, now)
             candidate = Candidate(
                 ledger.spec.key,
                 ledger.load(),
-                placement_slots(ledger, self._sharers),
-                blocked_reason(ledger, tier, now, self._sharers, newcomer=newcomer) is None,
+                placement_slots(ledger, sharers),
+                blocked_reason(ledger, tier, now, sharers, newcomer=newcomer) is None,
             )
             candidates.append(candidate)
             if ledger.mode == "metrics":
@@ -319,9 +333,10 @@ class MetricsGate:
         return candidates
 
     def _least_loaded(self, state: _GroupState) -> DeploymentLedger:
+        sharers = self._sharers_of(state.spec.model)
         return min(
             state.ledgers.values(),
-            key=lambda ledger: ledger.load() / placement_slots(ledger, self._sharers),
+            key=lambda ledger: ledger.load() / placement_slots(ledger, sharers),
         )
 
     def tuning(self, model: str) -> dict[str, dict[str, TunerStatus]]:

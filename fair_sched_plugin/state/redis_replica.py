@@ -17,7 +17,7 @@ import asyncio
 import contextlib
 import json
 import logging
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 from ..core.backpressure import MetricsGate
 from ..driver import FairScheduler
@@ -42,6 +42,29 @@ if TYPE_CHECKING:  # redis is an optional extra: imported only by `open_state` f
 logger = logging.getLogger("fair_sched")
 
 
+class Spread(Protocol):
+    """How a replica's model groups (`groups.py`) spread their leases over the live replicas."""
+
+    def saw_alive(self, group: RedisReplica) -> None:
+        """`group`'s heartbeat reached Redis and read the replicas alive."""
+        ...
+
+    def may_contend(self, group: RedisReplica) -> bool:
+        """False while this replica already leads its share of the groups: it lets a free
+        lease wait a little for a replica that leads fewer."""
+        ...
+
+    def hand_over(self, group: RedisReplica) -> bool:
+        """True when this replica leads more groups than another live one by two or more: it
+        resigns `group`'s lease so that one takes it."""
+        ...
+
+    def shares_changed(self) -> None:
+        """A group went local or rejoined: the replica's one gate spends the smallest share
+        any of its groups needs (`RedisReplica.local_sharers`)."""
+        ...
+
+
 class RedisReplica(ReplicaScheduler):
     """A `ReplicaScheduler` whose acting leader is whichever replica holds the lease in Redis,
     plus the heartbeat and message loops (`start`/`aclose` run them)."""
@@ -53,6 +76,7 @@ class RedisReplica(ReplicaScheduler):
         *,
         link: RedisLink,
         heartbeat_s: float = 1.0,
+        spread: Spread | None = None,
     ) -> None:
         if gate is not None:
             gate.ends_arrive_out_of_step()
@@ -72,6 +96,12 @@ class RedisReplica(ReplicaScheduler):
         self._hold: asyncio.TimerHandle | None = None
         # Led, followed or ran a local term before (see `_lead`).
         self._took_part = False
+        self._spread = spread
+        # When this replica first saw the lease free and let it wait (`Spread.may_contend`).
+        self._free_since: float | None = None
+        self.led_since: float | None = None
+        # 1 while shared; in local mode the replicas whose threshold this one shares.
+        self.local_sharers = 1
 
     @property
     def coordinated(self) -> bool:
@@ -205,6 +235,8 @@ class RedisReplica(ReplicaScheduler):
         # from 1 again while the other replicas still spend their local shares.
         self._close_term()
         self._token = token
+        self._free_since = None
+        self.led_since = asyncio.get_running_loop().time()
         self._open_term(epoch, hold=epoch > 1 or self._took_part)
         self._took_part = True
         logger.info("fair_sched replica %s leads (epoch %d)", self.replica, epoch)
@@ -232,8 +264,7 @@ class RedisReplica(ReplicaScheduler):
         self._close_term()  # the local one: our leases and tickets go to the shared leader
         self._session += 1  # replies addressed to the session before the outage are stale
         self._mode = "shared"
-        if self._gate is not None:
-            self._gate.share_with(1)
+        self._share(1)
 
     def _store_failed(self, exc: StateStoreError) -> None:
         self._counters["store_errors"] += 1
@@ -250,10 +281,16 @@ class RedisReplica(ReplicaScheduler):
             sharers,
         )
         self._close_term()
-        if self._gate is not None:
-            self._gate.share_with(sharers)
+        self._share(sharers)
         self._took_part = True
         self._open_term(LOCAL_EPOCH, hold=True)
+
+    def _share(self, sharers: int) -> None:
+        self.local_sharers = sharers
+        if self._spread is not None:
+            self._spread.shares_changed()
+        elif self._gate is not None:
+            self._gate.share_with(sharers)
 
     # ------------------------------------------------------------------ the heartbeat
 
@@ -284,6 +321,8 @@ class RedisReplica(ReplicaScheduler):
 
     async def _after_beat(self, link: RedisLink, beat: Beat) -> None:
         self._alive = beat.alive or [self.replica]
+        if self._spread is not None:
+            self._spread.saw_alive(self)
         self._published = None
         if beat.statistics:
             try:
@@ -306,7 +345,12 @@ class RedisReplica(ReplicaScheduler):
                     )
                     self._term.drop_replica(replica)
             if self._token is not None:
+                if self._spread is not None and self._spread.hand_over(self):
+                    await self._hand_over(link)
                 return
+        if beat.leader is None and not self._contends():
+            return
+        self._free_since = None
         token = beat.leader or await link.elect()
         parsed = parse_token(token)
         if parsed is None:  # elect.lua and parse_token disagree: wait for the next heartbeat
@@ -319,6 +363,27 @@ class RedisReplica(ReplicaScheduler):
                 await link.renew(token, self._document())
         elif epoch != self._epoch:
             self._follow(epoch, leader)
+
+    def _contends(self) -> bool:
+        """Whether to take a free lease now: at once, unless this replica already leads its
+        share of the groups; then after two more heartbeats (nobody who leads fewer took it)."""
+        if self._spread is None or self._spread.may_contend(self):
+            return True
+        now = asyncio.get_running_loop().time()
+        if self._free_since is None:
+            self._free_since = now
+        return now - self._free_since >= 2 * self._heartbeat_s
+
+    async def _hand_over(self, link: RedisLink) -> None:
+        """Resign this group's lease so a replica that leads fewer takes it at its next
+        heartbeat: a failover without the TTL (every replica re-sends to the new leader)."""
+        token = self._token
+        assert token is not None
+        logger.info("fair_sched replica %s hands its lease %s over", self.replica, token)
+        self._close_term()
+        if self._budgets is not None:
+            await self._budgets.save(link, token)
+        await link.resign(token)
 
     def _document(self) -> str:
         gate = self._gate.status() if self._gate else []

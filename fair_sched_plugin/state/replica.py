@@ -73,6 +73,8 @@ class StateStatistics(NamedTuple):
     store_errors_total: int
     leader: str | None = None  # the replica whose core decides (this one when local)
     replicas_alive: int = 1
+    # With leadership per model group (`state_model_groups`): (group, its leader) for each.
+    leaders: tuple[tuple[str, str | None], ...] = ()
 
 
 class _Parked:
@@ -211,6 +213,12 @@ class ReplicaScheduler:
             return self._own_statistics()
         return self._published.scheduler
 
+    def published_statistics(self) -> SchedulerStatistics | None:
+        """The leader's latest published statistics (None: none read, or we decide)."""
+        if self._term is not None or self._published is None:
+            return None
+        return self._published.scheduler
+
     def gate_status(self) -> list[GroupStatus]:
         """The deciding gate's status: ours while we decide, else the leader's published one."""
         if self._term is None and self._published is not None:
@@ -245,6 +253,11 @@ class ReplicaScheduler:
         if self._term is not None:
             return self._core.position_estimate(model, tier, user, own_index)
         return self._parked_index.position(model, tier, user, own_index)
+
+    @property
+    def alive_replicas(self) -> tuple[str, ...]:
+        """The replicas this one last saw alive (itself included)."""
+        return tuple(self._alive)
 
     def state_statistics(self) -> StateStatistics:
         c = self._counters
@@ -438,6 +451,11 @@ class ReplicaScheduler:
         """Whether this replica's core decides now: with memory://, as the leader, or in a local
         term while Redis is unreachable. Only a deciding replica needs its engines' metrics."""
         return self._term is not None
+
+    def decides_for(self, model: str) -> bool:
+        """Whether this replica's core decides for `model` now (its engines' metrics are
+        needed here); with one leader for every model, `decides`."""
+        return self.decides
 
     def add_decider_listener(self, listener: Callable[[], None]) -> None:
         """Call `listener()` each time this replica starts deciding."""

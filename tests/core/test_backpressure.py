@@ -652,6 +652,24 @@ async def test_a_shared_gate_spends_only_its_share_of_the_threshold() -> None:
     await drain(scheduler)
 
 
+async def test_a_share_for_some_models_leaves_the_others_theirs() -> None:
+    """With a leader per model group, each group falls back and rejoins on its own: a share
+    given for some models applies to them only, and the default to every other model."""
+    clock = FakeClock()
+    gate, _, _ = make_gate(clock)
+    scheduler = FairScheduler([INTERACTIVE, BATCH], gate, clock=clock)
+    gate.update("m", scrape(clock, waiting=0))
+    gate.share_with(3, ["m"])  # m's group is local among three replicas
+    gate.share_with(1)  # every other model's (the home group's) is whole
+    tasks = [asyncio.create_task(scheduler.acquire(ticket(f"u{i}"))) for i in range(5)]
+    await settle()
+    assert sum(task.done() for task in tasks) == 1
+    gate.share_with(1, ["m"])  # m's group rejoined: the whole threshold again
+    await settle()
+    assert sum(task.done() for task in tasks) == 3
+    await drain(scheduler)
+
+
 def _all_slots_free(slots: int) -> tuple[FakeClock, MetricsGate, FairScheduler]:
     """A gate that has learned the engine's `slots` and whose latest scrape shows them all free."""
     clock = FakeClock()

@@ -14,7 +14,7 @@ import shutil
 import socket
 import subprocess
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import pytest
@@ -145,3 +145,16 @@ async def vanish(replica: object) -> None:
     replica._loops = []
     replica._leading = []
     await link.aclose()
+
+
+async def restart_until_rejoined(
+    server: RedisServer, services: Sequence[Any], led: Callable[[], bool]
+) -> None:
+    """Start a stopped redis-server again; return once every replica (a SchedulingService) is
+    back in shared mode and `led()` says the leadership settled."""
+    server.start()
+
+    def rejoined() -> bool:
+        return all(s.scheduler.mode == "shared" for s in services) and led()
+
+    await eventually(rejoined, 15, what="every replica rejoined its leaders")

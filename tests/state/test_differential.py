@@ -26,6 +26,7 @@ from fair_sched_plugin.core import (
 )
 from fair_sched_plugin.driver import FairScheduler
 from fair_sched_plugin.state import ReplicaScheduler, open_state
+from fair_sched_plugin.state.groups import ModelGroups, sum_statistics
 from fair_sched_plugin.testing import FakeClock
 
 from .conftest import RedisServer, unique_prefix
@@ -34,6 +35,9 @@ pytestmark = pytest.mark.redis
 
 TIERS = (TierLimits("interactive", waiting_below=2), TierLimits("batch", waiting_below=1))
 URL = "http://engine/metrics"
+# With leadership per model group: model "n" on its own engine, in a group of its own.
+URLS = {"m": URL, "n": "http://engine-n/metrics"}
+GROUPS = [("m", ["m"]), ("n", ["n"])]
 
 submit = st.tuples(
     st.just("submit"),
@@ -49,6 +53,33 @@ scrape = st.tuples(st.just("scrape"), st.integers(0, 3), st.integers(0, 4), st.b
 advance = st.tuples(st.just("advance"), st.sampled_from([0.2, 0.6, 1.5, 4.0]))
 operations = st.lists(
     st.one_of(submit, submit, submit, cancel, first_byte, end, abandon, scrape, advance),
+    min_size=10,
+    max_size=40,
+)
+# Two models, each a group with its own leader: (…, price, model), scrapes of either engine.
+grouped_submit = st.tuples(
+    st.just("submit"),
+    st.sampled_from("abc"),
+    st.sampled_from(["interactive", "batch"]),
+    st.sampled_from([1, 50, 400]),
+    st.just(0.0),
+    st.sampled_from("mn"),
+)
+grouped_scrape = st.tuples(
+    st.just("scrape"), st.integers(0, 3), st.integers(0, 4), st.booleans(), st.sampled_from("mn")
+)
+grouped_operations = st.lists(
+    st.one_of(
+        grouped_submit,
+        grouped_submit,
+        grouped_submit,
+        cancel,
+        first_byte,
+        end,
+        abandon,
+        grouped_scrape,
+        advance,
+    ),
     min_size=10,
     max_size=40,
 )
@@ -86,14 +117,21 @@ cost_operations = st.lists(
 
 
 class Side:
-    """One way of deciding: `entry` is where requests enter, `decider` whose core decides."""
+    """One way of deciding: `entry` is where requests enter, `deciders` whose core decides for
+    each model (one replica for every model, or each model's group leader)."""
 
-    def __init__(self, entry: ReplicaScheduler, decider: ReplicaScheduler, clocks: list[FakeClock]):
+    def __init__(
+        self,
+        entry: ReplicaScheduler,
+        deciders: dict[str, ReplicaScheduler],
+        clocks: list[FakeClock],
+    ):
         self.entry = entry
-        self.decider = decider
+        self.deciders = deciders
         self.clocks = clocks
+        replicas = [entry, *deciders.values()]
         self.gates: list[Any] = [
-            replica.gate for replica in {id(entry): entry, id(decider): decider}.values()
+            replica.gate for replica in {id(replica): replica for replica in replicas}.values()
         ]
         self.order: list[str] = []
         self.parked: list[tuple[str, asyncio.Task[Lease]]] = []
@@ -106,7 +144,8 @@ class Side:
             self.count += 1
             label = f"{operation[1]}{self.count}"
             price = operation[4] if len(operation) > 4 else 0.0
-            ticket = Ticket("m", operation[1], operation[2], cost=operation[3], price=price)
+            model = operation[5] if len(operation) > 5 else "m"
+            ticket = Ticket(model, operation[1], operation[2], cost=operation[3], price=price)
             task = asyncio.ensure_future(self._request(label, ticket))
             self.parked.append((label, task))
         elif kind == "cancel" and self.parked:
@@ -121,11 +160,13 @@ class Side:
             self.held.pop(operation[1] % len(self.held)).abandon()
         elif kind == "scrape":
             now = self.clocks[0].now()
-            snapshot = BackendSnapshot(URL, now, operation[3], operation[1], operation[2])
+            model = operation[4] if len(operation) > 4 else "m"
+            url = URLS[model]
+            snapshot = BackendSnapshot(url, now, operation[3], operation[1], operation[2])
             if not operation[3]:
-                snapshot = BackendSnapshot.failed(URL, now, "refused")
+                snapshot = BackendSnapshot.failed(url, now, "refused")
             for gate in self.gates:
-                gate.update("m", snapshot)
+                gate.update(model, snapshot)
         elif kind == "advance":
             for clock in self.clocks:
                 clock.advance(operation[1])
@@ -153,11 +194,16 @@ class Side:
             await asyncio.sleep(0)
 
     def final_state(self) -> dict[str, Any]:
-        core = self.decider.core
+        cores = {id(decider): decider.core for decider in self.deciders.values()}.values()
         return {
-            "statistics": core.statistics(),
-            "backlog": sorted(core.backlog()),
-            "gate": self.decider.gate_status(),
+            "statistics": sum_statistics([core.statistics() for core in cores]),
+            "backlog": sorted(row for core in cores for row in core.backlog()),
+            "gate": [
+                row
+                for model, decider in sorted(self.deciders.items())
+                for row in decider.core.gate.status()  # type: ignore[attr-defined]
+                if row.model == model
+            ],
         }
 
     async def aclose(self) -> None:
@@ -167,24 +213,41 @@ class Side:
 
 
 def deciding_replica(
-    url: str, clock: FakeClock, fairness: str = "tokens", **options: Any
+    url: str, clock: FakeClock, fairness: str = "tokens", *, models: str = "m", **options: Any
 ) -> ReplicaScheduler:
     gate = MetricsGate(
-        [BackendGroup("m", (Deployment(URL, URL),), arrival_grace_s=0.5, fallback_max_inflight=2)],
+        [
+            BackendGroup(
+                model,
+                (Deployment(URLS[model], URLS[model]),),
+                arrival_grace_s=0.5,
+                fallback_max_inflight=2,
+            )
+            for model in models
+        ],
         stale_after_s=1.0,
         clock=clock,
     )
+    # `queue.max_total` bounds each deciding core: with a leader per group, each group's
+    # (the two models' queues never reach 8 together here, so one core and two agree).
+    max_total = 8 if len(models) == 1 else 80
     core = FairScheduler(
-        TIERS, gate, fairness=fairness, max_per_user=3, max_total=8, max_wait_s=5.0, clock=clock
+        TIERS,
+        gate,
+        fairness=fairness,
+        max_per_user=3,
+        max_total=max_total,
+        max_wait_s=5.0,
+        clock=clock,
     )
     return open_state(url, core, gate, **options)
 
 
 @contextlib.asynccontextmanager
-async def memory_side(fairness: str) -> AsyncIterator[Side]:
+async def memory_side(fairness: str, models: str = "m") -> AsyncIterator[Side]:
     clock = FakeClock()
-    replica = deciding_replica("memory://", clock, fairness)
-    side = Side(replica, replica, [clock])
+    replica = deciding_replica("memory://", clock, fairness, models=models)
+    side = Side(replica, dict.fromkeys(models, replica), [clock])
     try:
         yield side
     finally:
@@ -193,11 +256,16 @@ async def memory_side(fairness: str) -> AsyncIterator[Side]:
 
 
 @contextlib.asynccontextmanager
-async def redis_side(url: str, fairness: str) -> AsyncIterator[Side]:
-    options = {"prefix": unique_prefix(), "heartbeat_s": 0.05, "lease_ttl_s": 5.0}
+async def redis_side(url: str, fairness: str, models: str = "m") -> AsyncIterator[Side]:
+    options: dict[str, Any] = {"prefix": unique_prefix(), "heartbeat_s": 0.05, "lease_ttl_s": 5.0}
+    if len(models) > 1:
+        # The leader takes both groups, then hands one over after a lease TTL.
+        options.update(lease_ttl_s=1.0, model_groups=GROUPS)
     clocks = [FakeClock(), FakeClock()]
-    leader = deciding_replica(url, clocks[0], fairness, replica="leader", **options)
-    follower = deciding_replica(url, clocks[1], fairness, replica="follower", **options)
+    leader = deciding_replica(url, clocks[0], fairness, models=models, replica="leader", **options)
+    follower = deciding_replica(
+        url, clocks[1], fairness, models=models, replica="follower", **options
+    )
     leader.start()
     try:
         for _ in range(400):
@@ -205,12 +273,16 @@ async def redis_side(url: str, fairness: str) -> AsyncIterator[Side]:
                 break
             await asyncio.sleep(0.01)
         follower.start()
-        for _ in range(400):
-            if follower.state_statistics().leader == "leader":
-                break
-            await asyncio.sleep(0.01)
-        assert leader.leading and follower.state_statistics().leader == "leader"
-        side = Side(follower, leader, clocks)
+        if len(models) > 1:
+            deciders = await spread_over(leader, follower, models)
+        else:
+            for _ in range(400):
+                if follower.state_statistics().leader == "leader":
+                    break
+                await asyncio.sleep(0.01)
+            assert leader.leading and follower.state_statistics().leader == "leader"
+            deciders = {"m": leader}
+        side = Side(follower, deciders, clocks)
         try:
             yield side
         finally:
@@ -220,8 +292,45 @@ async def redis_side(url: str, fairness: str) -> AsyncIterator[Side]:
         await leader.aclose()
 
 
-async def play_both(url: str, ops: list[tuple[Any, ...]], fairness: str = "tokens") -> None:
-    async with memory_side(fairness) as memory, redis_side(url, fairness) as shared:
+async def spread_over(
+    leader: ReplicaScheduler, follower: ReplicaScheduler, models: str
+) -> dict[str, ReplicaScheduler]:
+    """Until each replica leads one model's group, both agree, and no new leader holds its
+    grants any more (bounded)."""
+    assert isinstance(leader, ModelGroups) and isinstance(follower, ModelGroups)
+    by_name: dict[str | None, ReplicaScheduler] = {"leader": leader, "follower": follower}
+    for _ in range(1000):
+        names = {model: {r.leader_for(model) for r in (leader, follower)} for model in models}
+        holding = any(
+            member._term is not None and member._term.holding
+            for replica in (leader, follower)
+            for member in replica.members
+        )
+        if not holding and all(len(found) == 1 for found in names.values()):
+            chosen = {model: next(iter(found)) for model, found in names.items()}
+            if set(chosen.values()) == {"leader", "follower"}:
+                return {model: by_name[name] for model, name in chosen.items()}
+        await asyncio.sleep(0.01)
+    raise AssertionError(f"the groups' leases did not spread: {names}")
+
+
+def differential(examples: int) -> Any:
+    """Hypothesis settings for these tests: deterministic, no deadline (Redis round trips)."""
+    return settings(
+        max_examples=examples,
+        deadline=None,
+        derandomize=True,
+        suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow],
+    )
+
+
+async def play_both(
+    url: str, ops: list[tuple[Any, ...]], fairness: str = "tokens", models: str = "m"
+) -> None:
+    async with (
+        memory_side(fairness, models) as memory,
+        redis_side(url, fairness, models) as shared,
+    ):
         for index, operation in enumerate(ops):
             await memory.play(operation)
             await shared.play(operation)
@@ -229,23 +338,13 @@ async def play_both(url: str, ops: list[tuple[Any, ...]], fairness: str = "token
         assert shared.final_state() == memory.final_state()
 
 
-@settings(
-    max_examples=25,
-    deadline=None,
-    derandomize=True,
-    suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow],
-)
+@differential(25)
 @given(ops=operations)
 def test_memory_and_redis_grant_the_same(redis_server: RedisServer, ops: list[Any]) -> None:
     asyncio.run(asyncio.wait_for(play_both(redis_server.url, ops), 60))
 
 
-@settings(
-    max_examples=25,
-    deadline=None,
-    derandomize=True,
-    suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow],
-)
+@differential(25)
 @given(ops=cost_operations)
 # Two users backlogged behind an open gate, one asking for dear requests, one for cheap ones,
 # ends reporting their cost: the cheap one is served more often between the dear one's turns.
@@ -267,3 +366,14 @@ def test_memory_and_redis_grant_the_same_under_cost_fairness(
     the leader's core as they reach a memory:// one. Before: the follower's tickets reached it
     priced at nothing and its ends without their cost, so users were served in turns there."""
     asyncio.run(asyncio.wait_for(play_both(redis_server.url, ops, "cost"), 60))
+
+
+@differential(15)
+@given(ops=grouped_operations)
+def test_memory_and_redis_grant_the_same_with_a_leader_per_model(
+    redis_server: RedisServer, ops: list[Any]
+) -> None:
+    """Two models, each its own group (`state_leadership: per_model`), one led by each
+    replica: requests entering at one replica, for either model, are granted as one
+    `memory://` core grants them (each model's queues and gate are its own)."""
+    asyncio.run(asyncio.wait_for(play_both(redis_server.url, ops, models="mn"), 60))

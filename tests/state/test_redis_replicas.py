@@ -18,7 +18,7 @@ from fair_sched_plugin.proxy import build_proxy_app
 from fair_sched_plugin.service import UNKNOWN_MODELS, SchedulingService
 
 from ..integrations.conftest import MODEL, chat_body, emulator, fair_config, serve, wait_until
-from .conftest import RedisServer, unique_prefix, vanish
+from .conftest import RedisServer, restart_until_rejoined, unique_prefix, vanish
 
 pytestmark = pytest.mark.redis
 
@@ -261,13 +261,8 @@ async def test_redis_stopped_mid_flood_each_replica_spends_its_share(
                 await wait_until(
                     lambda: len(emu.engine.received) >= local_from + 2 * REPLICAS, timeout_s=30
                 )
-                own_redis_server.start()
-                await wait_until(
-                    lambda: (
-                        all(s.scheduler.mode == "shared" for s in services)
-                        and leader_of(services) is not None
-                    ),
-                    timeout_s=15,
+                await restart_until_rejoined(
+                    own_redis_server, services, lambda: leader_of(services) is not None
                 )
 
             flood = Flood(emu, services)
