@@ -74,7 +74,6 @@ def _emulator_service(emu: Any) -> Counter[str]:
     return service
 
 
-@pytest.mark.timing
 async def test_report_against_an_emulator_and_fair_proxy_matches_what_the_engine_saw(
     tmp_path: Path,
 ) -> None:

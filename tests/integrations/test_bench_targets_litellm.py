@@ -19,7 +19,7 @@ from fair_sched_plugin.emulator.server import run_emulator
 from .conftest import MODEL, emulator_config
 from .litellm_harness import MASTER_KEY, NEEDS_LITELLM, litellm_proxy, model_entry, proxy_config
 
-pytestmark = [pytest.mark.litellm, pytest.mark.slow, NEEDS_LITELLM, pytest.mark.timing]
+pytestmark = [pytest.mark.litellm, pytest.mark.slow, NEEDS_LITELLM]
 
 
 def _user_of(prompt_tokens: int) -> str:

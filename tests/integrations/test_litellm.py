@@ -407,7 +407,10 @@ async def flood(
     return list(flood_results), list(light)
 
 
-@pytest.mark.timing
+# The claim (light users first through LiteLLM with the plugin, the engine's queue held) is the
+# demo's guard in CI (test_demo.py, stricter: the queue <= its threshold); this flood runs with
+# scripts/test --full.
+@pytest.mark.full
 async def test_flood_light_users_overtake_the_power_user(stack: Stack) -> None:
     await engine_idle(stack.emu)
     stack.peak.reset()

@@ -368,7 +368,7 @@ def test_memory_and_redis_grant_the_same_under_cost_fairness(
     asyncio.run(asyncio.wait_for(play_both(redis_server.url, ops, "cost"), 60))
 
 
-@differential(15)
+@differential(10)
 @given(ops=grouped_operations)
 def test_memory_and_redis_grant_the_same_with_a_leader_per_model(
     redis_server: RedisServer, ops: list[Any]
