@@ -529,18 +529,12 @@ class _Routes:
         self._others: str = others
         self._modes: dict[str, str] = {}
         alternatives = []
-        anchored = True
         for index, (pattern, mode) in enumerate(patterns):
             re.compile(pattern)  # on its own first: a bad pattern's error is its own
             name = f"fair_sched_route{index}"
             self._modes[name] = mode
             alternatives.append(f"(?P<{name}>{_scoped_flags(pattern)})")
-            anchored = anchored and _only_at_start(pattern)
-        joined = "|".join(alternatives)
-        if anchored:
-            # Each matches only at the start: a search need not try the later positions.
-            joined = f"^(?:{joined})"
-        self._regex = re.compile(joined) if alternatives else None
+        self._regex = re.compile("|".join(alternatives)) if alternatives else None
 
     def mode(self, method: str, path: str) -> str:
         exact = self._exact.get(path)
@@ -563,35 +557,6 @@ def _scoped_flags(pattern: str) -> str:
     if found is None:
         return pattern
     return f"(?{found.group(1)}:{pattern[found.end() :]})"
-
-
-def _only_at_start(pattern: str) -> bool:
-    """True where `pattern` can match only at the start of a path: it begins with `^` and has
-    no `|` outside groups and character classes (`^a|b` finds `b` anywhere)."""
-    if not pattern.startswith("^"):
-        return False
-    depth = 0
-    escaped = False
-    class_from = -1  # inside a character class: the index of its first member, else -1
-    for index, char in enumerate(pattern):
-        if escaped:
-            escaped = False
-        elif char == "\\":
-            escaped = True
-        elif class_from >= 0:
-            if char == "^" and index == class_from and pattern[index - 1] == "[":
-                class_from += 1  # `[^...]`
-            elif char == "]" and index > class_from:  # a `]` first in a class is a member
-                class_from = -1
-        elif char == "[":
-            class_from = index + 1
-        elif char == "(":
-            depth += 1
-        elif char == ")":
-            depth -= 1
-        elif char == "|" and depth == 0:
-            return False
-    return True
 
 
 def _usage_from_sse(chunk: bytes) -> Usage | None:
