@@ -37,12 +37,14 @@ from .redis_replica import RedisReplica
 from .replica import ReplicaScheduler, StateMode, StateStatistics
 
 ModelGroup = tuple[str, tuple[str, ...]]  # (group name, its models)
+# SchedulerStatistics: its counts, then the two per-key mappings.
+_COUNTS = len(SchedulerStatistics._fields) - 2
 
 
 def sum_statistics(parts: Sequence[SchedulerStatistics]) -> SchedulerStatistics:
     """Several deciding cores' statistics as one (counts added, per-key counts merged)."""
-    counts = [sum(column) for column in zip(*(part[:8] for part in parts), strict=True)]
-    counts = counts or [0] * 8
+    counts = [sum(column) for column in zip(*(part[:_COUNTS] for part in parts), strict=True)]
+    counts = counts or [0] * _COUNTS
     by_tier: dict[tuple[str, str], int] = {}
     by_model: dict[str, int] = {}
     for part in parts:
