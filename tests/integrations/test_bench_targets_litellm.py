@@ -97,8 +97,10 @@ async def test_litellm_with_and_without_the_plugin_match_the_engines_logs(
             assert m.summary["service_tokens_by_user"] == dict(sorted(engine_service.items()))
             first_light[m.target.name] = users.index("u1")
     heavy = 28
-    assert first_light["litellm"] == heavy
-    assert first_light["litellm+plugin"] < heavy / 2
+    # Without the plugin the light request reaches the engine behind the heavy requests LiteLLM
+    # forwarded before it arrived: on a quiet machine all 28; a busy one forwards fewer in 1 s
+    # (24 in one CI run), so the claim is the ordering, with the plugin well ahead of it.
+    assert first_light["litellm+plugin"] < heavy / 2 <= first_light["litellm"]
     plain_summary, fair_summary = (m.summary for m in measured)
     assert fair_summary["light_ttft_p50_s"] < plain_summary["light_ttft_p50_s"]
     assert fair_summary["max_service_gap_tokens"] < plain_summary["max_service_gap_tokens"]
