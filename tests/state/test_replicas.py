@@ -17,8 +17,9 @@ import pytest
 
 from fair_sched_plugin.core import InflightLimitGate, Lease, TierLimits, estimate_position
 from fair_sched_plugin.driver import FairScheduler
-from fair_sched_plugin.errors import QueueFull, QueueTimeout
+from fair_sched_plugin.errors import QueueFull, QueueTimeout, StateStoreError
 from fair_sched_plugin.state import ReplicaScheduler, open_state
+from fair_sched_plugin.state.redis_replica import RedisReplica
 from fair_sched_plugin.state.wire import read_reply
 from fair_sched_plugin.testing import ManualGate, make_ticket
 
@@ -479,6 +480,56 @@ async def test_a_leader_after_redis_lost_its_data_holds_like_any_later_leader(
         assert leader.try_acquire(make_ticket("A")) is None  # holding
         lease = await asyncio.wait_for(leader.acquire(make_ticket("A")), 5)
         lease.release()
+    finally:
+        await asyncio.gather(*(asyncio.wait_for(r.aclose(), 10) for r in replicas))
+
+
+async def test_back_from_an_outage_a_replica_keeps_its_share_until_the_others_are_back(
+    own_redis_server: RedisServer,
+) -> None:
+    """Issue #36: after an outage each replica took the whole threshold back as it rejoined. The
+    first leader's hold ends whether or not the others have rejoined, and one still local kept
+    spending its share beside it (the engine's queue one over the threshold). The share now
+    stays until each replica it shared with has sent the leader's term a message."""
+    prefix = unique_prefix()
+    replicas = [
+        open_state(
+            own_redis_server.url,
+            FairScheduler(TIERS, InflightLimitGate(1)),
+            prefix=prefix,
+            heartbeat_s=0.1,
+            lease_ttl_s=3.0,  # the wait for the others: a hold (0.1 s) and this
+            replica=f"r{index}",
+        )
+        for index in range(2)
+    ]
+    late = replicas[1]
+    assert isinstance(late, RedisReplica) and late._link is not None
+    beat = late._link.beat
+    cut_off = True
+
+    async def beat_unless_cut_off() -> Any:
+        if cut_off:
+            raise StateStoreError("still cut off from Redis")
+        return await beat()
+
+    try:
+        for replica in replicas:
+            replica.start()
+        await eventually(lambda: any(r.leading for r in replicas), 10)
+        await eventually(lambda: all(r.alive_replicas == ("r0", "r1") for r in replicas), 10)
+        own_redis_server.stop()
+        await eventually(lambda: all(r.mode == "local" for r in replicas), 10)
+        assert all(r.local_sharers == 2 for r in replicas)
+        late._link.beat = beat_unless_cut_off  # type: ignore[method-assign]
+        own_redis_server.start()
+        first = replicas[0]
+        await eventually(lambda: first.leading, 10)
+        assert first.local_sharers == 2  # r1 may still spend its share
+        parked = asyncio.ensure_future(late.acquire(make_ticket("B")))
+        cut_off = False
+        await eventually(lambda: late.mode == "shared" and first.local_sharers == 1, 10)
+        (await asyncio.wait_for(parked, 10)).release()
     finally:
         await asyncio.gather(*(asyncio.wait_for(r.aclose(), 10) for r in replicas))
 
