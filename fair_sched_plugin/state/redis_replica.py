@@ -86,6 +86,7 @@ class RedisReplica(ReplicaScheduler):
         self._heartbeat_s = heartbeat_s
         self._mode = "shared"
         self._token: str | None = None  # our leader lease, while we hold it
+        self._ended_token: str | None = None  # the lease of our last term, once it ended
         self._resigning: str | None = None  # the lease to hand back once closed
         self._outbox: list[str] = []
         self._outbox_ready = asyncio.Event()
@@ -205,6 +206,8 @@ class RedisReplica(ReplicaScheduler):
         term, self._term = self._term, None
         if term is not None:
             term.drain()
+        if self._token is not None:
+            self._ended_token = self._token
         self._token = None
         self._leader = None
         self._epoch = NO_EPOCH
@@ -390,7 +393,13 @@ class RedisReplica(ReplicaScheduler):
             return
         epoch, leader = parsed
         if leader == self.replica:
-            if self._token != token:
+            if self._token != token and token == self._ended_token:
+                # Our term of this lease ended (we fell back to a local term and are back
+                # before its TTL): the others still follow its epoch, so they would re-send
+                # nothing to a new term of it, their tickets left in the old one for good and
+                # their grants on the way to an engine uncounted. A new epoch makes them.
+                await link.resign(token)
+            elif self._token != token:
                 self._lead(token, epoch)
                 await link.renew(token, self._document())
         elif epoch != self._epoch:

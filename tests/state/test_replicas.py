@@ -534,6 +534,27 @@ async def test_back_from_an_outage_a_replica_keeps_its_share_until_the_others_ar
         await asyncio.gather(*(asyncio.wait_for(r.aclose(), 10) for r in replicas))
 
 
+async def test_a_leader_back_from_a_brief_fallback_leads_a_new_epoch(cluster: Cluster) -> None:
+    """A leader whose Redis call failed once falls back to a local term and is back before its
+    lease's TTL. It led the same epoch again, which the followers already followed: they
+    re-sent nothing, a ticket they had parked in its ended term waited for good, and their
+    grants on the way to the engine went uncounted (issue #36). It now resigns that lease, and
+    every replica re-sends to the next epoch's leader."""
+    first, second = cluster.add(), cluster.add()
+    leader = await cluster.leader()
+    follower = second if leader is first else first
+    assert isinstance(leader, RedisReplica)
+    held = await asyncio.wait_for(leader.acquire(make_ticket("A")), 10)  # the cap is 1
+    parked = asyncio.ensure_future(follower.acquire(make_ticket("B")))
+    await eventually(lambda: leader.statistics().queued == 1)
+    epoch = leader._epoch
+    leader._store_failed(StateStoreError("a read failed once"))
+    await eventually(lambda: leader.mode == "shared" and any(r.leading for r in cluster.replicas))
+    held.release()
+    (await asyncio.wait_for(parked, 10)).release()
+    assert max(r._epoch for r in cluster.replicas if isinstance(r, RedisReplica)) > epoch
+
+
 def _as_before_placement(message: list[Any]) -> list[Any]:
     """A follower message as a replica of the version before placement (#16) wrote it: tickets
     without `prefix`, adopted leases without their deployment."""
