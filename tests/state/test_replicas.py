@@ -444,6 +444,24 @@ async def test_redis_outage_falls_back_locally_then_rejoins(
             await cluster.aclose()
 
 
+def own_pair(
+    server: RedisServer, *, heartbeat_s: float, lease_ttl_s: float
+) -> list[ReplicaScheduler]:
+    """Two replicas r0 and r1 (not started) with an in-flight cap of 1 on `server`."""
+    prefix = unique_prefix()
+    return [
+        open_state(
+            server.url,
+            FairScheduler(TIERS, InflightLimitGate(1)),
+            prefix=prefix,
+            heartbeat_s=heartbeat_s,
+            lease_ttl_s=lease_ttl_s,
+            replica=f"r{index}",
+        )
+        for index in range(2)
+    ]
+
+
 async def test_a_leader_after_redis_lost_its_data_holds_like_any_later_leader(
     own_redis_server: RedisServer,
 ) -> None:
@@ -452,18 +470,8 @@ async def test_a_leader_after_redis_lost_its_data_holds_like_any_later_leader(
     whole threshold, while the others still spent their local shares for up to a heartbeat (the
     engine's queue went one over in test_redis_stopped_mid_flood_each_replica_spends_its_share).
     Now any leader but the first of a fresh cluster holds new grants for a heartbeat."""
-    prefix = unique_prefix()
-    replicas = [
-        open_state(
-            own_redis_server.url,
-            FairScheduler(TIERS, InflightLimitGate(1)),
-            prefix=prefix,
-            heartbeat_s=0.5,  # the hold: long enough to look at it
-            lease_ttl_s=1.5,
-            replica=f"r{index}",
-        )
-        for index in range(2)
-    ]
+    # A heartbeat of 0.5 s: the hold, long enough to look at it.
+    replicas = own_pair(own_redis_server, heartbeat_s=0.5, lease_ttl_s=1.5)
     try:
         for replica in replicas:
             replica.start()
@@ -491,18 +499,8 @@ async def test_back_from_an_outage_a_replica_keeps_its_share_until_the_others_ar
     first leader's hold ends whether or not the others have rejoined, and one still local kept
     spending its share beside it (the engine's queue one over the threshold). The share now
     stays until each replica it shared with has sent the leader's term a message."""
-    prefix = unique_prefix()
-    replicas = [
-        open_state(
-            own_redis_server.url,
-            FairScheduler(TIERS, InflightLimitGate(1)),
-            prefix=prefix,
-            heartbeat_s=0.1,
-            lease_ttl_s=3.0,  # the wait for the others: a hold (0.1 s) and this
-            replica=f"r{index}",
-        )
-        for index in range(2)
-    ]
+    # The wait for the others: a hold (a heartbeat, 0.1 s) and a lease TTL (3 s).
+    replicas = own_pair(own_redis_server, heartbeat_s=0.1, lease_ttl_s=3.0)
     late = replicas[1]
     assert isinstance(late, RedisReplica) and late._link is not None
     beat = late._link.beat
