@@ -7,7 +7,7 @@ the leader as messages (`ReplicaScheduler` relays them) and its replies come bac
 list. A new epoch makes every replica re-send what it has. When Redis fails, the replica runs a
 local term over its own core with 1/n of the engine's thresholds until Redis answers again, then
 rejoins with a new session. Its gate keeps that share until every replica it shared with has
-rejoined too (or a lease TTL passed): one still local spends its own share meanwhile.
+rejoined too (or a hold and a lease TTL passed): one still local spends its share meanwhile.
 
 Only the heartbeat decides these transitions; the other loops only move messages.
 """
@@ -398,6 +398,8 @@ class RedisReplica(ReplicaScheduler):
                 # before its TTL): the others still follow its epoch, so they would re-send
                 # nothing to a new term of it, their tickets left in the old one for good and
                 # their grants on the way to an engine uncounted. A new epoch makes them.
+                if self._budgets is not None:
+                    await self._budgets.save(link, token)  # as a handover does
                 await link.resign(token)
             elif self._token != token:
                 self._lead(token, epoch)
