@@ -159,7 +159,11 @@ class MetricsGate:
         now = self._now()
         if snapshot.ok:
             ledger.scraped(
-                snapshot, now, shared=self._sharers_of(model) > 1, ends_in_step=self._growth_settles
+                snapshot,
+                now,
+                shared=self._sharers_of(model) > 1,
+                ends_in_step=self._growth_settles,
+                stale_after_s=self._stale_after_s,
             )
         else:
             ledger.last_error = snapshot.error or "scrape failed"

@@ -235,11 +235,19 @@ class DeploymentLedger:
     # ------------------------------------------------------------------ scrapes
 
     def scraped(
-        self, snapshot: BackendSnapshot, now: float, *, shared: bool, ends_in_step: bool
+        self,
+        snapshot: BackendSnapshot,
+        now: float,
+        *,
+        shared: bool,
+        ends_in_step: bool,
+        stale_after_s: float,
     ) -> None:
         """A successful scrape: settle what it shows, learn the capacity, feed the tuners.
         `shared`: other replicas release into this engine too (MetricsGate.share_with);
-        `ends_in_step`: our ends are seen as they happen (MetricsGate.ends_arrive_out_of_step)."""
+        `ends_in_step`: our ends are seen as they happen (MetricsGate.ends_arrive_out_of_step);
+        `stale_after_s`: a previous scrape older than that is no interval to count arrivals in
+        (see below)."""
         previous = self.latest
         self.latest = snapshot
         self.last_error = None
@@ -255,9 +263,17 @@ class DeploymentLedger:
         finished = _finished_delta(previous, snapshot)
         if shared or not (ends_in_step or finished is not None):
             self._forget_arrivals(snapshot)
-        elif previous is not None and previous.started_at < snapshot.started_at:
+        elif (
+            previous is not None
+            and 0 < snapshot.started_at - previous.started_at <= stale_after_s + 2 * self.scrape_s
+        ):
             self._settle_arrivals(previous, snapshot, finished)
-        else:  # nothing to compare with: what happened before this scrape is in it
+        else:
+            # Nothing to compare with: what happened before this scrape is in it. Nor with a
+            # scrape older than the metrics stay fresh: its watcher paused while another replica
+            # decided for the engine (or scrapes failed), and that replica's releases arrived
+            # in between. Taken for ours, they settled every lease a new leader adopted,
+            # those still on their way included, and it granted as many more.
             self._forget_arrivals(snapshot)
         self._account_scraped()
         # After the settling: probing asks whether anything is still on its way.

@@ -17,8 +17,9 @@ at most one a TTL. A free lease is still taken by somebody within the TTL plus a
 heartbeats.
 
 Redis unreachable, each group falls back to a local term and rejoins on its own heartbeat; the
-replica's one gate spends 1/n of each threshold of a group's models while that group is local
-(`MetricsGate.share_with(n, models)`).
+replica's one gate spends 1/n of each threshold of a group's models while that group is local,
+and after it rejoined until the replicas it shared with are back too
+(`MetricsGate.share_with(n, models)`; `RedisReplica._rejoin`).
 """
 
 from __future__ import annotations

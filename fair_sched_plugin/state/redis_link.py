@@ -80,6 +80,7 @@ class RedisLink:
         self.url = url
         self.replica = replica
         self.prefix = prefix
+        self.ttl_s = ttl_s
         self._ttl_ms = str(max(1, int(ttl_s * 1000)))
         self._block_s = block_s
         self._blmpop = True

@@ -6,7 +6,8 @@ delivers the term's replies (fenced by the lease). The others follow: their requ
 the leader as messages (`ReplicaScheduler` relays them) and its replies come back on their own
 list. A new epoch makes every replica re-send what it has. When Redis fails, the replica runs a
 local term over its own core with 1/n of the engine's thresholds until Redis answers again, then
-rejoins with a new session.
+rejoins with a new session. Its gate keeps that share until every replica it shared with has
+rejoined too (or a hold and a lease TTL passed): one still local spends its share meanwhile.
 
 Only the heartbeat decides these transitions; the other loops only move messages.
 """
@@ -85,6 +86,7 @@ class RedisReplica(ReplicaScheduler):
         self._heartbeat_s = heartbeat_s
         self._mode = "shared"
         self._token: str | None = None  # our leader lease, while we hold it
+        self._ended_token: str | None = None  # the lease of our last term, once it ended
         self._resigning: str | None = None  # the lease to hand back once closed
         self._outbox: list[str] = []
         self._outbox_ready = asyncio.Event()
@@ -100,8 +102,12 @@ class RedisReplica(ReplicaScheduler):
         # When this replica first saw the lease free and let it wait (`Spread.may_contend`).
         self._free_since: float | None = None
         self.led_since: float | None = None
-        # 1 while shared; in local mode the replicas whose threshold this one shares.
+        # 1 while shared; in local mode the replicas whose threshold this one shares, and after
+        # rejoining until they are back (`_awaiting`, see `_rejoin`).
         self.local_sharers = 1
+        self._sharing_with: set[str] = set()
+        self._awaiting: set[str] = set()
+        self._awaiting_until = 0.0
 
     @property
     def coordinated(self) -> bool:
@@ -200,6 +206,8 @@ class RedisReplica(ReplicaScheduler):
         term, self._term = self._term, None
         if term is not None:
             term.drain()
+        if self._token is not None:
+            self._ended_token = self._token
         self._token = None
         self._leader = None
         self._epoch = NO_EPOCH
@@ -264,7 +272,30 @@ class RedisReplica(ReplicaScheduler):
         self._close_term()  # the local one: our leases and tickets go to the shared leader
         self._session += 1  # replies addressed to the session before the outage are stale
         self._mode = "shared"
+        # The others may still be local, each spending its share: a leader with the whole
+        # threshold beside them put one more into the engine's queue than it allows (issue
+        # #36, after the new leader's hold). The share stays until each has rejoined (it sent
+        # our term a message: a follower re-sends its leases and tickets first) or a lease TTL
+        # passed after a leader's hold (silent for that long, a replica counts as gone; or it
+        # had nothing to re-send, so nothing of its own on the way to an engine either).
+        self._awaiting = self._sharing_with - {self.replica}
+        wait_s = self._hold_s() + self._ttl_s()
+        self._awaiting_until = asyncio.get_running_loop().time() + wait_s
+        self._back_in_full()
+
+    def _back_in_full(self) -> None:
+        """Spend the whole threshold again once nobody we shared it with may still be local."""
+        if self._mode != "shared" or self.local_sharers == 1:
+            return
+        if self._term is not None:
+            self._awaiting -= self._term.heard_from()
+        if self._awaiting and asyncio.get_running_loop().time() < self._awaiting_until:
+            return
+        self._awaiting.clear()
         self._share(1)
+
+    def _ttl_s(self) -> float:
+        return self._link.ttl_s if self._link is not None else self._heartbeat_s
 
     def _store_failed(self, exc: StateStoreError) -> None:
         self._counters["store_errors"] += 1
@@ -272,7 +303,10 @@ class RedisReplica(ReplicaScheduler):
             return
         self._mode = "local"
         self._counters["fallbacks"] += 1
-        sharers = max(1, len(self._alive))
+        # Those seen alive, and any we still wait for after an earlier outage: the first
+        # heartbeats on a Redis restarted empty see only the replicas back so far.
+        self._sharing_with = set(self._alive) | self._awaiting | {self.replica}
+        sharers = max(len(self._sharing_with), self.local_sharers)
         logger.warning(
             "fair_sched state store unavailable (%s): replica %s falls back to in-memory "
             "scheduling with 1/%d of each engine threshold until it is back",
@@ -314,6 +348,7 @@ class RedisReplica(ReplicaScheduler):
             if self._mode == "local":
                 self._rejoin()
             await self._after_beat(link, beat)
+            self._back_in_full()
             if self._budgets is not None and self._mode == "shared":
                 await self._budgets.sync(link, self._token)
         except StateStoreError as exc:
@@ -358,7 +393,15 @@ class RedisReplica(ReplicaScheduler):
             return
         epoch, leader = parsed
         if leader == self.replica:
-            if self._token != token:
+            if self._token != token and token == self._ended_token:
+                # Our term of this lease ended (we fell back to a local term and are back
+                # before its TTL): the others still follow its epoch, so they would re-send
+                # nothing to a new term of it, their tickets left in the old one for good and
+                # their grants on the way to an engine uncounted. A new epoch makes them.
+                if self._budgets is not None:
+                    await self._budgets.save(link, token)  # as a handover does
+                await link.resign(token)
+            elif self._token != token:
                 self._lead(token, epoch)
                 await link.renew(token, self._document())
         elif epoch != self._epoch:
@@ -477,6 +520,8 @@ class RedisReplica(ReplicaScheduler):
                         inbound.kind,
                         shown(inbound.replica),
                     )
+            if self._awaiting:
+                self._back_in_full()  # the replicas that just joined may be the last ones
 
     def _handle(self, term: Term, message: Inbound) -> None:
         """One follower's message, read and checked by `read_message`."""

@@ -76,6 +76,11 @@ class Term:
                 self._reply, replica, ("p", self.epoch, session, tid)
             )
 
+    def heard_from(self) -> set[str]:
+        """The replicas that sent this term a message (each follows it: it left any local
+        term of its own before sending)."""
+        return set(self._sessions)
+
     def accepts(self, replica: str, session: int) -> bool:
         """False for a replica's older session; a newer one replaces everything of the old."""
         known = self._sessions.get(replica)

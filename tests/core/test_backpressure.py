@@ -1129,6 +1129,27 @@ async def test_a_leader_hearing_ends_late_still_settles_by_the_engines_counter()
     await drain(scheduler)
 
 
+async def test_a_scrape_after_a_pause_settles_no_lease_by_the_engines_growth() -> None:
+    """A Redis follower's watcher pauses while another replica decides; when it leads, the
+    first scrape's growth since its last one is the other leader's releases. Taken for ours,
+    they settled the leases it adopts, one still on its way to the engine included (issue
+    #36): that one stays pending until its first byte or the grace."""
+    clock = FakeClock()
+    gate, _, _ = make_gate(clock, grace=3.0)
+    gate.ends_arrive_out_of_step()
+    scheduler = FairScheduler([INTERACTIVE], gate, clock=clock)
+    gate.update("m", scrape(clock, running=1, requests_finished=10))
+    clock.advance(5.0)  # followed another leader: no scrapes here
+    scheduler.adopt(ticket("u"), started=False)  # granted by that leader, not arrived yet
+    clock.advance(0.05)
+    gate.update("m", scrape(clock, waiting=2, running=4, requests_finished=30))
+    assert gate.status()[0].pending == 1
+    clock.advance(0.05)  # in step again: its arrival settles it
+    gate.update("m", scrape(clock, waiting=3, running=4, requests_finished=30))
+    assert gate.status()[0].pending == 0
+    await drain(scheduler)
+
+
 def test_behind_a_slow_litellm_the_engines_counter_holds_the_threshold() -> None:
     """Issue #16's bench as the scripted engine sees it: released requests take 1 s to reach
     the engine, the proxy sees first bytes and ends 1.5 s late, the grace is 3 s (the bench's).

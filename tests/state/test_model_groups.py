@@ -297,7 +297,8 @@ async def test_killing_one_models_leader_mid_flood_moves_only_that_model(
     off without a handover. `tiny`'s requests keep being granted while the other model has no
     leader, `tiny`'s leader and epoch stay; the other model gets a new leader, every request is
     answered exactly once, and neither engine's queue goes past its threshold (the failed-over
-    one by at most one, as with one leader)."""
+    one included: its new leader's first scrape settles no adopted lease by what the engine
+    grew while it did not read it, issue #36)."""
     async with fleet(redis_server.url, 3) as (tiny, small, services):
         chosen = await spread_out(services)
         by_name = {s.scheduler.replica: s for s in services}
@@ -366,7 +367,7 @@ async def test_killing_one_models_leader_mid_flood_moves_only_that_model(
     assert sorted(i for m, i in traffic.answers if m == OTHER) == list(range(FLOOD_SIZE))
     assert set(traffic.answers.values()) == {1}  # every request answered exactly once
     assert tiny_waiting <= WAITING_BELOW
-    assert small_waiting <= WAITING_BELOW + 1
+    assert small_waiting <= WAITING_BELOW
 
 
 async def vanish_groups(service: SchedulingService) -> None:
@@ -440,14 +441,16 @@ async def test_redis_stopped_mid_flood_each_engine_stays_within_its_threshold(
     """Redis stops while both models are flooded through three replicas with a leader per
     model: every group of every replica falls back to a local term with 1/3 of its models'
     thresholds (`share_with(n, models)`, per group), then all rejoin; every request is
-    answered once and each engine's queue stays within its threshold, give or take one.
+    answered once and each engine's queue stays within its threshold.
 
-    The one: in 1 of 16 runs (5 Dec) one engine reached 4 after the rejoin (threshold 3), in
-    the shared phase after the new leaders' holds, without a handover; this scenario with one
-    leader for both models stayed at 3 in 12 of 12. Not understood yet. Before the shares were
-    per group, one replica-wide share given back by the first group to rejoin put 5 and 7
-    into an engine (2 of 10 runs), and the largest share of any group, kept on a replica that
-    led a group again, gave 4 in 1 of 9, 1 of 10 and 1 of 14."""
+    In 1 of 16 runs (5 Dec) one engine reached 4 after the rejoin (threshold 3), in the shared
+    phase after the new leaders' holds (issue #36): each group took its whole threshold back as
+    it rejoined, and a leader's hold ends whether or not the others have rejoined, so one still
+    local spent its share beside it. A group now keeps its share until the replicas it shared
+    with are back. Before the shares were per group, one replica-wide share given back by the
+    first group to rejoin put 5 and 7 into an engine (2 of 10 runs), and the largest share of
+    any group, kept on a replica that led a group again, gave 4 in 1 of 9, 1 of 10 and 1 of
+    14."""
     count = 3
     async with (
         emulator(max_num_seqs=4) as tiny,
@@ -501,7 +504,7 @@ async def test_redis_stopped_mid_flood_each_engine_stays_within_its_threshold(
                 for model, engine in ((MODEL, tiny), (OTHER, small))
             }
     print(f"\nredis stopped mid-flood, a leader per model: engines' max waiting {waiting}")
-    assert all(value <= count + 1 for value in waiting.values()), waiting
+    assert all(value <= count for value in waiting.values()), waiting
     assert all(s.fallbacks_total >= 2 and s.mode == "shared" for s in stats)
     assert sorted(traffic.answers) == sorted(
         (model, index) for model in (MODEL, OTHER) for index in range(FLOOD_SIZE)

@@ -197,7 +197,7 @@ async def test_leader_cut_off_mid_flood_a_new_leader_takes_over(
     """Failover mid-flood: the leader is cut off without a handover (tasks cancelled, Redis
     connections closed). Another replica leads within the TTL, re-counts the running requests
     it adopts, grants every parked request exactly once, and the engine's queue stays within
-    threshold + 1 throughout."""
+    the threshold throughout."""
     async with emulator(max_num_seqs=4) as emu:
         config = fair_config(emu, waiting_below=WAITING_BELOW, **shared(redis_server.url))
         async with replicas([config] * REPLICAS) as services:
@@ -221,7 +221,7 @@ async def test_leader_cut_off_mid_flood_a_new_leader_takes_over(
     )
     assert sorted(flood.answers) == list(range(FLOOD_SIZE + 2))
     assert set(flood.answers.values()) == {1}  # every request answered exactly once
-    assert max_waiting <= WAITING_BELOW + 1
+    assert max_waiting <= WAITING_BELOW
     assert any("leads (epoch" in r.getMessage() for r in caplog.records)
 
 
@@ -336,7 +336,7 @@ async def test_three_proxy_replicas_behind_a_load_balancer(redis_server: RedisSe
     )
     for user in "BC":
         assert ranks[user] <= 0.3 * FLOOD_SIZE
-    assert max_waiting <= WAITING_BELOW + 1
+    assert max_waiting <= WAITING_BELOW
 
 
 async def test_a_followers_status_and_metrics_show_the_leaders_truth(

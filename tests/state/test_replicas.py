@@ -17,8 +17,9 @@ import pytest
 
 from fair_sched_plugin.core import InflightLimitGate, Lease, TierLimits, estimate_position
 from fair_sched_plugin.driver import FairScheduler
-from fair_sched_plugin.errors import QueueFull, QueueTimeout
+from fair_sched_plugin.errors import QueueFull, QueueTimeout, StateStoreError
 from fair_sched_plugin.state import ReplicaScheduler, open_state
+from fair_sched_plugin.state.redis_replica import RedisReplica
 from fair_sched_plugin.state.wire import read_reply
 from fair_sched_plugin.testing import ManualGate, make_ticket
 
@@ -443,6 +444,24 @@ async def test_redis_outage_falls_back_locally_then_rejoins(
             await cluster.aclose()
 
 
+def own_pair(
+    server: RedisServer, *, heartbeat_s: float, lease_ttl_s: float
+) -> list[ReplicaScheduler]:
+    """Two replicas r0 and r1 (not started) with an in-flight cap of 1 on `server`."""
+    prefix = unique_prefix()
+    return [
+        open_state(
+            server.url,
+            FairScheduler(TIERS, InflightLimitGate(1)),
+            prefix=prefix,
+            heartbeat_s=heartbeat_s,
+            lease_ttl_s=lease_ttl_s,
+            replica=f"r{index}",
+        )
+        for index in range(2)
+    ]
+
+
 async def test_a_leader_after_redis_lost_its_data_holds_like_any_later_leader(
     own_redis_server: RedisServer,
 ) -> None:
@@ -451,18 +470,8 @@ async def test_a_leader_after_redis_lost_its_data_holds_like_any_later_leader(
     whole threshold, while the others still spent their local shares for up to a heartbeat (the
     engine's queue went one over in test_redis_stopped_mid_flood_each_replica_spends_its_share).
     Now any leader but the first of a fresh cluster holds new grants for a heartbeat."""
-    prefix = unique_prefix()
-    replicas = [
-        open_state(
-            own_redis_server.url,
-            FairScheduler(TIERS, InflightLimitGate(1)),
-            prefix=prefix,
-            heartbeat_s=0.5,  # the hold: long enough to look at it
-            lease_ttl_s=1.5,
-            replica=f"r{index}",
-        )
-        for index in range(2)
-    ]
+    # A heartbeat of 0.5 s: the hold, long enough to look at it.
+    replicas = own_pair(own_redis_server, heartbeat_s=0.5, lease_ttl_s=1.5)
     try:
         for replica in replicas:
             replica.start()
@@ -481,6 +490,67 @@ async def test_a_leader_after_redis_lost_its_data_holds_like_any_later_leader(
         lease.release()
     finally:
         await asyncio.gather(*(asyncio.wait_for(r.aclose(), 10) for r in replicas))
+
+
+async def test_back_from_an_outage_a_replica_keeps_its_share_until_the_others_are_back(
+    own_redis_server: RedisServer,
+) -> None:
+    """Issue #36: after an outage each replica took the whole threshold back as it rejoined. The
+    first leader's hold ends whether or not the others have rejoined, and one still local kept
+    spending its share beside it (the engine's queue one over the threshold). The share now
+    stays until each replica it shared with has sent the leader's term a message."""
+    # The wait for the others: a hold (a heartbeat, 0.1 s) and a lease TTL (3 s).
+    replicas = own_pair(own_redis_server, heartbeat_s=0.1, lease_ttl_s=3.0)
+    late = replicas[1]
+    assert isinstance(late, RedisReplica) and late._link is not None
+    beat = late._link.beat
+    cut_off = True
+
+    async def beat_unless_cut_off() -> Any:
+        if cut_off:
+            raise StateStoreError("still cut off from Redis")
+        return await beat()
+
+    try:
+        for replica in replicas:
+            replica.start()
+        await eventually(lambda: any(r.leading for r in replicas), 10)
+        await eventually(lambda: all(r.alive_replicas == ("r0", "r1") for r in replicas), 10)
+        own_redis_server.stop()
+        await eventually(lambda: all(r.mode == "local" for r in replicas), 10)
+        assert all(r.local_sharers == 2 for r in replicas)
+        late._link.beat = beat_unless_cut_off  # type: ignore[method-assign]
+        own_redis_server.start()
+        first = replicas[0]
+        await eventually(lambda: first.leading, 10)
+        assert first.local_sharers == 2  # r1 may still spend its share
+        parked = asyncio.ensure_future(late.acquire(make_ticket("B")))
+        cut_off = False
+        await eventually(lambda: late.mode == "shared" and first.local_sharers == 1, 10)
+        (await asyncio.wait_for(parked, 10)).release()
+    finally:
+        await asyncio.gather(*(asyncio.wait_for(r.aclose(), 10) for r in replicas))
+
+
+async def test_a_leader_back_from_a_brief_fallback_leads_a_new_epoch(cluster: Cluster) -> None:
+    """A leader whose Redis call failed once falls back to a local term and is back before its
+    lease's TTL. It led the same epoch again, which the followers already followed: they
+    re-sent nothing, a ticket they had parked in its ended term waited for good, and their
+    grants on the way to the engine went uncounted (issue #36). It now resigns that lease, and
+    every replica re-sends to the next epoch's leader."""
+    first, second = cluster.add(), cluster.add()
+    leader = await cluster.leader()
+    follower = second if leader is first else first
+    assert isinstance(leader, RedisReplica)
+    held = await asyncio.wait_for(leader.acquire(make_ticket("A")), 10)  # the cap is 1
+    parked = asyncio.ensure_future(follower.acquire(make_ticket("B")))
+    await eventually(lambda: leader.statistics().queued == 1)
+    epoch = leader._epoch
+    leader._store_failed(StateStoreError("a read failed once"))
+    await eventually(lambda: leader.mode == "shared" and any(r.leading for r in cluster.replicas))
+    held.release()
+    (await asyncio.wait_for(parked, 10)).release()
+    assert max(r._epoch for r in cluster.replicas if isinstance(r, RedisReplica)) > epoch
 
 
 def _as_before_placement(message: list[Any]) -> list[Any]:
