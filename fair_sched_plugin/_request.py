@@ -40,6 +40,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from ._keepalive import ticks_for
 from ._responses import error, error_response
 from .core import Lease
+from .driver import DisconnectSignal
 from .errors import ClientDisconnected, InvalidRequest, LeaseExpired, Rejected
 
 if TYPE_CHECKING:
@@ -119,7 +120,7 @@ class RequestWatch:
         self._send = send
         self._max_lease_s = max_lease_s
         self._send_timeout_s = send_timeout_s
-        self.disconnected = asyncio.Event()
+        self.disconnected = DisconnectSignal()
         self.body_complete = False
         self.response_started = False
         self.response_complete = False

@@ -24,11 +24,14 @@ from .core.ticket import Lease, Ticket, TierLimits
 from .errors import Rejected
 
 __all__ = [
+    "Admissions",
+    "DisconnectSignal",
     "FairScheduler",
     "LoopClock",
     "Reservation",
     "TimerClock",
     "TimerHandle",
+    "Waiter",
     "abandon_if_granted",
 ]
 
@@ -52,6 +55,57 @@ class LoopClock:
 
     def call_at(self, when: float, callback: Callable[[], None]) -> TimerHandle:
         return asyncio.get_running_loop().call_at(when, callback)
+
+
+class Waiter(Protocol):
+    """A parked ticket's wait: `future` resolves to its lease (or fails with the `Rejected`
+    error that ends the wait); `cancel()` leaves the queue (True if it was still queued);
+    `withdraw()` also hands back a lease granted and never used."""
+
+    @property
+    def future(self) -> asyncio.Future[Lease]: ...
+
+    def cancel(self) -> bool: ...
+
+    def withdraw(self) -> None: ...
+
+
+class Admissions(Protocol):
+    """Where a request asks for its turn: `try_acquire` (a lease now, or None), else
+    `enqueue` (one future to wait on). The core's driver with memory://, a replica that relays
+    to the acting leader with redis://."""
+
+    def try_acquire(self, ticket: Ticket) -> Lease | None: ...
+
+    def enqueue(self, ticket: Ticket) -> Waiter: ...
+
+
+class DisconnectSignal(asyncio.Event):
+    """An `asyncio.Event` that also calls back when set: a parked request watches its client
+    with a callback on its one future, not with a task of its own (`SchedulingService.admit`)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._callbacks: list[Callable[[], None]] = []
+
+    def add_callback(self, callback: Callable[[], None]) -> None:
+        """Call `callback()` once when the signal is set (at once where it already is)."""
+        if self.is_set():
+            callback()
+        else:
+            self._callbacks.append(callback)
+
+    def remove_callback(self, callback: Callable[[], None]) -> None:
+        if callback in self._callbacks:
+            self._callbacks.remove(callback)
+
+    def set(self) -> None:
+        if self.is_set():
+            return
+        super().set()
+        callbacks, self._callbacks = self._callbacks, []
+        for callback in callbacks:
+            callback()
 
 
 class Reservation:

@@ -41,7 +41,7 @@ from .core import (
     Ticket,
     TierLimits,
 )
-from .driver import FairScheduler, LoopClock, TimerClock, abandon_if_granted
+from .driver import DisconnectSignal, FairScheduler, LoopClock, TimerClock, Waiter
 from .errors import (
     BudgetExceeded,
     ClientDisconnected,
@@ -168,6 +168,9 @@ class SchedulingService:
             lease_ttl_s=settings.state_lease_ttl_s,
             model_groups=settings.leadership_groups(self.known_models),
         )
+        # Where requests ask for their turn: the core itself with memory:// (its lease is the
+        # request's, end to end), the replica that relays to the leader with redis://.
+        self._admissions = self.scheduler.admissions
         self._http_client = http_client
         self._watchers: dict[str, list[MetricsWatcher]] = {}
         self._started = False
@@ -384,7 +387,7 @@ class SchedulingService:
         ticket = self.ticket_for(principal, scheduled_as, body)
         try:
             ticket = self._apply_budget(ticket)
-            lease = self.scheduler.try_acquire(ticket)
+            lease = self._admissions.try_acquire(ticket)
             if lease is None:
                 lease = await self._park(principal, ticket, disconnected, waiting, max_wait_s)
         except Rejected as exc:
@@ -417,59 +420,70 @@ class SchedulingService:
         waiting: WaitObserver | None,
         max_wait_s: float | None,
     ) -> Lease:
-        with self.standings.parking(principal, ticket) as parked:
-            try:
-                if waiting is not None:
-                    waiting.parked(parked)
-                return await self._wait(ticket, disconnected, max_wait_s)
-            finally:
-                if waiting is not None:
-                    waiting.unparked()
-
-    async def _wait(
-        self, ticket: Ticket, disconnected: asyncio.Event | None, max_wait_s: float | None
-    ) -> Lease:
-        if disconnected is None and max_wait_s is None:
-            return await self.scheduler.acquire(ticket)
         if disconnected is not None and disconnected.is_set():
             raise ClientDisconnected("client disconnected before its request was scheduled")
-        acquiring = asyncio.ensure_future(self.scheduler.acquire(ticket))
-        waits: set[asyncio.Future[Any]] = {acquiring}
-        watching = None
-        if disconnected is not None:
-            watching = asyncio.ensure_future(disconnected.wait())
-            waits.add(watching)
-        deadline = None
-        if max_wait_s is not None:
-            # On the service's clock, like every other time it reads.
-            expired: asyncio.Future[None] = asyncio.get_running_loop().create_future()
-            waits.add(expired)
-            deadline = self.clock.call_at(self.clock.now() + max_wait_s, _resolver(expired))
+        waiter = self._admissions.enqueue(ticket)
+        parked = self.standings.park(principal, ticket)
         try:
-            await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
-        except BaseException:
-            # Our own task is being cancelled: make sure no lease outlives it.
-            _cancel_acquire(acquiring)
+            if waiting is not None:
+                waiting.parked(parked)
+            return await self._wait(waiter, disconnected, max_wait_s)
+        finally:
+            self.standings.unpark(parked)
+            if waiting is not None:
+                waiting.unparked()
+
+    async def _wait(
+        self, waiter: Waiter, disconnected: asyncio.Event | None, max_wait_s: float | None
+    ) -> Lease:
+        """Wait on the ticket's one future. The client leaving and its own limit end the wait
+        from a callback (they take the ticket out of the queue and fail the future): no task
+        and no timer per parked request beyond the limit's."""
+        future = waiter.future
+        stops: list[Callable[[], object]] = []
+        if disconnected is not None:
+
+            def client_left() -> None:
+                if not future.done():
+                    waiter.cancel()
+                    future.set_exception(
+                        ClientDisconnected("client disconnected while its request waited")
+                    )
+
+            stops.append(_on_set(disconnected, client_left))
+        if max_wait_s is not None:
+
+            def expired() -> None:
+                # A lease granted at the same moment wins: the request is served.
+                if not future.done():
+                    waiter.cancel()
+                    future.set_exception(
+                        QueueTimeout(
+                            f"the request waited its limit of {max_wait_s:g} s "
+                            "(x-fair-sched-max-wait-s) without being released",
+                            retry_after_s=1.0,
+                        )
+                    )
+
+            # On the service's clock, like every other time it reads.
+            stops.append(self.clock.call_at(self.clock.now() + max_wait_s, expired).cancel)
+        try:
+            lease = await future
+        except BaseException as exc:
+            # Our own task is being cancelled, or the wait ended without a lease: make sure
+            # no lease outlives it.
+            waiter.withdraw()
+            if isinstance(exc, Rejected) and disconnected is not None and disconnected.is_set():
+                raise ClientDisconnected("client disconnected while its request waited") from None
             raise
         finally:
-            if watching is not None:
-                watching.cancel()
-            if deadline is not None:
-                deadline.cancel()
+            for stop in stops:
+                stop()
         if disconnected is not None and disconnected.is_set():
             # Disconnect wins a tie: the engine must never see a request nobody waits for.
-            _cancel_acquire(acquiring)
+            lease.abandon()
             raise ClientDisconnected("client disconnected while its request waited")
-        if not acquiring.done():
-            # The client's own limit (`x-fair-sched-max-wait-s`) passed first. (A lease granted
-            # at the same moment wins: the request is served, nothing is thrown away.)
-            _cancel_acquire(acquiring)
-            raise QueueTimeout(
-                f"the request waited its limit of {max_wait_s:g} s (x-fair-sched-max-wait-s) "
-                "without being released",
-                retry_after_s=1.0,
-            )
-        return acquiring.result()
+        return lease
 
     def engine_priority(self, model: str, tier_name: str, engine_rank: int = 0) -> int | None:
         """The `priority` to send for this tier, or None where the backend does not support it.
@@ -543,22 +557,15 @@ class SchedulingService:
             listener(transition)
 
 
-def _resolver(future: asyncio.Future[None]) -> Callable[[], None]:
-    def resolve() -> None:
-        if not future.done():
-            future.set_result(None)
-
-    return resolve
-
-
-def _cancel_acquire(acquiring: asyncio.Future[Lease]) -> None:
-    """Stop waiting for a lease; if one was already granted, give it back unused."""
-    if not acquiring.done():
-        # The scheduler's own cancellation path removes the waiter, or hands back a lease that
-        # was granted but not yet seen by the waiting task.
-        acquiring.cancel()
-        return
-    abandon_if_granted(acquiring)
+def _on_set(event: asyncio.Event, callback: Callable[[], None]) -> Callable[[], object]:
+    """Call `callback()` once `event` is set; returns what stops watching. The integrations'
+    `DisconnectSignal` calls back itself; a plain `asyncio.Event` needs a task to wait on it."""
+    if isinstance(event, DisconnectSignal):
+        event.add_callback(callback)
+        return functools.partial(event.remove_callback, callback)
+    watching = asyncio.ensure_future(event.wait())
+    watching.add_done_callback(lambda task: None if task.cancelled() else callback())
+    return watching.cancel
 
 
 def _resolve_backends(

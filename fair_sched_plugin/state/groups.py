@@ -32,7 +32,7 @@ from ..core.backpressure import GroupStatus, MetricsGate
 from ..core.budget import BudgetBook
 from ..core.reads import SchedulerStatistics, UserBacklog
 from ..core.ticket import Lease, Ticket
-from ..driver import FairScheduler
+from ..driver import FairScheduler, Waiter
 from .redis_replica import RedisReplica
 from .replica import ReplicaScheduler, StateMode, StateStatistics
 
@@ -111,9 +111,9 @@ class ModelGroups(ReplicaScheduler):
 
     # ------------------------------------------------------------------ routed by model
 
-    async def acquire(self, ticket: Ticket) -> Lease:
+    def enqueue(self, ticket: Ticket) -> Waiter:
         self._check_open()
-        return await self.member_for(ticket.model).acquire(ticket)
+        return self.member_for(ticket.model).enqueue(ticket)
 
     def try_acquire(self, ticket: Ticket) -> Lease | None:
         self._check_open()
