@@ -19,7 +19,7 @@ from typing import Any, Literal, Protocol
 
 import httpx
 
-from ._body import check_body_depth, estimate_prompt_tokens, requested_choices, requested_max_tokens
+from ._body import request_size
 from ._charging import Charges
 from ._drain import GracefulDrain, RunningRequest
 from ._http import hide_url_secrets_in_httpx_logs
@@ -147,6 +147,12 @@ class SchedulingService:
             request_scrape=self._request_scrape,
             clock=self.clock,
         )
+        # The models whose placement reads a ticket's prefix (affinity across deployments).
+        self._prefix_models = frozenset(
+            model
+            for model, group in self.gate.groups().items()
+            if group.prefix_affinity and len(group.deployments) > 1
+        )
         queue = settings.queue
         # One scheduler object on every backend: the core decides, in this process
         # (`memory://`) or in the replica leading the others through Redis (`redis://`).
@@ -180,9 +186,12 @@ class SchedulingService:
         self._rejection_log = RejectionLog(clock=self.clock.now)
         self.charges = Charges(self.backends, self.known_models, self.scheduler, self.clock)
         self.budgets = BudgetBook(_budget_rules(settings), clock=self.clock)
+        # The principals with a budget: only their admissions read it, only their ends count.
+        self._budgeted = frozenset(self.budgets.principals())
         # Shared with the other replicas (and kept over restarts) when state is in Redis.
         self.scheduler.share_budgets(self.budgets)
-        self.scheduler.add_end_listener(self.charges.count_spend)
+        if self._budgeted:
+            self.scheduler.add_end_listener(self.charges.count_spend)
         # How fast each model's queue drains (releases per second), for estimates.
         self.drain = DrainMeter()
         self.standings = Standings(settings, self.scheduler, self.drain, self.clock)
@@ -304,20 +313,20 @@ class SchedulingService:
         return self.directory.resolve(credentials)
 
     def ticket_for(self, principal: Principal, model: str, body: Mapping[str, Any]) -> Ticket:
-        """The request as the core sees it. Its numbers are bounded here, where they are read
-        (`InvalidRequest` for a field out of its range; the estimates are capped at the core's
-        `MAX_REQUEST_TOKENS` and `MAX_REQUEST_COST`)."""
-        output_tokens = requested_max_tokens(body) * requested_choices(body)
-        prompt_tokens = estimate_prompt_tokens(body)
+        """The request as the core sees it. The body's nesting and numbers are bounded here,
+        where they are read (`InvalidRequest` for a field out of its range; the estimates are
+        capped at the core's `MAX_REQUEST_TOKENS` and `MAX_REQUEST_COST`). The prompt's prefix
+        is hashed only where placement reads it (`_prefix_models`)."""
+        prompt_tokens, output_tokens = request_size(body)
         price = self.charges.cost_of(model, prompt_tokens, output_tokens)
         return Ticket(
-            model=model,
-            user=principal.name,
-            tier=principal.tier,
-            weight=principal.weight,
-            cost=min(prompt_tokens + output_tokens, MAX_REQUEST_TOKENS),
-            price=price if price is not None else 0.0,
-            prefix=prompt_prefix(body),
+            model,
+            principal.name,
+            principal.tier,
+            principal.weight,
+            min(prompt_tokens + output_tokens, MAX_REQUEST_TOKENS),
+            price if price is not None else 0.0,
+            prompt_prefix(body) if model in self._prefix_models else (),
         )
 
     def _apply_budget(self, ticket: Ticket) -> Ticket:
@@ -381,12 +390,12 @@ class SchedulingService:
         `queue.max_wait_s`, never later.
         """
         scheduled_as = self.scheduling_model(model, unknown_models=unknown_models)
-        check_body_depth(body)
         if not self._started:
             self.start()
         ticket = self.ticket_for(principal, scheduled_as, body)
         try:
-            ticket = self._apply_budget(ticket)
+            if ticket.user in self._budgeted:
+                ticket = self._apply_budget(ticket)
             lease = self._admissions.try_acquire(ticket)
             if lease is None:
                 lease = await self._park(principal, ticket, disconnected, waiting, max_wait_s)
@@ -401,7 +410,7 @@ class SchedulingService:
             self.engine_priority(scheduled_as, ticket.tier, lease.engine_rank),
             self.names.deployment_name(lease.deployment) if lease.deployment is not None else None,
         )
-        if lease.active and waiting is not None:
+        if waiting is not None and lease.active:
             self._graceful_drain.hold(lease, waiting)
         for observer in self._admission_observers:
             # The lease is granted: an observer's failure must not lose it (no request would
