@@ -122,11 +122,11 @@ def requested_max_tokens(body: Mapping[str, Any]) -> int:
     anything else, and an unbounded one must never reach the scheduler's charge."""
     most = 0
     for field in OUTPUT_TOKEN_FIELDS:
-        value = body.get(field)
+        value: Any = body.get(field)
         if value is None:
             continue
         if type(value) is not int or not 1 <= value <= MAX_REQUEST_TOKENS:
-            value = bounded_count(body, field, 1, MAX_REQUEST_TOKENS)
+            value = bounded_count(body, field, 1, MAX_REQUEST_TOKENS)  # not None: present
         if value > most:
             most = value
     return most or DEFAULT_MAX_TOKENS

@@ -4,6 +4,7 @@ each is told to end. `SchedulingService.begin_drain` starts it (SIGTERM does, se
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from typing import Protocol
 
 from .core import Lease
@@ -37,6 +38,12 @@ class GracefulDrain:
 
     def lease_ended(self, lease: Lease, abandoned: bool) -> None:
         self._holders.pop(lease, None)
+
+    @property
+    def end_listener(self) -> Callable[[Lease, bool], object]:
+        """`lease_ended` as the scheduler's end listener: the holders' own `pop` (a C call on
+        every request's end; `abandoned` is only its unused default)."""
+        return self._holders.pop
 
     def begin(self, queued: int) -> None:
         """Say what the drain refuses (`queued` parked requests) and what it waits for; end

@@ -196,7 +196,7 @@ class SchedulingService:
         self.drain = DrainMeter()
         self.standings = Standings(settings, self.scheduler, self.drain, self.clock)
         self._graceful_drain = GracefulDrain(self.clock, settings.drain_grace_s)
-        self.scheduler.add_end_listener(self._graceful_drain.lease_ended)
+        self.scheduler.add_end_listener(self._graceful_drain.end_listener)
         self.scheduler.add_decider_listener(self._scrape_all_now)
         # Created now so the wait histogram sees every admission; reads happen at scrape time.
         view = ServiceReadModel(
@@ -209,7 +209,7 @@ class SchedulingService:
             configured_models=frozenset(self.backends),
         )
         self._observability = ServiceMetrics(view)
-        self.scheduler.add_end_listener(view.lease_ended)
+        self.scheduler.add_end_listener(view.end_listener)
         self.add_admission_observer(view)
         self.add_admission_observer(self._observability.recorder)
         self.add_transition_listener(view.gate_transition)
@@ -403,7 +403,8 @@ class SchedulingService:
             self.standings.estimate_retry_after(exc, ticket)
             self._rejected(principal, ticket, exc)
             raise
-        self.drain.record(scheduled_as, self.clock.now())
+        # Its release time is the service clock's (the core's, or the loop's for a replica).
+        self.drain.record(scheduled_as, lease.released_at)
         admission = Admission(
             lease,
             principal,

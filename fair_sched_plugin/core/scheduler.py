@@ -47,7 +47,7 @@ from .queues import (
 )
 from .reads import SchedulerReads
 from .shares import TierShares
-from .ticket import Lease, Ticket, TierLimits, notify_end_listeners
+from .ticket import Lease, Ticket, TierLimits
 
 logger = logging.getLogger("fair_sched")
 
@@ -109,6 +109,7 @@ class SchedulerCore(SchedulerReads):
         self._shares = TierShares(self._tiers)
         self._shared_tiers = self._shares.shared
         self._policy = POLICIES[fairness]
+        self._corrects = self._policy.corrects
         self._gate = gate
         self._max_per_user = max_per_user
         self._max_total = max_total
@@ -133,7 +134,7 @@ class SchedulerCore(SchedulerReads):
         self._abandoned_total = 0
         self._rejected_full_total = 0
         self._timed_out_total = 0
-        self._end_listeners: list[Callable[[Lease, bool], None]] = []
+        self._end_listeners: list[Callable[[Lease, bool], object]] = []
         gate.set_listener(self._on_capacity)
 
     # ------------------------------------------------------------------ public API
@@ -152,25 +153,35 @@ class SchedulerCore(SchedulerReads):
         It never jumps a queue: anything queued for the same model in this or a higher tier
         comes first.
         """
-        self._check_open()
-        tier_index = self._tier_position(ticket.tier)
-        queues = self._models.get(ticket.model)
-        if queues is not None and any(tier.queued for tier in queues.tiers[: tier_index + 1]):
-            return None
+        if self._closed:
+            self._check_open()
+        # One method from the ticket to the lease: this runs for every admission.
+        tier_index = self._tier_index.get(ticket.tier)
+        if tier_index is None:
+            tier_index = self._tier_position(ticket.tier)  # raises the ValueError
+        model = ticket.model
+        queues = self._models.get(model)
+        if queues is not None:
+            for tier in queues.tiers[: tier_index + 1]:
+                if tier.queued:
+                    return None
         limits = self._tiers[tier_index]
-        if not self._gate.may_release(ticket.model, limits):
+        gate = self._gate
+        if not gate.may_release(model, limits):
             known = queues.tiers[tier_index].users.get(ticket.user) if queues is not None else None
-            if not self._may_go_as_newcomer(ticket.model, limits, known, ticket.weight):
+            if not self._may_go_as_newcomer(model, limits, known, ticket.weight):
                 return None
-        elif self._gate.waits_for_home(ticket, limits):
+        elif gate.waits_for_home(ticket, limits):
             return None  # parked, it goes when its deployment has room (`_release_next`)
-        queues = self._model_queues(ticket.model)
+        if queues is None:
+            queues = self._model_queues(model)
         tier = queues.tiers[tier_index]
-        user_queue = tier.user_queue(ticket.user)
-        user_queue.lift()
+        user_queue = tier.users.get(ticket.user) or tier.user_queue(ticket.user)
+        if user_queue.virtual_time < tier.virtual_time:
+            user_queue.lift()
         now = self._clock.now()
-        deployment = self._gate.place(ticket, tier.limits)
-        return self._make_lease(queues, user_queue, ticket, enqueued_at=now, deployment=deployment)
+        deployment = gate.place(ticket, limits)
+        return self._make_lease(queues, user_queue, ticket, now, deployment, released_at=now)
 
     def _may_go_as_newcomer(
         self, model: str, limits: TierLimits, user_queue: UserQueue | None, weight: float
@@ -301,7 +312,7 @@ class SchedulerCore(SchedulerReads):
             lease.mark_started()
         return lease
 
-    def add_end_listener(self, listener: Callable[[Lease, bool], None]) -> None:
+    def add_end_listener(self, listener: Callable[[Lease, bool], object]) -> None:
         """Call `listener(lease, abandoned)` whenever a lease ends."""
         self._end_listeners.append(listener)
 
@@ -527,6 +538,7 @@ class SchedulerCore(SchedulerReads):
         enqueued_at: float,
         deployment: str | None,
         charge: float | None = None,
+        released_at: float | None = None,
     ) -> Lease:
         if charge is None:
             charge = self._policy.release_charge(ticket)
@@ -541,7 +553,7 @@ class SchedulerCore(SchedulerReads):
             ticket,
             next(self._lease_ids),
             enqueued_at,
-            self._clock.now(),
+            self._clock.now() if released_at is None else released_at,
             charge,
             user_queue,
             deployment,
@@ -573,17 +585,22 @@ class SchedulerCore(SchedulerReads):
                 tier.correct(user_queue, -lease.charged, next(self._arrivals))
         else:
             self._completed_total += 1
-            correction = self._policy.end_correction(lease, tokens_used)
-            if correction:
-                tier.correct(user_queue, correction, next(self._arrivals))
-        if not user_queue.depth:
+            if self._corrects:
+                correction = self._policy.end_correction(lease, tokens_used)
+                if correction:
+                    tier.correct(user_queue, correction, next(self._arrivals))
+        if not user_queue.depth and not user_queue.in_flight:
             tier.forget_if_idle(user_queue)
         # The core and the gate have heard of the end before any observer runs: an observer's
         # failure (a spend that cannot be counted) is logged and can leave nothing half-ended.
         self._gate.on_ended(lease)
-        if self._end_listeners:
-            notify_end_listeners(self._end_listeners, lease, abandoned)
-        self._dispatch_queues(queues)
+        for listener in self._end_listeners:
+            try:
+                listener(lease, abandoned)
+            except Exception:
+                logger.exception("fair_sched: a lease-end observer failed for %r", lease)
+        if queues.queued:
+            self._dispatch_queues(queues)
 
     # ------------------------------------------------------------------ promotion
 

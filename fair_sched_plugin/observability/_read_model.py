@@ -8,7 +8,7 @@ observability reads only this, never the service. Nothing here changes what it r
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Protocol
 
 from ..core import (
@@ -93,6 +93,12 @@ class ServiceReadModel:
 
     def lease_ended(self, lease: Lease, abandoned: bool) -> None:
         self._running.pop(lease, None)
+
+    @property
+    def end_listener(self) -> Callable[[Lease, bool], object]:
+        """`lease_ended` as the scheduler's end listener: the running leases' own `pop` (a C
+        call on every request's end; `abandoned` is only its unused default)."""
+        return self._running.pop
 
     def gate_transition(self, transition: GateTransition) -> None:
         self._transitions.append(transition)

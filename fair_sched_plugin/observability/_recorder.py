@@ -128,7 +128,7 @@ class RequestRecorder:
         self._on_admission()
         labels = self.labels.for_ticket(lease.ticket)
         with self._lock:
-            self._wait.observe(labels, max(0.0, lease.waited_s))
+            self._wait.observe(labels, max(0.0, lease.released_at - lease.enqueued_at))
 
     def rejected(self, principal: Principal, ticket: Ticket, error: Rejected) -> None:
         reason = rejection_reason(error)

@@ -134,7 +134,7 @@ class ModelGroups(ReplicaScheduler):
     def decides(self) -> bool:
         return any(member.decides for member in self.members)
 
-    def add_end_listener(self, listener: Callable[[Lease, bool], None]) -> None:
+    def add_end_listener(self, listener: Callable[[Lease, bool], object]) -> None:
         for member in self.members:
             member.add_end_listener(listener)
 

@@ -136,7 +136,7 @@ class ReplicaScheduler:
         # Their depths per (model, tier, user): a follower's position estimates, O(log n).
         self._parked_index = BacklogIndex([tier.name for tier in core.tiers])
         self._held: dict[int, Lease] = {}
-        self._end_listeners: list[Callable[[Lease, bool], None]] = []
+        self._end_listeners: list[Callable[[Lease, bool], object]] = []
         self._closed = False
         # Whose core decides: our own term (`_term`), or the leader of `_epoch` through Redis.
         self._term: Term | None = None
@@ -231,7 +231,7 @@ class ReplicaScheduler:
         self._held[tid] = lease
         return lease
 
-    def add_end_listener(self, listener: Callable[[Lease, bool], None]) -> None:
+    def add_end_listener(self, listener: Callable[[Lease, bool], object]) -> None:
         """Call `listener(lease, abandoned)` when one of this replica's leases ends."""
         self._end_listeners.append(listener)
 
@@ -560,6 +560,6 @@ class LocalScheduler(ReplicaScheduler):
     def enqueue(self, ticket: Ticket) -> Waiter:
         return self._core.enqueue(ticket)
 
-    def add_end_listener(self, listener: Callable[[Lease, bool], None]) -> None:
+    def add_end_listener(self, listener: Callable[[Lease, bool], object]) -> None:
         """Told by the core when one of its leases ends, after the core and the gate heard."""
         self._core.add_end_listener(listener)
