@@ -78,10 +78,8 @@ class _ParkedOf:
         self.requests.pop(parked, None)
         parked._ranks = None
         ranks = self.by_tier.get(parked.ticket.tier)
-        if ranks is not None:
-            ranks.discard(parked)
-            if not ranks:
-                del self.by_tier[parked.ticket.tier]
+        if ranks is not None and not ranks.discard(parked):
+            del self.by_tier[parked.ticket.tier]
 
 
 class Standings:
@@ -101,9 +99,10 @@ class Standings:
         # Requests parked in this process, per user and model, in arrival order.
         self._parked: dict[str, dict[str, _ParkedOf]] = {}
 
-    def park(self, principal: Principal, ticket: Ticket) -> ParkedRequest:
-        """The request is parked here until `unpark` (however its wait ends)."""
-        parked = ParkedRequest(self, principal, ticket, self.clock.now())
+    def park(self, principal: Principal, ticket: Ticket, since: float) -> ParkedRequest:
+        """The request, parked since `since`, is parked here until `unpark` (however its wait
+        ends)."""
+        parked = ParkedRequest(self, principal, ticket, since)
         models = self._parked.get(ticket.user)
         if models is None:
             models = self._parked[ticket.user] = {}

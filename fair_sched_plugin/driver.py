@@ -12,6 +12,7 @@ core is the driver's too, with no call in between on the hot path.
 from __future__ import annotations
 
 import asyncio
+import time
 from collections.abc import Callable
 from typing import Protocol
 
@@ -46,12 +47,18 @@ class TimerClock(Clock, Protocol):
     def call_at(self, when: float, callback: Callable[[], None]) -> TimerHandle: ...
 
 
+_STDLIB_LOOP_TIME = asyncio.BaseEventLoop.time
+
+
 class LoopClock:
     """The running event loop's clock (`loop.time()`), bound lazily so nothing touches a loop at
     construction time."""
 
     def now(self) -> float:
-        return asyncio.get_running_loop().time()
+        loop = asyncio.get_running_loop()
+        if type(loop).time is _STDLIB_LOOP_TIME:
+            return time.monotonic()  # what the standard loop's time() returns, without the call
+        return loop.time()
 
     def call_at(self, when: float, callback: Callable[[], None]) -> TimerHandle:
         return asyncio.get_running_loop().call_at(when, callback)
@@ -64,6 +71,9 @@ class Waiter(Protocol):
 
     @property
     def future(self) -> asyncio.Future[Lease]: ...
+
+    @property
+    def enqueued_at(self) -> float: ...
 
     def cancel(self) -> bool: ...
 
@@ -84,28 +94,36 @@ class DisconnectSignal(asyncio.Event):
     """An `asyncio.Event` that also calls back when set: a parked request watches its client
     with a callback on its one future, not with a task of its own (`SchedulingService.admit`)."""
 
-    def __init__(self) -> None:
-        super().__init__()
-        self._callbacks: list[Callable[[], None]] = []
+    # The callbacks not called yet: created with the first (most requests never park).
+    _callbacks: list[Callable[[], None]] | None = None
+    # `is_set()`, read without a call (the callbacks' path runs per parked request).
+    _fired = False
 
     def add_callback(self, callback: Callable[[], None]) -> None:
         """Call `callback()` once when the signal is set (at once where it already is)."""
-        if self.is_set():
+        if self._fired:
             callback()
+        elif self._callbacks is None:
+            self._callbacks = [callback]
         else:
             self._callbacks.append(callback)
 
     def remove_callback(self, callback: Callable[[], None]) -> None:
-        if callback in self._callbacks:
+        if self._callbacks is not None and callback in self._callbacks:
             self._callbacks.remove(callback)
 
     def set(self) -> None:
-        if self.is_set():
+        if self._fired:
             return
+        self._fired = True
         super().set()
-        callbacks, self._callbacks = self._callbacks, []
-        for callback in callbacks:
+        callbacks, self._callbacks = self._callbacks, None
+        for callback in callbacks or ():
             callback()
+
+    def clear(self) -> None:
+        self._fired = False
+        super().clear()
 
 
 class Reservation:
@@ -116,7 +134,7 @@ class Reservation:
     many replicas' tickets at once); `FairScheduler.acquire()` is built on it.
     """
 
-    __slots__ = ("_parked", "_scheduler", "future")
+    __slots__ = ("_parked", "_scheduler", "enqueued_at", "future")
 
     def __init__(
         self, scheduler: FairScheduler, parked: Parked, future: asyncio.Future[Lease]
@@ -124,14 +142,11 @@ class Reservation:
         self._scheduler = scheduler
         self._parked = parked
         self.future = future
+        self.enqueued_at = parked.enqueued_at
 
     @property
     def ticket(self) -> Ticket:
         return self._parked.ticket
-
-    @property
-    def enqueued_at(self) -> float:
-        return self._parked.enqueued_at
 
     def cancel(self) -> bool:
         """Leave the queue; True if the ticket was still queued (it will never be granted).

@@ -228,6 +228,8 @@ class SchedulingService:
         if self._started:
             return
         self._started = True
+        # Scrapes from other threads read the state on this loop.
+        self._observability.remember_loop()
         if self.names.hides_secrets:
             # httpx logs each request's URL (ours: an engine's, maybe with credentials).
             hide_url_secrets_in_httpx_logs(True)
@@ -433,7 +435,7 @@ class SchedulingService:
         if disconnected is not None and disconnected.is_set():
             raise ClientDisconnected("client disconnected before its request was scheduled")
         waiter = self._admissions.enqueue(ticket)
-        parked = self.standings.park(principal, ticket)
+        parked = self.standings.park(principal, ticket, waiter.enqueued_at)
         try:
             if waiting is not None:
                 waiting.parked(parked)
@@ -451,16 +453,27 @@ class SchedulingService:
         and no timer per parked request beyond the limit's."""
         future = waiter.future
         stops: list[Callable[[], object]] = []
+        gone = False  # the client left (told by the callback)
+        plain_event = None  # a plain `asyncio.Event`: its task may tell us a turn late
         if disconnected is not None:
 
             def client_left() -> None:
+                nonlocal gone
+                gone = True
                 if not future.done():
                     waiter.cancel()
                     future.set_exception(
                         ClientDisconnected("client disconnected while its request waited")
                     )
 
-            stops.append(_on_set(disconnected, client_left))
+            if isinstance(disconnected, DisconnectSignal):
+                disconnected.add_callback(client_left)
+                stops.append(functools.partial(disconnected.remove_callback, client_left))
+            else:
+                plain_event = disconnected
+                watching = asyncio.ensure_future(disconnected.wait())
+                watching.add_done_callback(lambda task: None if task.cancelled() else client_left())
+                stops.append(watching.cancel)
         if max_wait_s is not None:
 
             def expired() -> None:
@@ -483,13 +496,15 @@ class SchedulingService:
             # Our own task is being cancelled, or the wait ended without a lease: make sure
             # no lease outlives it.
             waiter.withdraw()
-            if isinstance(exc, Rejected) and disconnected is not None and disconnected.is_set():
+            if isinstance(exc, Rejected) and (
+                gone or (plain_event is not None and plain_event.is_set())
+            ):
                 raise ClientDisconnected("client disconnected while its request waited") from None
             raise
         finally:
             for stop in stops:
                 stop()
-        if disconnected is not None and disconnected.is_set():
+        if gone or (plain_event is not None and plain_event.is_set()):
             # Disconnect wins a tie: the engine must never see a request nobody waits for.
             lease.abandon()
             raise ClientDisconnected("client disconnected while its request waited")
@@ -565,17 +580,6 @@ class SchedulingService:
             logger.info("fair_sched gate model=%s mode=%s", transition.model, transition.new)
         for listener in self._transition_listeners:
             listener(transition)
-
-
-def _on_set(event: asyncio.Event, callback: Callable[[], None]) -> Callable[[], object]:
-    """Call `callback()` once `event` is set; returns what stops watching. The integrations'
-    `DisconnectSignal` calls back itself; a plain `asyncio.Event` needs a task to wait on it."""
-    if isinstance(event, DisconnectSignal):
-        event.add_callback(callback)
-        return functools.partial(event.remove_callback, callback)
-    watching = asyncio.ensure_future(event.wait())
-    watching.add_done_callback(lambda task: None if task.cancelled() else callback())
-    return watching.cancel
 
 
 def _resolve_backends(

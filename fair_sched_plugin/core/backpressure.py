@@ -285,6 +285,8 @@ class MetricsGate:
         """Released now, the ticket would be bound away from the deployment that holds its
         prefix (no room there, or over the load bound) to one that has room: its prefix would
         be recomputed there (the scheduler's look-ahead may release someone else first)."""
+        if not ticket.prefix:
+            return False  # no prefix, no home (`_affinity_group`): asked on every release
         state = self._affinity_group(ticket)
         return state is not None and state.placer.spills(
             ticket.prefix, self._candidates(state, tier)

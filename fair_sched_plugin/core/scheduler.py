@@ -147,6 +147,11 @@ class SchedulerCore(SchedulerReads):
     def gate(self) -> AdmissionGate:
         return self._gate
 
+    @property
+    def clock(self) -> Clock:
+        """The time base of its leases' `enqueued_at` and `released_at`."""
+        return self._clock
+
     def try_acquire(self, ticket: Ticket) -> Lease | None:
         """A lease now if the ticket would be released without waiting, else None.
 
@@ -168,8 +173,13 @@ class SchedulerCore(SchedulerReads):
         limits = self._tiers[tier_index]
         gate = self._gate
         if not gate.may_release(model, limits):
-            known = queues.tiers[tier_index].users.get(ticket.user) if queues is not None else None
-            if not self._may_go_as_newcomer(model, limits, known, ticket.weight):
+            # Past a closed gate only as a newcomer, where the engine orders its own queue.
+            if queues is None:
+                queues = self._model_queues(model)
+            known = queues.tiers[tier_index].users.get(ticket.user)
+            if not queues.orders_engine_queue or not self._may_go_as_newcomer(
+                model, limits, known, ticket.weight
+            ):
                 return None
         elif gate.waits_for_home(ticket, limits):
             return None  # parked, it goes when its deployment has room (`_release_next`)
@@ -191,11 +201,9 @@ class SchedulerCore(SchedulerReads):
         user order and has room for a newcomer (`AdmissionGate.may_release_newcomer`), so it goes
         first there. Not with tier shares: their releases are counted against each other by the
         same test for everyone."""
-        if self._shared_tiers or (
-            user_queue is not None and self._policy.engine_round(user_queue.unstarted, weight) > 0
-        ):
+        if self._shared_tiers or not self._gate.may_release_newcomer(model, limits):
             return False
-        return self._gate.may_release_newcomer(model, limits)
+        return user_queue is None or self._policy.engine_round(user_queue.unstarted, weight) <= 0
 
     def submit(self, ticket: Ticket, claimant: Claimant | None = None) -> Parked:
         """Park `ticket` and run the release decision (which may decide it at once: see
@@ -230,7 +238,8 @@ class SchedulerCore(SchedulerReads):
         waiter = Parked(ticket, self._clock.now(), user_queue, claimant)
         depth = user_queue.depth
         if not depth:
-            user_queue.lift()
+            if user_queue.virtual_time < tier.virtual_time:
+                user_queue.lift()
             tier.push(user_queue, next(self._arrivals))
         if self._shortest_first:
             heapq.heappush(user_queue.sized, (ticket.cost, next(self._arrivals), waiter))
@@ -385,7 +394,7 @@ class SchedulerCore(SchedulerReads):
         model = queues.model
         # Newcomers may go past a closed gate only where the engine orders its own queue by user
         # (`AdmissionGate.may_release_newcomer`): elsewhere the head is not even looked at.
-        newcomers = not self._shared_tiers and gate.orders_engine_queue(model)
+        newcomers = not self._shared_tiers and queues.orders_engine_queue
         try:
             while True:
                 queues.redispatch = False
@@ -559,7 +568,7 @@ class SchedulerCore(SchedulerReads):
             deployment,
             # Its round in an engine queue in user order (0 where the engine has none).
             self._policy.engine_round(unstarted, ticket.weight)
-            if self._gate.orders_engine_queue(ticket.model)
+            if queues.orders_engine_queue
             else 0,
         )
         self._gate.on_released(lease)
@@ -685,6 +694,8 @@ class SchedulerCore(SchedulerReads):
         queues = self._models.get(model)
         if queues is None:
             queues = self._models[model] = ModelQueues(model, self._tiers)
+            # Whether its engine orders its own queue by user: fixed per model for a gate.
+            queues.orders_engine_queue = self._gate.orders_engine_queue(model)
         return queues
 
     def _retry_hint(self, queues: ModelQueues) -> float:

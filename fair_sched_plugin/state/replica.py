@@ -200,7 +200,8 @@ class ReplicaScheduler:
         self._check_open()
         self._check_tier(ticket.tier)
         loop = asyncio.get_running_loop()
-        parked = _Parked(self, ticket, next(self._tids), loop.create_future(), loop.time())
+        now = self._core.clock.now()  # the service's time base, as the core's own leases
+        parked = _Parked(self, ticket, next(self._tids), loop.create_future(), now)
         self._park(parked)
         self._submit(parked, raise_full=True)
         return parked
@@ -217,7 +218,7 @@ class ReplicaScheduler:
         granted = term.try_acquire((self.replica, self._session, tid), ticket)
         if granted is None:
             return None
-        now = asyncio.get_running_loop().time()
+        now = self._core.clock.now()
         lease = Lease(
             self,
             ticket,
@@ -430,7 +431,7 @@ class ReplicaScheduler:
             parked.ticket,
             tid,
             enqueued_at=parked.enqueued_at,
-            released_at=asyncio.get_running_loop().time(),
+            released_at=self._core.clock.now(),
             charged=reply[4],
             deployment=reply[5],
             engine_rank=reply[6] if len(reply) > 6 else 0,  # sent only where it is not 0
