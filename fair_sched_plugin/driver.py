@@ -96,12 +96,12 @@ class DisconnectSignal(asyncio.Event):
 
     # The callbacks not called yet: created with the first (most requests never park).
     _callbacks: list[Callable[[], None]] | None = None
-    # `is_set()`, read without a call (the callbacks' path runs per parked request).
-    _fired = False
+    # `is_set()`, read without a call (the request path reads it several times).
+    fired = False
 
     def add_callback(self, callback: Callable[[], None]) -> None:
         """Call `callback()` once when the signal is set (at once where it already is)."""
-        if self._fired:
+        if self.fired:
             callback()
         elif self._callbacks is None:
             self._callbacks = [callback]
@@ -113,16 +113,16 @@ class DisconnectSignal(asyncio.Event):
             self._callbacks.remove(callback)
 
     def set(self) -> None:
-        if self._fired:
+        if self.fired:
             return
-        self._fired = True
+        self.fired = True
         super().set()
         callbacks, self._callbacks = self._callbacks, None
         for callback in callbacks or ():
             callback()
 
     def clear(self) -> None:
-        self._fired = False
+        self.fired = False
         super().clear()
 
 
@@ -161,6 +161,13 @@ class Reservation:
         granted and never used (the engine never saw it, so the next request gets the turn)."""
         if not self.cancel():
             abandon_if_granted(self.future)
+
+
+async def in_decision_order() -> None:
+    """Wait one loop turn: a ticket decided the moment it was queued resumes after the waiters
+    decided before it (their wake-ups are already scheduled), as a replica that hears of its
+    grant through the leader does."""
+    await asyncio.sleep(0)
 
 
 def abandon_if_granted(future: asyncio.Future[Lease]) -> None:
@@ -209,6 +216,8 @@ class FairScheduler(SchedulerCore):
         """
         reservation = self.enqueue(ticket)
         try:
+            if reservation.future.done():
+                await in_decision_order()
             return await reservation.future
         except BaseException:
             reservation.withdraw()

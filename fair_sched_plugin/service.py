@@ -41,7 +41,14 @@ from .core import (
     Ticket,
     TierLimits,
 )
-from .driver import DisconnectSignal, FairScheduler, LoopClock, TimerClock, Waiter
+from .driver import (
+    DisconnectSignal,
+    FairScheduler,
+    LoopClock,
+    TimerClock,
+    Waiter,
+    in_decision_order,
+)
 from .errors import (
     BudgetExceeded,
     ClientDisconnected,
@@ -196,7 +203,7 @@ class SchedulingService:
         self.drain = DrainMeter()
         self.standings = Standings(settings, self.scheduler, self.drain, self.clock)
         self._graceful_drain = GracefulDrain(self.clock, settings.drain_grace_s)
-        self.scheduler.add_end_listener(self._graceful_drain.end_listener)
+        self.scheduler.add_end_listener(self._graceful_drain.lease_ended)
         self.scheduler.add_decider_listener(self._scrape_all_now)
         # Created now so the wait histogram sees every admission; reads happen at scrape time.
         view = ServiceReadModel(
@@ -209,7 +216,7 @@ class SchedulingService:
             configured_models=frozenset(self.backends),
         )
         self._observability = ServiceMetrics(view)
-        self.scheduler.add_end_listener(view.end_listener)
+        self.scheduler.add_end_listener(view.lease_ended)
         self.add_admission_observer(view)
         self.add_admission_observer(self._observability.recorder)
         self.add_transition_listener(view.gate_transition)
@@ -491,6 +498,8 @@ class SchedulingService:
             # On the service's clock, like every other time it reads.
             stops.append(self.clock.call_at(self.clock.now() + max_wait_s, expired).cancel)
         try:
+            if future.done():
+                await in_decision_order()
             lease = await future
         except BaseException as exc:
             # Our own task is being cancelled, or the wait ended without a lease: make sure

@@ -78,6 +78,9 @@ class ServiceReadModel:
         self._configured_models = configured_models
         # Leases granted through the service and not yet ended, for the per-principal view.
         self._running: dict[Lease, tuple[str, str, str]] = {}
+        # The scheduler's end listener, `(lease, abandoned)`: the running leases' own `pop`,
+        # a C call on every request's end (`abandoned` is only its unused default).
+        self.lease_ended: Callable[[Lease, bool], object] = self._running.pop
         self._transitions: deque[GateTransition] = deque(maxlen=RECENT_TRANSITIONS)
 
     # ------------------------------------------------------------------ told
@@ -90,15 +93,6 @@ class ServiceReadModel:
 
     def rejected(self, principal: Principal, ticket: Ticket, error: Rejected) -> None:
         """Nothing to keep: the recorder counts rejections."""
-
-    def lease_ended(self, lease: Lease, abandoned: bool) -> None:
-        self._running.pop(lease, None)
-
-    @property
-    def end_listener(self) -> Callable[[Lease, bool], object]:
-        """`lease_ended` as the scheduler's end listener: the running leases' own `pop` (a C
-        call on every request's end; `abandoned` is only its unused default)."""
-        return self._running.pop
 
     def gate_transition(self, transition: GateTransition) -> None:
         self._transitions.append(transition)

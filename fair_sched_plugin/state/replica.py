@@ -38,7 +38,7 @@ from ..core.gate import AdmissionGate
 from ..core.reads import SchedulerStatistics, UserBacklog
 from ..core.standing import BacklogIndex
 from ..core.ticket import Lease, Ticket, TierLimits, notify_end_listeners
-from ..driver import Admissions, FairScheduler, Waiter, abandon_if_granted
+from ..driver import Admissions, FairScheduler, Waiter, abandon_if_granted, in_decision_order
 from ..errors import QueueFull, SchedulerClosed
 from .budgets import SharedBudgets
 from .term import Term
@@ -189,6 +189,8 @@ class ReplicaScheduler:
         """Wait for this ticket's turn among every replica's tickets; see `FairScheduler`."""
         parked = self.enqueue(ticket)
         try:
+            if parked.future.done():
+                await in_decision_order()
             return await parked.future
         except BaseException:
             parked.withdraw()
