@@ -208,6 +208,11 @@ class FairScheduler(SchedulerCore):
         self._timer: TimerHandle | None = None
         self._timer_due: float | None = None
 
+    @property
+    def clock(self) -> TimerClock:
+        """The time base of its leases' `enqueued_at` and `released_at`."""
+        return self._timer_clock
+
     async def acquire(self, ticket: Ticket) -> Lease:
         """Wait for this ticket's turn and return its lease (``async with lease:`` releases it).
 

@@ -147,11 +147,6 @@ class SchedulerCore(SchedulerReads):
     def gate(self) -> AdmissionGate:
         return self._gate
 
-    @property
-    def clock(self) -> Clock:
-        """The time base of its leases' `enqueued_at` and `released_at`."""
-        return self._clock
-
     def try_acquire(self, ticket: Ticket) -> Lease | None:
         """A lease now if the ticket would be released without waiting, else None.
 
