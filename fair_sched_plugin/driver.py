@@ -34,6 +34,7 @@ __all__ = [
     "TimerHandle",
     "Waiter",
     "abandon_if_granted",
+    "granted",
 ]
 
 
@@ -163,11 +164,18 @@ class Reservation:
             abandon_if_granted(self.future)
 
 
-async def in_decision_order() -> None:
-    """Wait one loop turn: a ticket decided the moment it was queued resumes after the waiters
-    decided before it (their wake-ups are already scheduled), as a replica that hears of its
-    grant through the leader does."""
-    await asyncio.sleep(0)
+async def granted(waiter: Waiter) -> Lease:
+    """The lease `waiter` waits for; a caller that stops waiting hands its turn back
+    (`withdraw`). A ticket decided the moment it was queued resumes one loop turn later, after
+    the waiters decided before it (their wake-ups are already scheduled), as a replica that
+    hears of its grant through the leader does."""
+    try:
+        if waiter.future.done():
+            await asyncio.sleep(0)
+        return await waiter.future
+    except BaseException:
+        waiter.withdraw()
+        raise
 
 
 def abandon_if_granted(future: asyncio.Future[Lease]) -> None:
@@ -219,14 +227,7 @@ class FairScheduler(SchedulerCore):
         Raises `QueueFull` at once when a cap is reached, `QueueTimeout` after `max_wait_s`,
         `SchedulerClosed` if the scheduler closes while waiting.
         """
-        reservation = self.enqueue(ticket)
-        try:
-            if reservation.future.done():
-                await in_decision_order()
-            return await reservation.future
-        except BaseException:
-            reservation.withdraw()
-            raise
+        return await granted(self.enqueue(ticket))
 
     def enqueue(self, ticket: Ticket) -> Reservation:
         """Queue `ticket` and run the release decision; its `Reservation.future` resolves to

@@ -47,7 +47,6 @@ from .driver import (
     LoopClock,
     TimerClock,
     Waiter,
-    in_decision_order,
 )
 from .errors import (
     BudgetExceeded,
@@ -498,13 +497,12 @@ class SchedulingService:
             # On the service's clock, like every other time it reads.
             stops.append(self.clock.call_at(self.clock.now() + max_wait_s, expired).cancel)
         try:
+            # `driver.granted`, inline: each frame of an await chain runs again on resuming.
             if future.done():
-                await in_decision_order()
+                await asyncio.sleep(0)  # after the waiters decided before it
             lease = await future
         except BaseException as exc:
-            # Our own task is being cancelled, or the wait ended without a lease: make sure
-            # no lease outlives it.
-            waiter.withdraw()
+            waiter.withdraw()  # no lease outlives a wait that ends without it
             if isinstance(exc, Rejected) and (
                 gone or (plain_event is not None and plain_event.is_set())
             ):

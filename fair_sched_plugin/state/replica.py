@@ -38,7 +38,7 @@ from ..core.gate import AdmissionGate
 from ..core.reads import SchedulerStatistics, UserBacklog
 from ..core.standing import BacklogIndex
 from ..core.ticket import Lease, Ticket, TierLimits, notify_end_listeners
-from ..driver import Admissions, FairScheduler, Waiter, abandon_if_granted, in_decision_order
+from ..driver import Admissions, FairScheduler, Waiter, abandon_if_granted, granted
 from ..errors import QueueFull, SchedulerClosed
 from .budgets import SharedBudgets
 from .term import Term
@@ -187,14 +187,7 @@ class ReplicaScheduler:
 
     async def acquire(self, ticket: Ticket) -> Lease:
         """Wait for this ticket's turn among every replica's tickets; see `FairScheduler`."""
-        parked = self.enqueue(ticket)
-        try:
-            if parked.future.done():
-                await in_decision_order()
-            return await parked.future
-        except BaseException:
-            parked.withdraw()
-            raise
+        return await granted(self.enqueue(ticket))
 
     def enqueue(self, ticket: Ticket) -> Waiter:
         """Park `ticket` among every replica's tickets; its `future` resolves to the lease.
