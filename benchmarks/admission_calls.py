@@ -7,7 +7,8 @@ then the lease's end), on the memory:// scheduler with an in-flight limit:
 
 - **no wait**: a slot is free, the request is admitted at once and its lease ends;
 - **park, then grant**: the slot is held, the request parks (with a disconnect watch, as the
-  integrations wait), the holder's lease ends, the parked request is granted and its lease ends.
+  integrations wait: their `DisconnectSignal`), the holder's lease ends, the parked request is
+  granted and its lease ends.
 
 and, where the `litellm` extra is installed, one request through the wrapping a LiteLLM proxy's
 app gets (`install_request_watch`, around a stub app that does what the pre-call hook does with
@@ -34,6 +35,7 @@ from types import FrameType
 from typing import Any
 
 from fair_sched_plugin._request import current_request
+from fair_sched_plugin.driver import DisconnectSignal
 from fair_sched_plugin.identity import Credentials
 from fair_sched_plugin.service import SchedulingService
 
@@ -71,7 +73,9 @@ async def _measure() -> dict[str, CallCounter]:
     other = service.identify(Credentials(api_key="sk-b"))
     for _ in range(3):  # warm-up: both paths once, so nothing first-time is counted
         admission = await service.admit(principal, "m", BODY)
-        waiting = asyncio.create_task(service.admit(other, "m", BODY, disconnected=asyncio.Event()))
+        waiting = asyncio.create_task(
+            service.admit(other, "m", BODY, disconnected=DisconnectSignal())
+        )
         await asyncio.sleep(0)
         admission.lease.release()
         (await waiting).lease.release()
@@ -87,7 +91,7 @@ async def _measure() -> dict[str, CallCounter]:
     holder = await service.admit(principal, "m", BODY)
     counter = results["park, then grant"] = CallCounter()
     sys.setprofile(counter)
-    waiting = asyncio.create_task(service.admit(other, "m", BODY, disconnected=asyncio.Event()))
+    waiting = asyncio.create_task(service.admit(other, "m", BODY, disconnected=DisconnectSignal()))
     await asyncio.sleep(0)  # it parks
     holder.lease.release()  # the parked request is granted
     granted = await waiting

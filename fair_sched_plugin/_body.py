@@ -24,7 +24,12 @@ MAX_CHOICES = 128
 MAX_BODY_DEPTH = 64
 
 
-def parse_request_body(raw: bytes) -> dict[str, Any]:
+class RequestBody(dict[str, Any]):
+    """A request body `parse_request_body` read from JSON with its nesting checked:
+    `SchedulingService.admit` does not walk it again."""
+
+
+def parse_request_body(raw: bytes) -> RequestBody:
     """A request body as a JSON object; `InvalidRequest` (400) for anything else.
 
     Nesting is bounded before any work is done on the body: a deeply nested one would otherwise
@@ -37,7 +42,7 @@ def parse_request_body(raw: bytes) -> dict[str, Any]:
     if not isinstance(body, dict):
         raise InvalidRequest("the request body must be a JSON object")
     check_body_depth(body)
-    return body
+    return RequestBody(body)
 
 
 _SCALARS = frozenset({str, int, float, bool, type(None)})
@@ -52,30 +57,40 @@ def check_body_depth(body: Mapping[str, Any], limit: int = MAX_BODY_DEPTH) -> No
         node, depth = stack.pop()
         if depth > limit:
             raise InvalidRequest(f"the request body nests deeper than {limit} levels")
-        children = node.values() if isinstance(node, Mapping) else node
+        # Exact types first: `isinstance(_, Mapping)` is a Python-level ABC check, and a body is
+        # mostly plain dicts, lists, strings and numbers.
+        kind = type(node)
+        children = node if kind is list else node.values() if kind is dict else _children(node)
         for child in children:
-            # Scalars first, by exact type: `isinstance(_, Mapping)` is a Python-level ABC check,
-            # and a body is mostly strings and numbers.
-            if type(child) in _SCALARS:
+            kind = type(child)
+            if kind in _SCALARS:
                 continue
-            if isinstance(child, (Mapping, list)) and id(child) not in seen:
+            if (kind is dict or kind is list or isinstance(child, Mapping)) and id(
+                child
+            ) not in seen:
                 seen.add(id(child))
                 stack.append((child, depth + 1))
+
+
+def _children(node: Any) -> Any:
+    return node.values() if isinstance(node, Mapping) else node
 
 
 def estimate_prompt_tokens(body: Mapping[str, Any]) -> int:
     """A cheap prompt-size estimate (~4 characters a token), good enough for fair ordering."""
     characters = 0
     messages = body.get("messages")
-    if isinstance(messages, list):
+    if type(messages) is list:
         for message in messages:
-            if isinstance(message, Mapping):
+            if type(message) is dict or isinstance(message, Mapping):
                 content = message.get("content")
-                if isinstance(content, str):
+                if type(content) is str:
                     characters += len(content)
-                elif isinstance(content, list):
+                elif type(content) is list:
                     for part in content:
-                        if isinstance(part, Mapping) and isinstance(part.get("text"), str):
+                        if (type(part) is dict or isinstance(part, Mapping)) and isinstance(
+                            part.get("text"), str
+                        ):
                             characters += len(part["text"])
     prompt = body.get("prompt")
     if isinstance(prompt, str):
@@ -83,6 +98,16 @@ def estimate_prompt_tokens(body: Mapping[str, Any]) -> int:
     elif isinstance(prompt, list):
         characters += sum(len(item) for item in prompt if isinstance(item, str))
     return max(1, characters // 4)
+
+
+def request_size(body: Mapping[str, Any]) -> tuple[int, int]:
+    """(estimated prompt tokens, most output tokens over every choice): what a ticket costs,
+    each field read once (`estimate_prompt_tokens`, `requested_max_tokens` times
+    `requested_choices`), with the body's nesting checked first unless `parse_request_body`
+    did (`InvalidRequest`)."""
+    if type(body) is not RequestBody:
+        check_body_depth(body)
+    return estimate_prompt_tokens(body), requested_max_tokens(body) * requested_choices(body)
 
 
 def requested_max_tokens(body: Mapping[str, Any]) -> int:
@@ -95,14 +120,25 @@ def requested_max_tokens(body: Mapping[str, Any]) -> int:
     if it leaves) at 1 while the engine generates the other. Each present field must be a whole
     number in [1, MAX_REQUEST_TOKENS] (`InvalidRequest` naming it): the engine would refuse
     anything else, and an unbounded one must never reach the scheduler's charge."""
-    found = [bounded_count(body, field, 1, MAX_REQUEST_TOKENS) for field in OUTPUT_TOKEN_FIELDS]
-    present = [value for value in found if value is not None]
-    return max(present) if present else DEFAULT_MAX_TOKENS
+    most = 0
+    for field in OUTPUT_TOKEN_FIELDS:
+        value: Any = body.get(field)
+        if value is None:
+            continue
+        if type(value) is not int or not 1 <= value <= MAX_REQUEST_TOKENS:
+            value = bounded_count(body, field, 1, MAX_REQUEST_TOKENS)  # not None: present
+        if value > most:
+            most = value
+    return most or DEFAULT_MAX_TOKENS
 
 
 def requested_choices(body: Mapping[str, Any]) -> int:
     """How many sequences the engine generates for the request (`n`, `best_of`; 1 if absent),
     each up to `requested_max_tokens`; `InvalidRequest` outside [1, MAX_CHOICES]."""
+    n = body.get("n")
+    best_of = body.get("best_of")
+    if n is None and best_of is None:
+        return 1
     n = bounded_count(body, "n", 1, MAX_CHOICES) or 1
     best_of = bounded_count(body, "best_of", 1, MAX_CHOICES) or 1
     return max(n, best_of)

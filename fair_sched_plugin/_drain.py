@@ -4,6 +4,7 @@ each is told to end. `SchedulingService.begin_drain` starts it (SIGTERM does, se
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from typing import Protocol
 
 from .core import Lease
@@ -24,6 +25,9 @@ class GracefulDrain:
         self._clock = clock
         self._grace_s = grace_s
         self._holders: dict[Lease, RunningRequest] = {}
+        # The scheduler's end listener, `(lease, abandoned)`: the holders' own `pop`, a C call
+        # on every request's end (`abandoned` is only its unused default).
+        self.lease_ended: Callable[[Lease, bool], object] = self._holders.pop
         self._draining = False
         self._timer: TimerHandle | None = None
 
@@ -34,9 +38,6 @@ class GracefulDrain:
     def hold(self, lease: Lease, request: RunningRequest) -> None:
         """`request` holds `lease` until it ends (`lease_ended`)."""
         self._holders[lease] = request
-
-    def lease_ended(self, lease: Lease, abandoned: bool) -> None:
-        self._holders.pop(lease, None)
 
     def begin(self, queued: int) -> None:
         """Say what the drain refuses (`queued` parked requests) and what it waits for; end

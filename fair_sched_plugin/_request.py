@@ -40,6 +40,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from ._keepalive import ticks_for
 from ._responses import error, error_response
 from .core import Lease
+from .driver import DisconnectSignal
 from .errors import ClientDisconnected, InvalidRequest, LeaseExpired, Rejected
 
 if TYPE_CHECKING:
@@ -119,7 +120,7 @@ class RequestWatch:
         self._send = send
         self._max_lease_s = max_lease_s
         self._send_timeout_s = send_timeout_s
-        self.disconnected = asyncio.Event()
+        self.disconnected = DisconnectSignal()
         self.body_complete = False
         self.response_started = False
         self.response_complete = False
@@ -206,7 +207,7 @@ class RequestWatch:
         if self._owes_event():
             await self._end_with_event(error_response(self.stopped).body)
             return
-        if self.response_started or self.disconnected.is_set() or self._send is None:
+        if self.response_started or self.disconnected.fired or self._send is None:
             # Mid-response, or nobody to tell: returning without completing it makes the server
             # close the connection, which is the truth.
             return
@@ -276,7 +277,7 @@ class RequestWatch:
             self._lease_timer = asyncio.get_running_loop().call_later(
                 self._max_lease_s, self._lease_expired
             )
-        if self.disconnected.is_set():
+        if self.disconnected.fired:
             self.stop(ClientDisconnected("the client left before its request was sent"))
 
     @property
@@ -368,7 +369,7 @@ class RequestWatch:
 
     def watch(self) -> asyncio.Event | None:
         """Start watching for the client leaving; None while the body is not fully read."""
-        if self.disconnected.is_set():
+        if self.disconnected.fired:
             return self.disconnected
         if not self.body_complete or self._send is None:
             return None
@@ -393,7 +394,7 @@ class RequestWatch:
         if self._watcher is not None:
             # The watcher owns the server's receive(); share its one result, never read twice.
             return await asyncio.shield(self._watcher)
-        if self.disconnected.is_set():
+        if self.disconnected.fired:
             return {"type": "http.disconnect"}
         message = await self._receive()
         if message["type"] == "http.disconnect":
@@ -439,7 +440,7 @@ class RequestWatch:
 
     async def _deliver(self, message: Message) -> None:
         assert self._send is not None
-        if self.disconnected.is_set():
+        if self.disconnected.fired:
             return  # the client is gone: nothing to write to
         if self._send_timeout_s is None or not self.leases:
             # Only a request holding a lease is timed: others hold nothing of the engine's.
@@ -505,7 +506,7 @@ class RequestWatch:
         return (
             self.keepalive_started
             and not self.response_complete
-            and not self.disconnected.is_set()
+            and not self.disconnected.fired
             and self._send is not None
         )
 
@@ -552,7 +553,7 @@ class RequestWatch:
         await asyncio.sleep(after_s)
         while True:
             parked = self._parked
-            if parked is None or self.disconnected.is_set():
+            if parked is None or self.disconnected.fired:
                 return
             position, eta, wait_s = parked.standing()
             # Bytes formatting: half the cost of an f-string and an encode, on every comment.

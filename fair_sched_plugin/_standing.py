@@ -7,8 +7,6 @@ release position and ETA (what a keep-alive comment says), the where-do-I-stand 
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-from contextlib import contextmanager
 from typing import Any
 
 from .config import FairSchedSettings, QueueSettings
@@ -80,10 +78,8 @@ class _ParkedOf:
         self.requests.pop(parked, None)
         parked._ranks = None
         ranks = self.by_tier.get(parked.ticket.tier)
-        if ranks is not None:
-            ranks.discard(parked)
-            if not ranks:
-                del self.by_tier[parked.ticket.tier]
+        if ranks is not None and not ranks.discard(parked):
+            del self.by_tier[parked.ticket.tier]
 
 
 class Standings:
@@ -103,23 +99,30 @@ class Standings:
         # Requests parked in this process, per user and model, in arrival order.
         self._parked: dict[str, dict[str, _ParkedOf]] = {}
 
-    @contextmanager
-    def parking(self, principal: Principal, ticket: Ticket) -> Iterator[ParkedRequest]:
-        """The request parked here while the block runs (however it ends)."""
-        parked = ParkedRequest(self, principal, ticket, self.clock.now())
-        models = self._parked.setdefault(ticket.user, {})
+    def park(self, principal: Principal, ticket: Ticket, since: float) -> ParkedRequest:
+        """The request, parked since `since`, is parked here until `unpark` (however its wait
+        ends)."""
+        parked = ParkedRequest(self, principal, ticket, since)
+        models = self._parked.get(ticket.user)
+        if models is None:
+            models = self._parked[ticket.user] = {}
         mine = models.get(ticket.model)
         if mine is None:
             mine = models[ticket.model] = _ParkedOf()
         mine.add(parked)
-        try:
-            yield parked
-        finally:
-            mine.discard(parked)
-            if not mine.requests and models.get(ticket.model) is mine:
-                del models[ticket.model]
-                if not models and self._parked.get(ticket.user) is models:
-                    del self._parked[ticket.user]
+        return parked
+
+    def unpark(self, parked: ParkedRequest) -> None:
+        ticket = parked.ticket
+        models = self._parked.get(ticket.user)
+        mine = models.get(ticket.model) if models is not None else None
+        if models is None or mine is None:
+            return
+        mine.discard(parked)
+        if not mine.requests:
+            del models[ticket.model]
+            if not models:
+                del self._parked[ticket.user]
 
     def position_of(self, parked: ParkedRequest) -> int:
         """Estimated release position of a request parked here (`core.estimate_position`, its

@@ -12,6 +12,7 @@ core is the driver's too, with no call in between on the hot path.
 from __future__ import annotations
 
 import asyncio
+import time
 from collections.abc import Callable
 from typing import Protocol
 
@@ -24,12 +25,16 @@ from .core.ticket import Lease, Ticket, TierLimits
 from .errors import Rejected
 
 __all__ = [
+    "Admissions",
+    "DisconnectSignal",
     "FairScheduler",
     "LoopClock",
     "Reservation",
     "TimerClock",
     "TimerHandle",
+    "Waiter",
     "abandon_if_granted",
+    "granted",
 ]
 
 
@@ -43,15 +48,83 @@ class TimerClock(Clock, Protocol):
     def call_at(self, when: float, callback: Callable[[], None]) -> TimerHandle: ...
 
 
+_STDLIB_LOOP_TIME = asyncio.BaseEventLoop.time
+
+
 class LoopClock:
     """The running event loop's clock (`loop.time()`), bound lazily so nothing touches a loop at
     construction time."""
 
     def now(self) -> float:
-        return asyncio.get_running_loop().time()
+        loop = asyncio.get_running_loop()
+        if type(loop).time is _STDLIB_LOOP_TIME:
+            return time.monotonic()  # what the standard loop's time() returns, without the call
+        return loop.time()
 
     def call_at(self, when: float, callback: Callable[[], None]) -> TimerHandle:
         return asyncio.get_running_loop().call_at(when, callback)
+
+
+class Waiter(Protocol):
+    """A parked ticket's wait: `future` resolves to its lease (or fails with the `Rejected`
+    error that ends the wait); `cancel()` leaves the queue (True if it was still queued);
+    `withdraw()` also hands back a lease granted and never used."""
+
+    @property
+    def future(self) -> asyncio.Future[Lease]: ...
+
+    @property
+    def enqueued_at(self) -> float: ...
+
+    def cancel(self) -> bool: ...
+
+    def withdraw(self) -> None: ...
+
+
+class Admissions(Protocol):
+    """Where a request asks for its turn: `try_acquire` (a lease now, or None), else
+    `enqueue` (one future to wait on). The core's driver with memory://, a replica that relays
+    to the acting leader with redis://."""
+
+    def try_acquire(self, ticket: Ticket) -> Lease | None: ...
+
+    def enqueue(self, ticket: Ticket) -> Waiter: ...
+
+
+class DisconnectSignal(asyncio.Event):
+    """An `asyncio.Event` that also calls back when set: a parked request watches its client
+    with a callback on its one future, not with a task of its own (`SchedulingService.admit`)."""
+
+    # The callbacks not called yet: created with the first (most requests never park).
+    _callbacks: list[Callable[[], None]] | None = None
+    # `is_set()`, read without a call (the request path reads it several times).
+    fired = False
+
+    def add_callback(self, callback: Callable[[], None]) -> None:
+        """Call `callback()` once when the signal is set (at once where it already is)."""
+        if self.fired:
+            callback()
+        elif self._callbacks is None:
+            self._callbacks = [callback]
+        else:
+            self._callbacks.append(callback)
+
+    def remove_callback(self, callback: Callable[[], None]) -> None:
+        if self._callbacks is not None and callback in self._callbacks:
+            self._callbacks.remove(callback)
+
+    def set(self) -> None:
+        if self.fired:
+            return
+        self.fired = True
+        super().set()
+        callbacks, self._callbacks = self._callbacks, None
+        for callback in callbacks or ():
+            callback()
+
+    def clear(self) -> None:
+        self.fired = False
+        super().clear()
 
 
 class Reservation:
@@ -62,7 +135,7 @@ class Reservation:
     many replicas' tickets at once); `FairScheduler.acquire()` is built on it.
     """
 
-    __slots__ = ("_parked", "_scheduler", "future")
+    __slots__ = ("_parked", "_scheduler", "enqueued_at", "future")
 
     def __init__(
         self, scheduler: FairScheduler, parked: Parked, future: asyncio.Future[Lease]
@@ -70,14 +143,11 @@ class Reservation:
         self._scheduler = scheduler
         self._parked = parked
         self.future = future
+        self.enqueued_at = parked.enqueued_at
 
     @property
     def ticket(self) -> Ticket:
         return self._parked.ticket
-
-    @property
-    def enqueued_at(self) -> float:
-        return self._parked.enqueued_at
 
     def cancel(self) -> bool:
         """Leave the queue; True if the ticket was still queued (it will never be granted).
@@ -92,6 +162,20 @@ class Reservation:
         granted and never used (the engine never saw it, so the next request gets the turn)."""
         if not self.cancel():
             abandon_if_granted(self.future)
+
+
+async def granted(waiter: Waiter) -> Lease:
+    """The lease `waiter` waits for; a caller that stops waiting hands its turn back
+    (`withdraw`). A ticket decided the moment it was queued resumes one loop turn later, after
+    the waiters decided before it (their wake-ups are already scheduled), as a replica that
+    hears of its grant through the leader does."""
+    try:
+        if waiter.future.done():
+            await asyncio.sleep(0)
+        return await waiter.future
+    except BaseException:
+        waiter.withdraw()
+        raise
 
 
 def abandon_if_granted(future: asyncio.Future[Lease]) -> None:
@@ -132,18 +216,18 @@ class FairScheduler(SchedulerCore):
         self._timer: TimerHandle | None = None
         self._timer_due: float | None = None
 
+    @property
+    def clock(self) -> TimerClock:
+        """The time base of its leases' `enqueued_at` and `released_at`."""
+        return self._timer_clock
+
     async def acquire(self, ticket: Ticket) -> Lease:
         """Wait for this ticket's turn and return its lease (``async with lease:`` releases it).
 
         Raises `QueueFull` at once when a cap is reached, `QueueTimeout` after `max_wait_s`,
         `SchedulerClosed` if the scheduler closes while waiting.
         """
-        reservation = self.enqueue(ticket)
-        try:
-            return await reservation.future
-        except BaseException:
-            reservation.withdraw()
-            raise
+        return await granted(self.enqueue(ticket))
 
     def enqueue(self, ticket: Ticket) -> Reservation:
         """Queue `ticket` and run the release decision; its `Reservation.future` resolves to

@@ -19,7 +19,7 @@ from typing import Any, Literal, Protocol
 
 import httpx
 
-from ._body import check_body_depth, estimate_prompt_tokens, requested_choices, requested_max_tokens
+from ._body import request_size
 from ._charging import Charges
 from ._drain import GracefulDrain, RunningRequest
 from ._http import hide_url_secrets_in_httpx_logs
@@ -41,7 +41,13 @@ from .core import (
     Ticket,
     TierLimits,
 )
-from .driver import FairScheduler, LoopClock, TimerClock, abandon_if_granted
+from .driver import (
+    DisconnectSignal,
+    FairScheduler,
+    LoopClock,
+    TimerClock,
+    Waiter,
+)
 from .errors import (
     BudgetExceeded,
     ClientDisconnected,
@@ -147,6 +153,12 @@ class SchedulingService:
             request_scrape=self._request_scrape,
             clock=self.clock,
         )
+        # The models whose placement reads a ticket's prefix (affinity across deployments).
+        self._prefix_models = frozenset(
+            model
+            for model, group in self.gate.groups().items()
+            if group.prefix_affinity and len(group.deployments) > 1
+        )
         queue = settings.queue
         # One scheduler object on every backend: the core decides, in this process
         # (`memory://`) or in the replica leading the others through Redis (`redis://`).
@@ -168,6 +180,9 @@ class SchedulingService:
             lease_ttl_s=settings.state_lease_ttl_s,
             model_groups=settings.leadership_groups(self.known_models),
         )
+        # Where requests ask for their turn: the core itself with memory:// (its lease is the
+        # request's, end to end), the replica that relays to the leader with redis://.
+        self._admissions = self.scheduler.admissions
         self._http_client = http_client
         self._watchers: dict[str, list[MetricsWatcher]] = {}
         self._started = False
@@ -177,9 +192,12 @@ class SchedulingService:
         self._rejection_log = RejectionLog(clock=self.clock.now)
         self.charges = Charges(self.backends, self.known_models, self.scheduler, self.clock)
         self.budgets = BudgetBook(_budget_rules(settings), clock=self.clock)
+        # The principals with a budget: only their admissions read it, only their ends count.
+        self._budgeted = frozenset(self.budgets.principals())
         # Shared with the other replicas (and kept over restarts) when state is in Redis.
         self.scheduler.share_budgets(self.budgets)
-        self.scheduler.add_end_listener(self.charges.count_spend)
+        if self._budgeted:
+            self.scheduler.add_end_listener(self.charges.count_spend)
         # How fast each model's queue drains (releases per second), for estimates.
         self.drain = DrainMeter()
         self.standings = Standings(settings, self.scheduler, self.drain, self.clock)
@@ -216,6 +234,8 @@ class SchedulingService:
         if self._started:
             return
         self._started = True
+        # Scrapes from other threads read the state on this loop.
+        self._observability.remember_loop()
         if self.names.hides_secrets:
             # httpx logs each request's URL (ours: an engine's, maybe with credentials).
             hide_url_secrets_in_httpx_logs(True)
@@ -301,20 +321,20 @@ class SchedulingService:
         return self.directory.resolve(credentials)
 
     def ticket_for(self, principal: Principal, model: str, body: Mapping[str, Any]) -> Ticket:
-        """The request as the core sees it. Its numbers are bounded here, where they are read
-        (`InvalidRequest` for a field out of its range; the estimates are capped at the core's
-        `MAX_REQUEST_TOKENS` and `MAX_REQUEST_COST`)."""
-        output_tokens = requested_max_tokens(body) * requested_choices(body)
-        prompt_tokens = estimate_prompt_tokens(body)
+        """The request as the core sees it. The body's nesting and numbers are bounded here,
+        where they are read (`InvalidRequest` for a field out of its range; the estimates are
+        capped at the core's `MAX_REQUEST_TOKENS` and `MAX_REQUEST_COST`). The prompt's prefix
+        is hashed only where placement reads it (`_prefix_models`)."""
+        prompt_tokens, output_tokens = request_size(body)
         price = self.charges.cost_of(model, prompt_tokens, output_tokens)
         return Ticket(
-            model=model,
-            user=principal.name,
-            tier=principal.tier,
-            weight=principal.weight,
-            cost=min(prompt_tokens + output_tokens, MAX_REQUEST_TOKENS),
-            price=price if price is not None else 0.0,
-            prefix=prompt_prefix(body),
+            model,
+            principal.name,
+            principal.tier,
+            principal.weight,
+            min(prompt_tokens + output_tokens, MAX_REQUEST_TOKENS),
+            price if price is not None else 0.0,
+            prompt_prefix(body) if model in self._prefix_models else (),
         )
 
     def _apply_budget(self, ticket: Ticket) -> Ticket:
@@ -378,27 +398,28 @@ class SchedulingService:
         `queue.max_wait_s`, never later.
         """
         scheduled_as = self.scheduling_model(model, unknown_models=unknown_models)
-        check_body_depth(body)
         if not self._started:
             self.start()
         ticket = self.ticket_for(principal, scheduled_as, body)
         try:
-            ticket = self._apply_budget(ticket)
-            lease = self.scheduler.try_acquire(ticket)
+            if ticket.user in self._budgeted:
+                ticket = self._apply_budget(ticket)
+            lease = self._admissions.try_acquire(ticket)
             if lease is None:
                 lease = await self._park(principal, ticket, disconnected, waiting, max_wait_s)
         except Rejected as exc:
             self.standings.estimate_retry_after(exc, ticket)
             self._rejected(principal, ticket, exc)
             raise
-        self.drain.record(scheduled_as, self.clock.now())
+        # Its release time is the service clock's (the core's, or the loop's for a replica).
+        self.drain.record(scheduled_as, lease.released_at)
         admission = Admission(
             lease,
             principal,
             self.engine_priority(scheduled_as, ticket.tier, lease.engine_rank),
             self.names.deployment_name(lease.deployment) if lease.deployment is not None else None,
         )
-        if lease.active and waiting is not None:
+        if waiting is not None and lease.active:
             self._graceful_drain.hold(lease, waiting)
         for observer in self._admission_observers:
             # The lease is granted: an observer's failure must not lose it (no request would
@@ -417,59 +438,84 @@ class SchedulingService:
         waiting: WaitObserver | None,
         max_wait_s: float | None,
     ) -> Lease:
-        with self.standings.parking(principal, ticket) as parked:
-            try:
-                if waiting is not None:
-                    waiting.parked(parked)
-                return await self._wait(ticket, disconnected, max_wait_s)
-            finally:
-                if waiting is not None:
-                    waiting.unparked()
-
-    async def _wait(
-        self, ticket: Ticket, disconnected: asyncio.Event | None, max_wait_s: float | None
-    ) -> Lease:
-        if disconnected is None and max_wait_s is None:
-            return await self.scheduler.acquire(ticket)
         if disconnected is not None and disconnected.is_set():
             raise ClientDisconnected("client disconnected before its request was scheduled")
-        acquiring = asyncio.ensure_future(self.scheduler.acquire(ticket))
-        waits: set[asyncio.Future[Any]] = {acquiring}
-        watching = None
-        if disconnected is not None:
-            watching = asyncio.ensure_future(disconnected.wait())
-            waits.add(watching)
-        deadline = None
-        if max_wait_s is not None:
-            # On the service's clock, like every other time it reads.
-            expired: asyncio.Future[None] = asyncio.get_running_loop().create_future()
-            waits.add(expired)
-            deadline = self.clock.call_at(self.clock.now() + max_wait_s, _resolver(expired))
+        waiter = self._admissions.enqueue(ticket)
+        parked = self.standings.park(principal, ticket, waiter.enqueued_at)
         try:
-            await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
-        except BaseException:
-            # Our own task is being cancelled: make sure no lease outlives it.
-            _cancel_acquire(acquiring)
+            if waiting is not None:
+                waiting.parked(parked)
+            return await self._wait(waiter, disconnected, max_wait_s)
+        finally:
+            self.standings.unpark(parked)
+            if waiting is not None:
+                waiting.unparked()
+
+    async def _wait(
+        self, waiter: Waiter, disconnected: asyncio.Event | None, max_wait_s: float | None
+    ) -> Lease:
+        """Wait on the ticket's one future. The client leaving and its own limit end the wait
+        from a callback (they take the ticket out of the queue and fail the future): no task
+        and no timer per parked request beyond the limit's."""
+        future = waiter.future
+        stops: list[Callable[[], object]] = []
+        gone = False  # the client left (told by the callback)
+        plain_event = None  # a plain `asyncio.Event`: its task may tell us a turn late
+        if disconnected is not None:
+
+            def client_left() -> None:
+                nonlocal gone
+                gone = True
+                if not future.done():
+                    waiter.cancel()
+                    future.set_exception(
+                        ClientDisconnected("client disconnected while its request waited")
+                    )
+
+            if isinstance(disconnected, DisconnectSignal):
+                disconnected.add_callback(client_left)
+                stops.append(functools.partial(disconnected.remove_callback, client_left))
+            else:
+                plain_event = disconnected
+                watching = asyncio.ensure_future(disconnected.wait())
+                watching.add_done_callback(lambda task: None if task.cancelled() else client_left())
+                stops.append(watching.cancel)
+        if max_wait_s is not None:
+
+            def expired() -> None:
+                # A lease granted at the same moment wins: the request is served.
+                if not future.done():
+                    waiter.cancel()
+                    future.set_exception(
+                        QueueTimeout(
+                            f"the request waited its limit of {max_wait_s:g} s "
+                            "(x-fair-sched-max-wait-s) without being released",
+                            retry_after_s=1.0,
+                        )
+                    )
+
+            # On the service's clock, like every other time it reads.
+            stops.append(self.clock.call_at(self.clock.now() + max_wait_s, expired).cancel)
+        try:
+            # `driver.granted`, inline: each frame of an await chain runs again on resuming.
+            if future.done():
+                await asyncio.sleep(0)  # after the waiters decided before it
+            lease = await future
+        except BaseException as exc:
+            waiter.withdraw()  # no lease outlives a wait that ends without it
+            if isinstance(exc, Rejected) and (
+                gone or (plain_event is not None and plain_event.is_set())
+            ):
+                raise ClientDisconnected("client disconnected while its request waited") from None
             raise
         finally:
-            if watching is not None:
-                watching.cancel()
-            if deadline is not None:
-                deadline.cancel()
-        if disconnected is not None and disconnected.is_set():
+            for stop in stops:
+                stop()
+        if gone or (plain_event is not None and plain_event.is_set()):
             # Disconnect wins a tie: the engine must never see a request nobody waits for.
-            _cancel_acquire(acquiring)
+            lease.abandon()
             raise ClientDisconnected("client disconnected while its request waited")
-        if not acquiring.done():
-            # The client's own limit (`x-fair-sched-max-wait-s`) passed first. (A lease granted
-            # at the same moment wins: the request is served, nothing is thrown away.)
-            _cancel_acquire(acquiring)
-            raise QueueTimeout(
-                f"the request waited its limit of {max_wait_s:g} s (x-fair-sched-max-wait-s) "
-                "without being released",
-                retry_after_s=1.0,
-            )
-        return acquiring.result()
+        return lease
 
     def engine_priority(self, model: str, tier_name: str, engine_rank: int = 0) -> int | None:
         """The `priority` to send for this tier, or None where the backend does not support it.
@@ -541,24 +587,6 @@ class SchedulingService:
             logger.info("fair_sched gate model=%s mode=%s", transition.model, transition.new)
         for listener in self._transition_listeners:
             listener(transition)
-
-
-def _resolver(future: asyncio.Future[None]) -> Callable[[], None]:
-    def resolve() -> None:
-        if not future.done():
-            future.set_result(None)
-
-    return resolve
-
-
-def _cancel_acquire(acquiring: asyncio.Future[Lease]) -> None:
-    """Stop waiting for a lease; if one was already granted, give it back unused."""
-    if not acquiring.done():
-        # The scheduler's own cancellation path removes the waiter, or hands back a lease that
-        # was granted but not yet seen by the waiting task.
-        acquiring.cancel()
-        return
-    abandon_if_granted(acquiring)
 
 
 def _resolve_backends(

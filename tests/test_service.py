@@ -10,6 +10,7 @@ import pytest
 
 from fair_sched_plugin._body import requested_choices, requested_max_tokens
 from fair_sched_plugin.core import MAX_REQUEST_TOKENS, BackendSnapshot
+from fair_sched_plugin.driver import DisconnectSignal
 from fair_sched_plugin.errors import ConfigError, QueueFull, QueueTimeout
 from fair_sched_plugin.identity import Credentials
 from fair_sched_plugin.service import ClientDisconnected, SchedulingService
@@ -40,13 +41,17 @@ async def test_disconnect_while_parked_leaves_the_queue_and_never_gets_a_lease()
     await svc.aclose()
 
 
-async def test_disconnect_and_release_in_the_same_tick_gives_the_lease_back() -> None:
+@pytest.mark.parametrize("event", [asyncio.Event, DisconnectSignal])
+async def test_disconnect_and_release_in_the_same_tick_gives_the_lease_back(
+    event: type[asyncio.Event],
+) -> None:
     """Race: the lease is granted and the client disconnects before the waiter resumes; the
-    disconnect wins and the engine never sees the request."""
+    disconnect wins and the engine never sees the request (a plain event, watched by a task,
+    or the integrations' `DisconnectSignal`, which calls back)."""
     svc = service()
     principal = svc.identify(Credentials(api_key="sk-a"))
     holder = await svc.admit(principal, "m", BODY)
-    gone = asyncio.Event()
+    gone = event()
     parked = asyncio.create_task(svc.admit(principal, "m", BODY, disconnected=gone))
     await settle()
     holder.lease.release()  # grants the parked request synchronously

@@ -214,7 +214,8 @@ class MetricsGate:
         """Some deployment of the model has room for one more request of this tier."""
         state = self._groups.get(model)
         if state is None:
-            cap = share(self._unknown_cap, self._sharers_of(model))
+            sharers = self._model_sharers.get(model, self._sharers)
+            cap = self._unknown_cap if sharers == 1 else share(self._unknown_cap, sharers)
             return self._unknown_in_flight.get(model, 0) < cap
         now = self._now()
         reason = None
@@ -288,6 +289,8 @@ class MetricsGate:
         """Released now, the ticket would be bound away from the deployment that holds its
         prefix (no room there, or over the load bound) to one that has room: its prefix would
         be recomputed there (the scheduler's look-ahead may release someone else first)."""
+        if not ticket.prefix:
+            return False  # no prefix, no home (`_affinity_group`): asked on every release
         state = self._affinity_group(ticket)
         return state is not None and state.placer.spills(
             ticket.prefix, self._candidates(state, tier)
@@ -296,6 +299,8 @@ class MetricsGate:
     def waits_for_home(self, ticket: Ticket, tier: TierLimits) -> bool:
         """Released now, the ticket would spill into a deployment where it would only queue (no
         free running slot there): it waits for the one that holds its prefix instead."""
+        if not ticket.prefix:
+            return False  # no prefix, no home (`_affinity_group`): asked on every admission
         state = self._affinity_group(ticket)
         return state is not None and state.placer.waits(
             ticket.prefix, self._candidates(state, tier)

@@ -8,7 +8,7 @@ policy and never branches on its name.
 from __future__ import annotations
 
 import math
-from typing import Literal
+from typing import ClassVar, Literal
 
 from .ticket import Lease, Ticket
 
@@ -19,6 +19,8 @@ class Fairness:
     """Round robin: every release costs one turn; the end corrects nothing."""
 
     __slots__ = ()
+    # Whether `end_correction` can be other than 0 (the scheduler asks only then).
+    corrects: ClassVar[bool] = False
 
     def release_charge(self, ticket: Ticket) -> float:
         """What releasing `ticket` charges its user (finite: a ticket's fields are bounded)."""
@@ -54,6 +56,7 @@ class TokenFairness(Fairness):
     """A release costs its estimated tokens / weight, corrected to the actual count at its end."""
 
     __slots__ = ()
+    corrects = True
 
     def release_charge(self, ticket: Ticket) -> float:
         return max(ticket.cost, 1) / ticket.weight
@@ -69,6 +72,7 @@ class CostFairness(Fairness):
     (or the estimate scaled by the actual tokens where only those came back)."""
 
     __slots__ = ()
+    corrects = True
 
     def release_charge(self, ticket: Ticket) -> float:
         return money_charge(ticket.price, ticket)

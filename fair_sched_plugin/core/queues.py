@@ -316,6 +316,7 @@ class ModelQueues:
         "dispatching",
         "in_flight",
         "model",
+        "orders_engine_queue",
         "queued",
         "redispatch",
         "share_clock",
@@ -333,3 +334,5 @@ class ModelQueues:
         # Re-entrancy guard: a gate may notify us from inside a release decision.
         self.dispatching = False
         self.redispatch = False
+        # `AdmissionGate.orders_engine_queue(model)`, asked once (`SchedulerCore._model_queues`).
+        self.orders_engine_queue = False

@@ -47,7 +47,7 @@ from .queues import (
 )
 from .reads import SchedulerReads
 from .shares import TierShares
-from .ticket import Lease, Ticket, TierLimits, notify_end_listeners
+from .ticket import Lease, Ticket, TierLimits
 
 logger = logging.getLogger("fair_sched")
 
@@ -109,6 +109,7 @@ class SchedulerCore(SchedulerReads):
         self._shares = TierShares(self._tiers)
         self._shared_tiers = self._shares.shared
         self._policy = POLICIES[fairness]
+        self._corrects = self._policy.corrects
         self._gate = gate
         self._max_per_user = max_per_user
         self._max_total = max_total
@@ -133,7 +134,7 @@ class SchedulerCore(SchedulerReads):
         self._abandoned_total = 0
         self._rejected_full_total = 0
         self._timed_out_total = 0
-        self._end_listeners: list[Callable[[Lease, bool], None]] = []
+        self._end_listeners: list[Callable[[Lease, bool], object]] = []
         gate.set_listener(self._on_capacity)
 
     # ------------------------------------------------------------------ public API
@@ -152,25 +153,40 @@ class SchedulerCore(SchedulerReads):
         It never jumps a queue: anything queued for the same model in this or a higher tier
         comes first.
         """
-        self._check_open()
-        tier_index = self._tier_position(ticket.tier)
-        queues = self._models.get(ticket.model)
-        if queues is not None and any(tier.queued for tier in queues.tiers[: tier_index + 1]):
-            return None
+        if self._closed:
+            self._check_open()
+        # One method from the ticket to the lease: this runs for every admission.
+        tier_index = self._tier_index.get(ticket.tier)
+        if tier_index is None:
+            tier_index = self._tier_position(ticket.tier)  # raises the ValueError
+        model = ticket.model
+        queues = self._models.get(model)
+        if queues is not None:
+            for tier in queues.tiers[: tier_index + 1]:
+                if tier.queued:
+                    return None
         limits = self._tiers[tier_index]
-        if not self._gate.may_release(ticket.model, limits):
-            known = queues.tiers[tier_index].users.get(ticket.user) if queues is not None else None
-            if not self._may_go_as_newcomer(ticket.model, limits, known, ticket.weight):
+        gate = self._gate
+        if not gate.may_release(model, limits):
+            # Past a closed gate only as a newcomer, where the engine orders its own queue.
+            if queues is None:
+                queues = self._model_queues(model)
+            known = queues.tiers[tier_index].users.get(ticket.user)
+            if not queues.orders_engine_queue or not self._may_go_as_newcomer(
+                model, limits, known, ticket.weight
+            ):
                 return None
-        elif self._gate.waits_for_home(ticket, limits):
+        elif gate.waits_for_home(ticket, limits):
             return None  # parked, it goes when its deployment has room (`_release_next`)
-        queues = self._model_queues(ticket.model)
+        if queues is None:
+            queues = self._model_queues(model)
         tier = queues.tiers[tier_index]
-        user_queue = tier.user_queue(ticket.user)
-        user_queue.lift()
+        user_queue = tier.users.get(ticket.user) or tier.user_queue(ticket.user)
+        if user_queue.virtual_time < tier.virtual_time:
+            user_queue.lift()
         now = self._clock.now()
-        deployment = self._gate.place(ticket, tier.limits)
-        return self._make_lease(queues, user_queue, ticket, enqueued_at=now, deployment=deployment)
+        deployment = gate.place(ticket, limits)
+        return self._make_lease(queues, user_queue, ticket, now, deployment, released_at=now)
 
     def _may_go_as_newcomer(
         self, model: str, limits: TierLimits, user_queue: UserQueue | None, weight: float
@@ -180,11 +196,9 @@ class SchedulerCore(SchedulerReads):
         user order and has room for a newcomer (`AdmissionGate.may_release_newcomer`), so it goes
         first there. Not with tier shares: their releases are counted against each other by the
         same test for everyone."""
-        if self._shared_tiers or (
-            user_queue is not None and self._policy.engine_round(user_queue.unstarted, weight) > 0
-        ):
+        if self._shared_tiers or not self._gate.may_release_newcomer(model, limits):
             return False
-        return self._gate.may_release_newcomer(model, limits)
+        return user_queue is None or self._policy.engine_round(user_queue.unstarted, weight) <= 0
 
     def submit(self, ticket: Ticket, claimant: Claimant | None = None) -> Parked:
         """Park `ticket` and run the release decision (which may decide it at once: see
@@ -219,7 +233,8 @@ class SchedulerCore(SchedulerReads):
         waiter = Parked(ticket, self._clock.now(), user_queue, claimant)
         depth = user_queue.depth
         if not depth:
-            user_queue.lift()
+            if user_queue.virtual_time < tier.virtual_time:
+                user_queue.lift()
             tier.push(user_queue, next(self._arrivals))
         if self._shortest_first:
             heapq.heappush(user_queue.sized, (ticket.cost, next(self._arrivals), waiter))
@@ -301,7 +316,7 @@ class SchedulerCore(SchedulerReads):
             lease.mark_started()
         return lease
 
-    def add_end_listener(self, listener: Callable[[Lease, bool], None]) -> None:
+    def add_end_listener(self, listener: Callable[[Lease, bool], object]) -> None:
         """Call `listener(lease, abandoned)` whenever a lease ends."""
         self._end_listeners.append(listener)
 
@@ -374,7 +389,7 @@ class SchedulerCore(SchedulerReads):
         model = queues.model
         # Newcomers may go past a closed gate only where the engine orders its own queue by user
         # (`AdmissionGate.may_release_newcomer`): elsewhere the head is not even looked at.
-        newcomers = not self._shared_tiers and gate.orders_engine_queue(model)
+        newcomers = not self._shared_tiers and queues.orders_engine_queue
         try:
             while True:
                 queues.redispatch = False
@@ -527,6 +542,7 @@ class SchedulerCore(SchedulerReads):
         enqueued_at: float,
         deployment: str | None,
         charge: float | None = None,
+        released_at: float | None = None,
     ) -> Lease:
         if charge is None:
             charge = self._policy.release_charge(ticket)
@@ -541,13 +557,13 @@ class SchedulerCore(SchedulerReads):
             ticket,
             next(self._lease_ids),
             enqueued_at,
-            self._clock.now(),
+            self._clock.now() if released_at is None else released_at,
             charge,
             user_queue,
             deployment,
             # Its round in an engine queue in user order (0 where the engine has none).
             self._policy.engine_round(unstarted, ticket.weight)
-            if self._gate.orders_engine_queue(ticket.model)
+            if queues.orders_engine_queue
             else 0,
         )
         self._gate.on_released(lease)
@@ -573,17 +589,22 @@ class SchedulerCore(SchedulerReads):
                 tier.correct(user_queue, -lease.charged, next(self._arrivals))
         else:
             self._completed_total += 1
-            correction = self._policy.end_correction(lease, tokens_used)
-            if correction:
-                tier.correct(user_queue, correction, next(self._arrivals))
-        if not user_queue.depth:
+            if self._corrects:
+                correction = self._policy.end_correction(lease, tokens_used)
+                if correction:
+                    tier.correct(user_queue, correction, next(self._arrivals))
+        if not user_queue.depth and not user_queue.in_flight:
             tier.forget_if_idle(user_queue)
         # The core and the gate have heard of the end before any observer runs: an observer's
         # failure (a spend that cannot be counted) is logged and can leave nothing half-ended.
         self._gate.on_ended(lease)
-        if self._end_listeners:
-            notify_end_listeners(self._end_listeners, lease, abandoned)
-        self._dispatch_queues(queues)
+        for listener in self._end_listeners:
+            try:
+                listener(lease, abandoned)
+            except Exception:
+                logger.exception("fair_sched: a lease-end observer failed for %r", lease)
+        if queues.queued:
+            self._dispatch_queues(queues)
 
     # ------------------------------------------------------------------ promotion
 
@@ -668,6 +689,8 @@ class SchedulerCore(SchedulerReads):
         queues = self._models.get(model)
         if queues is None:
             queues = self._models[model] = ModelQueues(model, self._tiers)
+            # Whether its engine orders its own queue by user: fixed per model for a gate.
+            queues.orders_engine_queue = self._gate.orders_engine_queue(model)
         return queues
 
     def _retry_hint(self, queues: ModelQueues) -> float:

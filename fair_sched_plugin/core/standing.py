@@ -173,13 +173,15 @@ class ArrivalRanks(Generic[T]):
         self._slots[item] = self._used
         _add(self._tree, self._used, 1)
 
-    def discard(self, item: T) -> None:
+    def discard(self, item: T) -> int:
+        """Take `item` out (if in); returns how many items remain."""
         slot = self._slots.pop(item, None)
         if slot is None:
-            return
+            return len(self._slots)
         _add(self._tree, slot, -1)
         if self._used > 2 * len(self._slots) + 32:
             self._compact()
+        return len(self._slots)
 
     def rank(self, item: T) -> int:
         """1 for the oldest item still in; KeyError for an item not in."""

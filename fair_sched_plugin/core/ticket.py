@@ -111,9 +111,14 @@ class Ticket(_TicketFields):
             isinstance(weight, (int, float)) and MIN_WEIGHT <= weight <= MAX_WEIGHT
         ):  # NaN fails both comparisons
             raise ValueError(f"weight must be in [{MIN_WEIGHT:g}, {MAX_WEIGHT:g}] (got {weight!r})")
-        if not request_tokens_in_range(cost):
+        # A plain int and float in range are the common case: checked inline, without a call.
+        if not (
+            type(cost) is int and 0 <= cost <= MAX_REQUEST_TOKENS
+        ) and not request_tokens_in_range(cost):
             raise ValueError(f"cost must be an int in [0, {MAX_REQUEST_TOKENS}] (got {cost!r:.40})")
-        if not request_cost_in_range(price):
+        if not (
+            type(price) is float and 0.0 <= price <= MAX_REQUEST_COST
+        ) and not request_cost_in_range(price):
             raise ValueError(f"price must be in [0, {MAX_REQUEST_COST:g}] (got {price!r:.40})")
         return tuple.__new__(cls, (model, user, tier, weight, cost, price, prefix))
 
@@ -263,7 +268,7 @@ class Lease:
 
 
 def notify_end_listeners(
-    listeners: Iterable[Callable[[Lease, bool], None]], lease: Lease, abandoned: bool
+    listeners: Iterable[Callable[[Lease, bool], object]], lease: Lease, abandoned: bool
 ) -> None:
     """Tell each end listener; one that raises is logged and the others still hear."""
     for listener in listeners:

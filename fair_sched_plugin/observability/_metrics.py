@@ -34,7 +34,6 @@ class ServiceMetrics:
                 max_model_labels=settings.observability.max_model_labels,
             ),
             settings.observability.wait_buckets_s,
-            on_admission=self._reader.remember_loop,
             clock=clock,
         )
         self.collector = FairSchedCollector(

@@ -8,7 +8,7 @@ observability reads only this, never the service. Nothing here changes what it r
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Protocol
 
 from ..core import (
@@ -78,6 +78,9 @@ class ServiceReadModel:
         self._configured_models = configured_models
         # Leases granted through the service and not yet ended, for the per-principal view.
         self._running: dict[Lease, tuple[str, str, str]] = {}
+        # The scheduler's end listener, `(lease, abandoned)`: the running leases' own `pop`,
+        # a C call on every request's end (`abandoned` is only its unused default).
+        self.lease_ended: Callable[[Lease, bool], object] = self._running.pop
         self._transitions: deque[GateTransition] = deque(maxlen=RECENT_TRANSITIONS)
 
     # ------------------------------------------------------------------ told
@@ -90,9 +93,6 @@ class ServiceReadModel:
 
     def rejected(self, principal: Principal, ticket: Ticket, error: Rejected) -> None:
         """Nothing to keep: the recorder counts rejections."""
-
-    def lease_ended(self, lease: Lease, abandoned: bool) -> None:
-        self._running.pop(lease, None)
 
     def gate_transition(self, transition: GateTransition) -> None:
         self._transitions.append(transition)

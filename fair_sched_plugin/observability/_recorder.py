@@ -107,12 +107,10 @@ class RequestRecorder:
         labels: Labels,
         wait_buckets_s: Sequence[float],
         *,
-        on_admission: Callable[[], None] = lambda: None,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.labels = labels
         self.clock = clock
-        self._on_admission = on_admission
         self._lock = threading.Lock()
         self._wait = WaitHistogram(wait_buckets_s)
         self._rejected: dict[tuple[str, ...], int] = {}
@@ -125,10 +123,9 @@ class RequestRecorder:
 
     def admitted(self, admission: Admitted) -> None:
         lease = admission.lease
-        self._on_admission()
         labels = self.labels.for_ticket(lease.ticket)
         with self._lock:
-            self._wait.observe(labels, max(0.0, lease.waited_s))
+            self._wait.observe(labels, max(0.0, lease.released_at - lease.enqueued_at))
 
     def rejected(self, principal: Principal, ticket: Ticket, error: Rejected) -> None:
         reason = rejection_reason(error)

@@ -13,9 +13,9 @@ from collections.abc import Sequence
 
 from ..core.backpressure import MetricsGate
 from ..driver import FairScheduler
-from .replica import ReplicaScheduler, StateMode, StateStatistics
+from .replica import LocalScheduler, ReplicaScheduler, StateMode, StateStatistics
 
-__all__ = ["ReplicaScheduler", "StateMode", "StateStatistics", "open_state"]
+__all__ = ["LocalScheduler", "ReplicaScheduler", "StateMode", "StateStatistics", "open_state"]
 
 
 def open_state(
@@ -35,7 +35,7 @@ def open_state(
     first is the home group (budgets, and every model no group names). With none or one, one
     leader decides for every model, on the keys directly under `prefix`."""
     if url.startswith("memory://"):
-        return ReplicaScheduler(core, gate, replica=replica)
+        return LocalScheduler(core, gate, replica=replica)
     if not url.startswith(("redis://", "rediss://")):
         raise ValueError(f"no shared state for {url!r}; use memory://, redis:// or rediss://")
     if lease_ttl_s < 2 * heartbeat_s:

@@ -33,7 +33,7 @@ from ..core.backpressure import GroupStatus, MetricsGate
 from ..core.budget import BudgetBook
 from ..core.reads import SchedulerStatistics, UserBacklog
 from ..core.ticket import Lease, Ticket
-from ..driver import FairScheduler
+from ..driver import FairScheduler, Waiter
 from .redis_replica import RedisReplica
 from .replica import ReplicaScheduler, StateMode, StateStatistics
 
@@ -112,9 +112,9 @@ class ModelGroups(ReplicaScheduler):
 
     # ------------------------------------------------------------------ routed by model
 
-    async def acquire(self, ticket: Ticket) -> Lease:
+    def enqueue(self, ticket: Ticket) -> Waiter:
         self._check_open()
-        return await self.member_for(ticket.model).acquire(ticket)
+        return self.member_for(ticket.model).enqueue(ticket)
 
     def try_acquire(self, ticket: Ticket) -> Lease | None:
         self._check_open()
@@ -135,7 +135,7 @@ class ModelGroups(ReplicaScheduler):
     def decides(self) -> bool:
         return any(member.decides for member in self.members)
 
-    def add_end_listener(self, listener: Callable[[Lease, bool], None]) -> None:
+    def add_end_listener(self, listener: Callable[[Lease, bool], object]) -> None:
         for member in self.members:
             member.add_end_listener(listener)
 

@@ -38,7 +38,7 @@ from ..core.gate import AdmissionGate
 from ..core.reads import SchedulerStatistics, UserBacklog
 from ..core.standing import BacklogIndex
 from ..core.ticket import Lease, Ticket, TierLimits, notify_end_listeners
-from ..driver import FairScheduler, abandon_if_granted
+from ..driver import Admissions, FairScheduler, Waiter, abandon_if_granted, granted
 from ..errors import QueueFull, SchedulerClosed
 from .budgets import SharedBudgets
 from .term import Term
@@ -78,15 +78,38 @@ class StateStatistics(NamedTuple):
 
 
 class _Parked:
-    __slots__ = ("enqueued_at", "future", "ticket", "tid")
+    """One of this replica's tickets waiting for its grant (`ReplicaScheduler.enqueue`)."""
+
+    __slots__ = ("_replica", "enqueued_at", "future", "ticket", "tid")
 
     def __init__(
-        self, ticket: Ticket, tid: int, future: asyncio.Future[Lease], enqueued_at: float
+        self,
+        replica: ReplicaScheduler,
+        ticket: Ticket,
+        tid: int,
+        future: asyncio.Future[Lease],
+        enqueued_at: float,
     ) -> None:
+        self._replica = replica
         self.ticket = ticket
         self.tid = tid
         self.future = future
         self.enqueued_at = enqueued_at
+
+    def cancel(self) -> bool:
+        """Leave the queue; True if the ticket was still parked here (a grant already on its
+        way is handed back when it arrives)."""
+        replica = self._replica
+        if replica._unpark(self.tid) is None:
+            return False
+        replica._cancel(self.tid)
+        return True
+
+    def withdraw(self) -> None:
+        """The caller will not use its turn: leave the queue, or hand back the lease it was
+        granted and never used."""
+        if not self.cancel():
+            abandon_if_granted(self.future)
 
 
 class ReplicaScheduler:
@@ -113,7 +136,7 @@ class ReplicaScheduler:
         # Their depths per (model, tier, user): a follower's position estimates, O(log n).
         self._parked_index = BacklogIndex([tier.name for tier in core.tiers])
         self._held: dict[int, Lease] = {}
-        self._end_listeners: list[Callable[[Lease, bool], None]] = []
+        self._end_listeners: list[Callable[[Lease, bool], object]] = []
         self._closed = False
         # Whose core decides: our own term (`_term`), or the leader of `_epoch` through Redis.
         self._term: Term | None = None
@@ -156,23 +179,27 @@ class ReplicaScheduler:
         """True while this replica's core decides for every replica on its Redis."""
         return False
 
+    @property
+    def admissions(self) -> Admissions:
+        """Where this process's requests ask for their turn (`try_acquire`, `enqueue`): the
+        replica itself, which relays them to the acting leader (`LocalScheduler`: the core)."""
+        return self
+
     async def acquire(self, ticket: Ticket) -> Lease:
         """Wait for this ticket's turn among every replica's tickets; see `FairScheduler`."""
+        return await granted(self.enqueue(ticket))
+
+    def enqueue(self, ticket: Ticket) -> Waiter:
+        """Park `ticket` among every replica's tickets; its `future` resolves to the lease.
+        Raises `QueueFull` at once when a cap is reached."""
         self._check_open()
         self._check_tier(ticket.tier)
         loop = asyncio.get_running_loop()
-        parked = _Parked(ticket, next(self._tids), loop.create_future(), loop.time())
+        now = self._core.clock.now()  # the service's time base, as the core's own leases
+        parked = _Parked(self, ticket, next(self._tids), loop.create_future(), now)
         self._park(parked)
         self._submit(parked, raise_full=True)
-        future = parked.future
-        try:
-            return await future
-        except BaseException:
-            if self._unpark(parked.tid) is not None:
-                self._cancel(parked.tid)
-            else:
-                abandon_if_granted(future)
-            raise
+        return parked
 
     def try_acquire(self, ticket: Ticket) -> Lease | None:
         """A lease now if this replica decides and the ticket would be released without
@@ -186,7 +213,7 @@ class ReplicaScheduler:
         granted = term.try_acquire((self.replica, self._session, tid), ticket)
         if granted is None:
             return None
-        now = asyncio.get_running_loop().time()
+        now = self._core.clock.now()
         lease = Lease(
             self,
             ticket,
@@ -200,7 +227,7 @@ class ReplicaScheduler:
         self._held[tid] = lease
         return lease
 
-    def add_end_listener(self, listener: Callable[[Lease, bool], None]) -> None:
+    def add_end_listener(self, listener: Callable[[Lease, bool], object]) -> None:
         """Call `listener(lease, abandoned)` when one of this replica's leases ends."""
         self._end_listeners.append(listener)
 
@@ -399,7 +426,7 @@ class ReplicaScheduler:
             parked.ticket,
             tid,
             enqueued_at=parked.enqueued_at,
-            released_at=asyncio.get_running_loop().time(),
+            released_at=self._core.clock.now(),
             charged=reply[4],
             deployment=reply[5],
             engine_rank=reply[6] if len(reply) > 6 else 0,  # sent only where it is not 0
@@ -511,3 +538,24 @@ class ReplicaScheduler:
         if tier not in {t.name for t in self.tiers}:
             names = [t.name for t in self.tiers]
             raise ValueError(f"unknown tier {tier!r}; tiers are {names}")
+
+
+class LocalScheduler(ReplicaScheduler):
+    """`memory://`: this process's core decides for good, so its requests go to the core
+    itself (`admissions`) and hold the core's own lease, with no replica bookkeeping between:
+    one lease per request, from grant to end, carrying its actual usage. The replica's surface
+    (statistics, backlog, close) reads the same core."""
+
+    @property
+    def admissions(self) -> Admissions:
+        return self._core
+
+    def try_acquire(self, ticket: Ticket) -> Lease | None:
+        return self._core.try_acquire(ticket)
+
+    def enqueue(self, ticket: Ticket) -> Waiter:
+        return self._core.enqueue(ticket)
+
+    def add_end_listener(self, listener: Callable[[Lease, bool], object]) -> None:
+        """Told by the core when one of its leases ends, after the core and the gate heard."""
+        self._core.add_end_listener(listener)

@@ -10,7 +10,7 @@ from typing import Any
 
 from fair_sched_plugin.core import InflightLimitGate, TierLimits
 from fair_sched_plugin.driver import FairScheduler
-from fair_sched_plugin.state import open_state
+from fair_sched_plugin.state import ReplicaScheduler
 from fair_sched_plugin.state.term import Term
 from fair_sched_plugin.testing import make_ticket, settle
 
@@ -100,8 +100,9 @@ async def test_a_replica_rejoining_with_a_new_session_replaces_its_old_one() -> 
 
 async def test_a_reply_of_an_earlier_session_is_ignored() -> None:
     """Race: after rejoining, a grant written for the replica's previous session arrives; the
-    ticket waits for the current session's grant and is granted once."""
-    replica = open_state("memory://", FairScheduler(TIERS, InflightLimitGate(1)))
+    ticket waits for the current session's grant and is granted once. (The replica layer on its
+    own term, as a replica cut off from Redis runs: memory:// hands out the core's leases.)"""
+    replica = ReplicaScheduler(FairScheduler(TIERS, InflightLimitGate(1)))
     holder = await replica.acquire(make_ticket("A"))
     parked = asyncio.ensure_future(replica.acquire(make_ticket("B")))
     await settle()
@@ -131,7 +132,7 @@ async def test_a_second_grant_for_a_lease_already_held_is_ignored() -> None:
     """Race: after an outage a grant for a ticket the replica already holds (granted locally,
     adopted by the leader) arrives late; it is neither used again nor handed back (the lease
     running under that id must stay counted)."""
-    replica = open_state("memory://", FairScheduler(TIERS, InflightLimitGate(2)))
+    replica = ReplicaScheduler(FairScheduler(TIERS, InflightLimitGate(2)))
     lease = await replica.acquire(make_ticket("A"))
     replica._on_reply(("g", replica._epoch, replica._session, lease.lease_id, 1.0, None))
     await settle()
