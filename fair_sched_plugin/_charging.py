@@ -65,9 +65,7 @@ class Charges:
         self, model: str, prompt_tokens: int, output_tokens: int, cached_tokens: int = 0
     ) -> float | None:
         """What these tokens cost at `model`'s price (None: no price known)."""
-        price = self._prices.get(model)
-        if price is None and (self._price_lookup is not None or self._fallback_price is not None):
-            price = self.price_of(model)
+        price = self.price_of(model)
         if price is None:
             return None
         return bounded_cost(price.cost(prompt_tokens, output_tokens, cached_tokens))

@@ -598,7 +598,7 @@ class SchedulerCore(SchedulerReads):
         # The core and the gate have heard of the end before any observer runs: an observer's
         # failure (a spend that cannot be counted) is logged and can leave nothing half-ended.
         self._gate.on_ended(lease)
-        for listener in self._end_listeners:
+        for listener in self._end_listeners:  # `notify_end_listeners`, inline (every end)
             try:
                 listener(lease, abandoned)
             except Exception:

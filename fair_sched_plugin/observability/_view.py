@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import contextlib
 import logging
 from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, NamedTuple, Protocol
@@ -162,11 +163,8 @@ class ViewReader:
         return self._view
 
     def remember_loop(self) -> None:
-        try:  # runs on every admission: no context manager
-            loop = asyncio.get_running_loop()
-        except RuntimeError:
-            return  # not on a loop: the one remembered stays
-        self._loop = loop
+        with contextlib.suppress(RuntimeError):  # not on a loop: the one remembered stays
+            self._loop = asyncio.get_running_loop()
 
     def _read(self, *, on_loop: bool) -> Reading:
         view = self._view
