@@ -214,7 +214,7 @@ class MetricsGate:
         """Some deployment of the model has room for one more request of this tier."""
         state = self._groups.get(model)
         if state is None:
-            sharers = self._model_sharers.get(model, self._sharers)
+            sharers = self._sharers_of(model)
             cap = self._unknown_cap if sharers == 1 else share(self._unknown_cap, sharers)
             return self._unknown_in_flight.get(model, 0) < cap
         now = self._now()
