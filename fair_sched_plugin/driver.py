@@ -12,6 +12,7 @@ core is the driver's too, with no call in between on the hot path.
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 from collections.abc import Callable
 from typing import Protocol
@@ -36,6 +37,8 @@ __all__ = [
     "abandon_if_granted",
     "granted",
 ]
+
+logger = logging.getLogger("fair_sched")
 
 
 class TimerHandle(Protocol):
@@ -103,7 +106,7 @@ class DisconnectSignal(asyncio.Event):
     def add_callback(self, callback: Callable[[], None]) -> None:
         """Call `callback()` once when the signal is set (at once where it already is)."""
         if self.fired:
-            callback()
+            _call_back(callback)
         elif self._callbacks is None:
             self._callbacks = [callback]
         else:
@@ -120,11 +123,20 @@ class DisconnectSignal(asyncio.Event):
         super().set()
         callbacks, self._callbacks = self._callbacks, None
         for callback in callbacks or ():
-            callback()
+            _call_back(callback)
 
     def clear(self) -> None:
         self.fired = False
         super().clear()
+
+
+def _call_back(callback: Callable[[], None]) -> None:
+    # The signal is set from a request watch's receive loop: one callback that raised would skip
+    # the others (their requests would stay parked for a client that is gone) and end that loop.
+    try:
+        callback()
+    except Exception:
+        logger.exception("a disconnect callback raised; the other callbacks still run")
 
 
 class Reservation:

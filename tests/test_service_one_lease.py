@@ -89,3 +89,21 @@ def test_an_admission_runs_at_most_half_the_code_it_did() -> None:
     no_wait, parked = results["no wait"], results["park, then grant"]
     assert no_wait.calls <= 53 and no_wait.switches <= 26
     assert parked.calls <= 156 and parked.switches <= 80
+
+
+def test_a_disconnect_callback_that_raises_does_not_skip_the_others(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    calls: list[str] = []
+
+    def broken() -> None:
+        raise RuntimeError("boom")
+
+    signal = DisconnectSignal()
+    signal.add_callback(broken)
+    signal.add_callback(lambda: calls.append("second"))
+    signal.set()  # does not raise into the receive loop that set it
+    assert calls == ["second"]
+    signal.add_callback(broken)  # already set: called at once, and contained too
+    assert [record.levelname for record in caplog.records] == ["ERROR", "ERROR"]
+    assert "disconnect callback raised" in caplog.records[0].getMessage()
