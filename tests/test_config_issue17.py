@@ -30,6 +30,12 @@ def tier(**keys: Any) -> dict[str, Any]:
         ({"waiting_below": {"auto": {"min": 0, "max": 8}}, "ttft_target_ms": 800}, (0, 8), 3),
         ({"waiting_below": "auto", "waiting_below_min": 0, "ttft_target_ms": 800}, (0, 32), 3),
         ({"waiting_below": 3}, None, 3),
+        ({"waiting_below": 3, "ttft_target_ms": 800}, None, 3),  # a number stays a number
+        ({}, None, 3),  # no target: the fixed default
+        ({"tpot_below_ms": 150}, None, 3),  # a release condition, not a target for `auto`
+        ({"ttft_target_ms": 800}, (1, 32), 3),  # a TTFT target and no threshold: `auto`
+        ({"ttft_target_ms": 800, "waiting_below_max": 8}, (1, 8), 3),
+        ({"waiting_below_min": 2, "tpot_below_ms": 150}, (2, 32), 3),
         ({"waiting_below": 0}, None, 0),
         ({"waiting_below": 4.0}, None, 4),  # YAML `4.0`
     ],
@@ -53,6 +59,7 @@ def test_the_forms_of_waiting_below(
             "tiers[0].waiting_below: auto needs min <= max (got min 5, max 2)",
         ),
         ({"waiting_below": 3, "waiting_below_min": 2}, "only with waiting_below: auto"),
+        ({"waiting_below_min": 2}, "tiers[0].waiting_below: auto needs ttft_target_ms or"),
         (
             {"waiting_below": {"auto": {"min": 2}}, "waiting_below_max": 4, "ttft_target_ms": 1},
             "give them in one place",

@@ -36,7 +36,7 @@ ModelName = Annotated[str, Field(min_length=1, max_length=256)]
 # Validation context key: prices come from the adapter (see `parse_settings`).
 PRICES_FROM_ADAPTER = "prices_from_adapter"
 
-# The fixed threshold a tier gets without one, and where `auto` starts.
+# The fixed threshold a tier without one and without a TTFT target gets, and where `auto` starts.
 _DEFAULT_WAITING_BELOW = 3
 
 
@@ -76,6 +76,24 @@ class TierSettings(Frozen):
     share: Annotated[float, Field(gt=0)] | None = None
     # A request parked this long in this tier moves one tier up (not on the first tier).
     promote_after_s: Annotated[float, Field(gt=0)] | None = None
+
+    @model_validator(mode="before")
+    @classmethod
+    def _a_target_means_auto(cls, data: object) -> object:
+        # A tier that names the TTFT it wants (or the bounds of `auto`) and no threshold is tuned
+        # to that target: a fixed default would leave the target unread. Without a target there
+        # is nothing for `auto` to aim at, so such a tier keeps the fixed default
+        # (docs/choosing-thresholds.md, "What you get without tuning").
+        if (
+            isinstance(data, Mapping)
+            and "waiting_below" not in data
+            and any(
+                data.get(key) is not None
+                for key in ("ttft_target_ms", "waiting_below_min", "waiting_below_max")
+            )
+        ):
+            return {**data, "waiting_below": "auto"}
+        return data
 
     @field_validator("waiting_below", mode="before")
     @classmethod
