@@ -332,6 +332,9 @@ class FairSchedSettings(Frozen):
     max_lease_s: Annotated[float, Field(gt=0, le=86_400)] = 3600.0
     # A client that does not take one chunk of the response for this long is treated as gone.
     send_timeout_s: Annotated[float, Field(gt=0, le=3600)] = 60.0
+    # Inside LiteLLM: at its first request, collect once and freeze (`gc.freeze`) the start-up
+    # heap, so that a full collection no longer stops the proxy for ~0.45 s (docs/operations.md).
+    freeze_startup_heap: bool = True
     state: str = "memory://"
     # Shared state (`state: redis://...`): key prefix, how often a replica says it is alive, and
     # after how long without a heartbeat its queued tickets and leases are dropped.

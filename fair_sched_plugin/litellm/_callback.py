@@ -32,6 +32,7 @@ from litellm.exceptions import ServiceUnavailableError, Timeout
 from litellm.integrations.custom_logger import CustomLogger
 
 from .._body import OUTPUT_TOKEN_FIELDS, rewrite_priority
+from .._gc import freeze_startup_heap
 from .._request import current_request, ensure_current_request
 from .._responses import error_response
 from .._usage import read_usage
@@ -112,6 +113,8 @@ class FairSchedCallback(CustomLogger):
         super().__init__()
         self._service_factory = service_factory
         self._service: SchedulingService | None = None
+        # LiteLLM's start-up is over by its first request (uvicorn serves after start-up).
+        self._startup_heap_frozen = False
 
     @property
     def service(self) -> SchedulingService:
@@ -126,6 +129,10 @@ class FairSchedCallback(CustomLogger):
         self, user_api_key_dict: Any, cache: Any, data: dict[str, Any], call_type: str
     ) -> dict[str, Any]:
         service = self.service
+        if not self._startup_heap_frozen:
+            self._startup_heap_frozen = True
+            if service.settings.freeze_startup_heap:
+                freeze_startup_heap()
         pass_through = call_type == PASS_THROUGH_CALL_TYPE
         # A pass-through body reaches the engine as is, so its priority is a top-level field.
         via_extra_body = not pass_through
