@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import gc
 import os
+from collections.abc import Iterator
 
 import pytest
 from hypothesis import settings
@@ -55,3 +57,12 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     for item in items:
         if item.get_closest_marker("full") is not None:
             item.add_marker(skip)
+
+
+@pytest.fixture(autouse=True)
+def _heap_thawed_after_each_test() -> Iterator[None]:
+    """A test that runs the LiteLLM callback's first pre-call hook in this process freezes its
+    heap (`freeze_startup_heap`): thawed after it, so later tests' objects stay collectable."""
+    yield
+    if gc.get_freeze_count():
+        gc.unfreeze()
