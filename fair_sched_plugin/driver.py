@@ -136,7 +136,7 @@ def _call_back(callback: Callable[[], None]) -> None:
     try:
         callback()
     except Exception:
-        logger.exception("a disconnect callback raised; the other callbacks still run")
+        logger.exception("fair_sched: a disconnect callback raised; the other callbacks still run")
 
 
 class Reservation:

@@ -131,7 +131,8 @@ class FairSchedCallback(CustomLogger):
         service = self.service
         if not self._startup_heap_frozen:
             self._startup_heap_frozen = True
-            if service.settings.freeze_startup_heap:
+            # A proxy's heap only: LiteLLM's SDK inside someone's program leaves theirs alone.
+            if service.settings.freeze_startup_heap and running_proxy() is not None:
                 freeze_startup_heap()
         pass_through = call_type == PASS_THROUGH_CALL_TYPE
         # A pass-through body reaches the engine as is, so its priority is a top-level field.

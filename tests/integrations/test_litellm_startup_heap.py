@@ -36,10 +36,17 @@ def test_freezing_moves_every_live_object_out_of_the_collections_and_says_so(
     assert "froze the start-up heap" in caplog.text
 
 
-async def first_hooks(settings: dict[str, Any], requests: int) -> int:
-    """The freeze count after `requests` requests reach the LiteLLM callback's pre-call hook."""
+async def first_hooks(
+    settings: dict[str, Any], requests: int, *, in_proxy: bool = True
+) -> int:
+    """How many of `requests` requests through the LiteLLM callback's pre-call hook froze the
+    heap, in a running proxy or (`in_proxy=False`) in a program using LiteLLM's SDK."""
+    from fair_sched_plugin.litellm import _callback
     from fair_sched_plugin.litellm._callback import FairSchedCallback
 
+    proxy = object() if in_proxy else None
+    patch = pytest.MonkeyPatch()
+    patch.setattr(_callback, "running_proxy", lambda: proxy)
     service = SchedulingService(settings)
     callback = FairSchedCallback(lambda: service)
     counts = []
@@ -49,6 +56,7 @@ async def first_hooks(settings: dict[str, Any], requests: int) -> int:
         counts.append(gc.get_freeze_count())
         gc.unfreeze()  # a second freeze would show as a count again
     await service.aclose()
+    patch.undo()
     return sum(1 for count in counts if count)
 
 
@@ -60,3 +68,8 @@ async def test_the_first_request_through_litellm_freezes_once() -> None:
 @NEEDS_LITELLM
 async def test_freeze_startup_heap_false_leaves_the_collector_alone() -> None:
     assert await first_hooks({"freeze_startup_heap": False}, 2) == 0
+
+
+@NEEDS_LITELLM
+async def test_outside_a_proxy_the_heap_is_left_alone() -> None:
+    assert await first_hooks({}, 2, in_proxy=False) == 0
