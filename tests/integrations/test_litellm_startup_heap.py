@@ -36,9 +36,7 @@ def test_freezing_moves_every_live_object_out_of_the_collections_and_says_so(
     assert "froze the start-up heap" in caplog.text
 
 
-async def first_hooks(
-    settings: dict[str, Any], requests: int, *, in_proxy: bool = True
-) -> int:
+async def first_hooks(settings: dict[str, Any], requests: int, *, in_proxy: bool = True) -> int:
     """How many of `requests` requests through the LiteLLM callback's pre-call hook froze the
     heap, in a running proxy or (`in_proxy=False`) in a program using LiteLLM's SDK."""
     from fair_sched_plugin.litellm import _callback
