@@ -209,6 +209,16 @@ class ProxyStartError(RuntimeError):
     pass
 
 
+class PortTaken(ProxyStartError):
+    """The free port we picked was taken before the proxy bound it (LiteLLM binds only after
+    its start-up, seconds later, while other workers start servers): start again elsewhere."""
+
+
+# What uvicorn logs when the port is taken; the proxy then idles without serving (CI, 6 Dec).
+BIND_FAILED = "error while attempting to bind on address"
+PORT_ATTEMPTS = 3
+
+
 async def _wait_live(proxy: ProxyProcess, timeout_s: float) -> None:
     loop = asyncio.get_running_loop()
     give_up_at = loop.time() + timeout_s
@@ -219,6 +229,8 @@ async def _wait_live(proxy: ProxyProcess, timeout_s: float) -> None:
                     f"litellm exited with {proxy.process.returncode} before serving:\n"
                     f"{proxy.log_tail()}"
                 )
+            if BIND_FAILED in proxy.log_tail():
+                raise PortTaken(f"port {proxy.port} was taken:\n{proxy.log_tail()}")
             with contextlib.suppress(httpx.HTTPError):
                 if (await client.get("/health/liveliness")).status_code == 200:
                     return
@@ -243,12 +255,22 @@ async def litellm_proxy(
     `env` adds environment variables for the proxy; `new_session` starts it in a session (an
     autogroup CPU scheduling group) of its own (`tests/processes.py`)."""
     config_path = write_config(directory, name, config)
-    port = free_port()
     log_path = directory / f"{name}.log"
-    process = _spawn(config_path, port, log_path, env, new_session=new_session)
-    proxy = ProxyProcess(f"http://{LOOPBACK}:{port}", port, process, log_path, config_path)
+    for attempt in range(1, PORT_ATTEMPTS + 1):
+        port = free_port()
+        process = _spawn(config_path, port, log_path, env, new_session=new_session)
+        proxy = ProxyProcess(f"http://{LOOPBACK}:{port}", port, process, log_path, config_path)
+        try:
+            await _wait_live(proxy, PROXY_STARTUP_TIMEOUT_S)
+            break
+        except PortTaken:
+            await asyncio.to_thread(_kill_group, process)
+            if attempt == PORT_ATTEMPTS:
+                raise
+        except BaseException:
+            await asyncio.to_thread(_kill_group, process)
+            raise
     try:
-        await _wait_live(proxy, PROXY_STARTUP_TIMEOUT_S)
         yield proxy
     finally:
         await asyncio.to_thread(_kill_group, process)
