@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import gc
 import logging
-from collections.abc import Iterator
 from typing import Any
 
 import pytest
@@ -14,14 +13,6 @@ from fair_sched_plugin._gc import freeze_startup_heap
 from fair_sched_plugin.service import SchedulingService
 
 from .litellm_harness import NEEDS_LITELLM
-
-
-@pytest.fixture(autouse=True)
-def thawed() -> Iterator[None]:
-    """Each test starts and ends with nothing frozen (the freeze is process-wide)."""
-    gc.unfreeze()
-    yield
-    gc.unfreeze()
 
 
 def test_freezing_moves_every_live_object_out_of_the_collections_and_says_so(
@@ -36,15 +27,17 @@ def test_freezing_moves_every_live_object_out_of_the_collections_and_says_so(
     assert "froze the start-up heap" in caplog.text
 
 
-async def first_hooks(settings: dict[str, Any], requests: int, *, in_proxy: bool = True) -> int:
+async def first_hooks(
+    monkeypatch: pytest.MonkeyPatch, settings: dict[str, Any], requests: int, *, in_proxy: bool
+) -> int:
     """How many of `requests` requests through the LiteLLM callback's pre-call hook froze the
-    heap, in a running proxy or (`in_proxy=False`) in a program using LiteLLM's SDK."""
+    heap, in a running proxy or (`in_proxy=False`) in a program using LiteLLM's SDK. (The
+    suite's conftest thaws the heap after every test, so each starts with nothing frozen.)"""
     from fair_sched_plugin.litellm import _callback
     from fair_sched_plugin.litellm._callback import FairSchedCallback
 
     proxy = object() if in_proxy else None
-    patch = pytest.MonkeyPatch()
-    patch.setattr(_callback, "running_proxy", lambda: proxy)
+    monkeypatch.setattr(_callback, "running_proxy", lambda: proxy)
     service = SchedulingService(settings)
     callback = FairSchedCallback(lambda: service)
     counts = []
@@ -54,20 +47,23 @@ async def first_hooks(settings: dict[str, Any], requests: int, *, in_proxy: bool
         counts.append(gc.get_freeze_count())
         gc.unfreeze()  # a second freeze would show as a count again
     await service.aclose()
-    patch.undo()
     return sum(1 for count in counts if count)
 
 
 @NEEDS_LITELLM
-async def test_the_first_request_through_litellm_freezes_once() -> None:
-    assert await first_hooks({}, 3) == 1
+async def test_the_first_request_through_litellm_freezes_once(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    assert await first_hooks(monkeypatch, {}, 3, in_proxy=True) == 1
 
 
 @NEEDS_LITELLM
-async def test_freeze_startup_heap_false_leaves_the_collector_alone() -> None:
-    assert await first_hooks({"freeze_startup_heap": False}, 2) == 0
+async def test_freeze_startup_heap_false_leaves_the_collector_alone(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    assert await first_hooks(monkeypatch, {"freeze_startup_heap": False}, 2, in_proxy=True) == 0
 
 
 @NEEDS_LITELLM
-async def test_outside_a_proxy_the_heap_is_left_alone() -> None:
-    assert await first_hooks({}, 2, in_proxy=False) == 0
+async def test_outside_a_proxy_the_heap_is_left_alone(monkeypatch: pytest.MonkeyPatch) -> None:
+    assert await first_hooks(monkeypatch, {}, 2, in_proxy=False) == 0
