@@ -163,7 +163,7 @@ async def _litellm_request() -> CallCounter:
             max_wait_s=request.max_wait_s(service.settings.queue.max_wait_s),
         )
         request.hold(admission.lease)
-        request.forwarded = True
+        request.forwarded()
         await send({"type": "http.response.start", "status": 200, "headers": []})
         await send({"type": "http.response.body", "body": b"{}", "more_body": False})
 

@@ -1,5 +1,6 @@
-"""Graceful drain: after it begins, requests still running get `drain_grace_s` to finish, then
-each is told to end. `SchedulingService.begin_drain` starts it (SIGTERM does, see `_shutdown`)."""
+"""The requests running, and graceful drain: after it begins, requests still running get
+`drain_grace_s` to finish, then each is told to end. `SchedulingService.begin_drain` starts it
+(SIGTERM does, see `_shutdown`)."""
 
 from __future__ import annotations
 
@@ -18,26 +19,40 @@ class RunningRequest(Protocol):
         """The server drains and the grace period is over: end the request now."""
 
 
-class GracefulDrain:
-    """The granted requests a drain may end, and the timer that ends them."""
+class Running:
+    """The leases granted through the service and not ended yet, one entry each: the request
+    that holds it (None: its caller holds the lease itself). The drain, the status document
+    and the metrics read this one entry; none keeps a copy."""
 
-    def __init__(self, clock: TimerClock, grace_s: float) -> None:
+    __slots__ = ("entries", "lease_ended")
+
+    def __init__(self) -> None:
+        self.entries: dict[Lease, RunningRequest | None] = {}
+        # The scheduler's end listener, `(lease, abandoned)`: the entries' own `pop`, a C call
+        # on every request's end (`abandoned` is only its unused default).
+        self.lease_ended: Callable[[Lease, bool], object] = self.entries.pop
+
+    def hold(self, lease: Lease, request: RunningRequest | None) -> None:
+        """`request` holds `lease` until it ends (`lease_ended`)."""
+        self.entries[lease] = request
+
+    def __len__(self) -> int:
+        return len(self.entries)
+
+
+class GracefulDrain:
+    """The timer that ends the running requests once a drain's grace period is over."""
+
+    def __init__(self, clock: TimerClock, grace_s: float, running: Running) -> None:
         self._clock = clock
         self._grace_s = grace_s
-        self._holders: dict[Lease, RunningRequest] = {}
-        # The scheduler's end listener, `(lease, abandoned)`: the holders' own `pop`, a C call
-        # on every request's end (`abandoned` is only its unused default).
-        self.lease_ended: Callable[[Lease, bool], object] = self._holders.pop
+        self._running = running
         self._draining = False
         self._timer: TimerHandle | None = None
 
     @property
     def draining(self) -> bool:
         return self._draining
-
-    def hold(self, lease: Lease, request: RunningRequest) -> None:
-        """`request` holds `lease` until it ends (`lease_ended`)."""
-        self._holders[lease] = request
 
     def begin(self, queued: int) -> None:
         """Say what the drain refuses (`queued` parked requests) and what it waits for; end
@@ -47,7 +62,7 @@ class GracefulDrain:
             "fair_sched: draining: %d parked requests refused, %d running may finish within "
             "%g s (drain_grace_s)",
             queued,
-            len(self._holders),
+            len(self._running),
             self._grace_s,
         )
         self._timer = self._clock.call_at(self._clock.now() + self._grace_s, self._end_running)
@@ -59,10 +74,10 @@ class GracefulDrain:
 
     def _end_running(self) -> None:
         self._timer = None
-        if self._holders:
+        holders = [holder for holder in self._running.entries.values() if holder is not None]
+        if holders:
             logger.warning(
-                "fair_sched: drain grace period over: ending %d running requests",
-                len(self._holders),
+                "fair_sched: drain grace period over: ending %d running requests", len(holders)
             )
-        for holder in list(self._holders.values()):
+        for holder in holders:
             holder.shutdown()

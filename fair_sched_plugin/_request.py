@@ -7,11 +7,11 @@ behind that middleware. It gives every adapter the same rules:
 - A client that leaves is noticed (`disconnected`) once the body has been read: one side task
   then owns the server's `receive()` and every later reader gets its result, so no body message
   is ever taken from the app.
-- A lease the request holds (`hold()`) is the watch's from then on: the watch alone marks its
-  first byte and ends it, in that order, exactly once (`_end_lease`). It ends with the request at
-  the latest: completed once the response went out (or its first byte did), abandoned if nothing
-  ever did. Adapters only report what they saw (`report()` the engine's usage,
-  `engine_answered()`, `engine_never_answered()`, `engine_timed_out()`); none ends a lease.
+- A lease the request holds (`hold()`) lives in a `RequestLife` (`_lifecycle`): the watch and
+  the adapters send it events (`forwarded()`, `report()` the engine's usage, `engine_answered()`,
+  `engine_never_answered()`, `engine_timed_out()`, the response's start and end, the client
+  leaving, `close()`), and its transition table alone marks the first byte and ends the lease,
+  once, with the charge its end implies. It ends with the request at the latest.
 - Nobody listens any more (the client left), the lease is older than `max_lease_s`, or the client
   stopped reading for `send_timeout_s`: the app is cancelled (its upstream request closes, so the
   engine frees the sequence), the lease ends, and the connection is closed.
@@ -33,11 +33,12 @@ import contextvars
 import json
 import logging
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any, Literal
+from typing import TYPE_CHECKING, Any
 
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from ._keepalive import ticks_for
+from ._lifecycle import End, Event, RequestLife
 from ._responses import error, error_response
 from .core import Lease
 from .driver import DisconnectSignal
@@ -73,9 +74,6 @@ SSE_HEADERS = [
     # nginx would otherwise buffer the comments and defeat their purpose.
     (b"x-accel-buffering", b"no"),
 ]
-
-# How a lease ended (`RequestWatch._end_lease`).
-LeaseOutcome = Literal["completed", "interrupted", "abandoned"]
 
 _current: contextvars.ContextVar[RequestWatch | None] = contextvars.ContextVar(
     "fair_sched_request", default=None
@@ -124,7 +122,8 @@ class RequestWatch:
         self.body_complete = False
         self.response_started = False
         self.response_complete = False
-        self.leases: list[Lease] = []
+        # Each lease this request held, with its life (`_lifecycle`), in the order held.
+        self._lives: dict[Lease, RequestLife] = {}
         # The leases whose bound deployment an adapter refused to replace, and said so (by
         # `id`: they stay in `leases`): LiteLLM retries each refused attempt.
         self.refusals_logged: set[int] = set()
@@ -155,11 +154,6 @@ class RequestWatch:
         self._refusal: Rejected | ClientDisconnected | None = None
         # Added to the response start: where the request stood (`admitted()`).
         self.response_headers: list[tuple[bytes, bytes]] = []
-        # What the engine reported each lease's request used (`report()`): its end charges it.
-        self._reported: dict[Lease, tuple[int | None, float | None]] = {}
-        # The request went on to the engine (the app read its body, LiteLLM's hook returned):
-        # from then on a client that leaves is charged what the engine can have generated.
-        self.forwarded = False
         # How many tokens an interrupted request is charged (`SchedulingService.
         # interrupted_tokens`); None: its whole estimate.
         self.interrupted_tokens: Callable[[Lease], int] | None = None
@@ -215,11 +209,13 @@ class RequestWatch:
         # reading (it is waiting for the headers).
         await error_response(self.stopped).send_asgi(self._send)
 
-    def stop(self, reason: LeaseExpired | ClientDisconnected) -> None:
-        """Cancel the running app (once); `run()` then ends the leases and the response."""
+    def stop(self, reason: LeaseExpired | ClientDisconnected, event: Event) -> None:
+        """Cancel the running app (once) and tell the leases why (`event`); `run()` then ends
+        the response, and the request's end whatever lease is still held."""
         if self.stopped is not None or self.response_complete:
             return
         self.stopped = reason
+        self._tell(event)
         if self._app_task is not None:
             self._app_task.cancel()
 
@@ -272,21 +268,42 @@ class RequestWatch:
 
     def hold(self, lease: Lease) -> None:
         """This request holds `lease` until it ends (at the latest when the request ends)."""
-        self.leases.append(lease)
+        life = self._lives[lease] = RequestLife(_HeldLease(lease, self))
         if self._max_lease_s is not None and self._lease_timer is None:
             self._lease_timer = asyncio.get_running_loop().call_later(
                 self._max_lease_s, self._lease_expired
             )
         if self.disconnected.fired:
-            self.stop(ClientDisconnected("the client left before its request was sent"))
+            left = ClientDisconnected("the client left before its request was sent")
+            self.stop(left, Event.CLIENT_LEFT)
+            life.handle(Event.CLIENT_LEFT)  # also where the request was stopped before
+
+    @property
+    def leases(self) -> list[Lease]:
+        """Every lease this request held, in order (ended ones too)."""
+        return list(self._lives)
 
     @property
     def lease(self) -> Lease | None:
         """The lease this request holds and has not ended, if any."""
-        for lease in self.leases:
-            if lease.active:
+        for lease, life in self._lives.items():
+            if life.holds and lease.active:
                 return lease
         return None
+
+    def life(self, lease: Lease) -> RequestLife:
+        """Where `lease`'s turn stands (`_lifecycle`)."""
+        return self._lives[lease]
+
+    def _tell(self, event: Event, lease: Lease | None = None) -> None:
+        """Send `event` to `lease`'s life, or to every lease's where None."""
+        if lease is not None:
+            life = self._lives.get(lease)
+            if life is not None:
+                life.handle(event)
+            return
+        for life in self._lives.values():  # an end never holds another lease
+            life.handle(event)
 
     def _lease_expired(self) -> None:
         self._lease_timer = None
@@ -298,72 +315,42 @@ class RequestWatch:
                 self._max_lease_s,
             )
             limit = f"max_lease_s={self._max_lease_s:g}"
-            self.stop(LeaseExpired(f"the request held its engine slot longer than {limit}"))
+            self.stop(
+                LeaseExpired(f"the request held its engine slot longer than {limit}"),
+                Event.LEASE_EXPIRED,
+            )
 
-    # What adapters saw of a lease's engine request: events for the watch, which alone marks a
-    # lease's first byte and ends it (`_end_lease`).
+    # What adapters saw of a lease's engine request: events for its life (`_lifecycle`), which
+    # alone marks the first byte and ends the lease. Without a `lease`: every lease it holds.
+
+    def forwarded(self) -> None:
+        """The request went on to the engine (the app read its body, LiteLLM's hook returned):
+        from then on a client that leaves is charged what the engine can have generated."""
+        self._tell(Event.FORWARDED)
 
     def report(self, lease: Lease, tokens_used: int | None, cost_used: float | None) -> None:
-        """What the engine said `lease`'s request used; charged when the lease ends here.
+        """What the engine said `lease`'s request used; charged when the lease ends completed.
 
-        A detached watch (no connection: nothing to see the response go out) ends the lease
-        now, as the end of its request."""
-        if not lease.active:
-            return  # ended already (a late hook): nothing left to charge
-        self._reported[lease] = (tokens_used, cost_used)
-        if self._send is None:
-            self._end_lease(lease, "completed")
-
-    def engine_answered(self, lease: Lease) -> None:
-        """The engine's first chunk for `lease` came (an adapter sees it before it is sent)."""
-        lease.mark_started()
-
-    def engine_never_answered(self, lease: Lease) -> None:
-        """The engine gave no answer for `lease` (refused on the way, or failed before its
-        first chunk): it ends now, abandoned, so the turn passes on uncharged and no answer
-        of ours counts as the engine's first byte."""
-        self._end_lease(lease, "abandoned")
-
-    def engine_timed_out(self, lease: Lease) -> None:
-        """The engine had `lease`'s request until we gave up waiting for its answer: it ends
-        now (before our own answer, which is not the engine's first byte), charged what the
-        engine can have generated, as for a client that leaves."""
-        self._end_lease(lease, "interrupted")
-
-    def end_leases(self) -> None:
-        """End every lease this request holds, each in the one way that fits (idempotent)."""
-        for lease in self.leases:
-            self._end_lease(lease)
-
-    def _end_lease(self, lease: Lease, outcome: LeaseOutcome | None = None) -> None:
-        """The one place a request's lease ends (once); its first byte is recorded before.
-
-        Without an `outcome` an adapter reported, the request's end says which:
-
-        - A response went out: completed, charged what the engine reported (`report()`), else
-          the estimate.
-        - We stopped it (the client left, or max_lease_s ran out) after the request went on to
-          the engine: interrupted, charged the output the engine can have generated before
-          the abort reached it (never refunded).
-        - Nothing reached the engine: abandoned, so the turn passes on uncharged.
-        """
-        if not lease.active:
+        A detached watch (no connection: nothing to see the response go out) takes the report
+        as the end of its response."""
+        life = self._lives.get(lease)
+        if life is None:
             return
-        tokens_used, cost_used = self._reported.pop(lease, (None, None))
-        if outcome is None:
-            if lease.started or self.response_started:
-                outcome = "completed"
-            elif self.forwarded and self.stopped is not None:
-                outcome = "interrupted"
-            else:
-                outcome = "abandoned"
-        if outcome == "completed":
-            lease.release(tokens_used, cost_used=cost_used)
-        elif outcome == "interrupted":
-            charge = self.interrupted_tokens
-            lease.release(charge(lease) if charge is not None else lease.ticket.cost)
-        else:
-            lease.abandon()
+        life.usage(tokens_used, cost_used)
+        if self._send is None:
+            life.handle(Event.RESPONSE_COMPLETE)
+
+    def engine_answered(self, lease: Lease | None = None) -> None:
+        """The engine's first chunk came (an adapter sees it before it is sent)."""
+        self._tell(Event.FIRST_BYTE, lease)
+
+    def engine_never_answered(self, lease: Lease | None = None) -> None:
+        """The engine gave no answer (refused on the way, or failed before its first chunk)."""
+        self._tell(Event.ENGINE_FAILED, lease)
+
+    def engine_timed_out(self, lease: Lease | None = None) -> None:
+        """The engine had the request until we gave up waiting for its answer."""
+        self._tell(Event.ENGINE_TIMED_OUT, lease)
 
     # ------------------------------------------------------------------ receive side
 
@@ -388,7 +375,9 @@ class RequestWatch:
         self.disconnected.set()
         if self.lease is not None and not self.response_complete:
             # Nobody reads the answer any more: stop the engine's work.
-            self.stop(ClientDisconnected("the client left while its request ran"))
+            self.stop(
+                ClientDisconnected("the client left while its request ran"), Event.CLIENT_LEFT
+            )
 
     async def receive(self) -> Message:
         if self._watcher is not None:
@@ -425,24 +414,24 @@ class RequestWatch:
         kind = message["type"]
         if kind == "http.response.start":
             self.response_started = True
+            self._tell(Event.RESPONSE_STARTED)
             if self.response_headers:
                 headers = [*message.get("headers", ()), *self.response_headers]
                 message = {**message, "headers": headers}
         elif kind == "http.response.body":
             if message.get("body"):
-                for lease in self.leases:
-                    lease.mark_started()
+                self._tell(Event.FIRST_BYTE)
             if not message.get("more_body", False):
                 self.response_complete = True
         await self._deliver(message)
         if self.response_complete:
-            self.end_leases()
+            self._tell(Event.RESPONSE_COMPLETE)
 
     async def _deliver(self, message: Message) -> None:
         assert self._send is not None
         if self.disconnected.fired:
             return  # the client is gone: nothing to write to
-        if self._send_timeout_s is None or not self.leases:
+        if self._send_timeout_s is None or not self._lives:
             # Only a request holding a lease is timed: others hold nothing of the engine's.
             await self._send(message)
         else:
@@ -473,6 +462,7 @@ class RequestWatch:
         kind = message["type"]
         if kind == "http.response.start":
             self.response_started = True
+            self._tell(Event.RESPONSE_STARTED)
             status = int(message.get("status", 200))
             if status >= 400:
                 self._error_status = status
@@ -493,13 +483,12 @@ class RequestWatch:
                 await self._end_with_event(payload)
             return
         if body:
-            for lease in self.leases:
-                lease.mark_started()
+            self._tell(Event.FIRST_BYTE)
         if not more:
             self.response_complete = True
         await self._deliver(message)
         if not more:
-            self.end_leases()
+            self._tell(Event.RESPONSE_COMPLETE)
 
     def _owes_event(self) -> bool:
         """True while the client holds our keep-alive 200 and nothing has ended it."""
@@ -535,7 +524,7 @@ class RequestWatch:
     def shutdown(self) -> None:
         """The server drained past its grace period: end the request (a keep-alive stream
         gets an error event; a started one is closed, which is the truth)."""
-        self.stop(LeaseExpired("the server shut down before the response ended"))
+        self.stop(LeaseExpired("the server shut down before the response ended"), Event.SHUTDOWN)
 
     def unparked(self) -> None:
         """The request stopped waiting: no more comments (one being sent finishes first)."""
@@ -618,7 +607,7 @@ class RequestWatch:
             "request",
             self._send_timeout_s,
         )
-        self.stop(LeaseExpired("the client stopped reading the response"))
+        self.stop(LeaseExpired("the client stopped reading the response"), Event.SEND_STALLED)
 
     def close(self) -> None:
         """End the leases and stop watching (what `run()` does on its way out)."""
@@ -632,7 +621,30 @@ class RequestWatch:
             self._stall_timer = None
         if self._watcher is not None and not self._watcher.done():
             self._watcher.cancel()
-        self.end_leases()
+        self._tell(Event.CLOSED)
+
+
+class _HeldLease:
+    """A watch's lease as its life ends it (`_lifecycle.LeaseEnd`)."""
+
+    __slots__ = ("_lease", "_watch")
+
+    def __init__(self, lease: Lease, watch: RequestWatch) -> None:
+        self._lease = lease
+        self._watch = watch
+
+    def started(self) -> None:
+        self._lease.mark_started()
+
+    def ended(self, end: End, tokens_used: int | None, cost_used: float | None) -> None:
+        lease = self._lease
+        if end == "completed":
+            lease.release(tokens_used, cost_used=cost_used)
+        elif end == "interrupted":
+            charge = self._watch.interrupted_tokens
+            lease.release(charge(lease) if charge is not None else lease.ticket.cost)
+        else:
+            lease.abandon()
 
 
 def _error_payload(status: int, body: bytes) -> dict[str, Any]:

@@ -399,7 +399,7 @@ class _ScheduledRequest:
             if not sent:
                 sent = True
                 # The app has the request now, on its way to the engine.
-                watch.forwarded = True
+                watch.forwarded()
                 return {"type": "http.request", "body": body, "more_body": False}
             return await receive()
 

@@ -12,6 +12,7 @@ core is the driver's too, with no call in between on the hot path.
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import time
 from collections.abc import Callable
@@ -23,7 +24,7 @@ from .core.gate import AdmissionGate
 from .core.queues import Parked
 from .core.scheduler import QueueOrder, SchedulerCore
 from .core.ticket import Lease, Ticket, TierLimits
-from .errors import Rejected
+from .errors import ClientDisconnected, QueueTimeout, Rejected
 
 __all__ = [
     "Admissions",
@@ -176,18 +177,80 @@ class Reservation:
             abandon_if_granted(self.future)
 
 
-async def granted(waiter: Waiter) -> Lease:
+async def granted(
+    waiter: Waiter,
+    disconnected: asyncio.Event | None = None,
+    *,
+    max_wait_s: float | None = None,
+    clock: TimerClock | None = None,
+) -> Lease:
     """The lease `waiter` waits for; a caller that stops waiting hands its turn back
     (`withdraw`). A ticket decided the moment it was queued resumes one loop turn later, after
     the waiters decided before it (their wake-ups are already scheduled), as a replica that
-    hears of its grant through the leader does."""
+    hears of its grant through the leader does.
+
+    The client leaving (`disconnected`: `ClientDisconnected`) and its own limit (`max_wait_s`
+    on `clock`: `QueueTimeout`) end the wait from a callback that takes the ticket out of the
+    queue and fails its one future: no task and no timer per parked request beyond the limit's.
+    A grant and a disconnect at the same moment: the disconnect wins (the engine must never see
+    a request nobody waits for) and the lease goes back unused.
+    """
+    future = waiter.future
+    stops: list[Callable[[], object]] = []
+    gone = False  # the client left (told by the callback)
+    plain_event = None  # a plain `asyncio.Event`: its task may tell us a turn late
+    if disconnected is not None:
+
+        def client_left() -> None:
+            nonlocal gone
+            gone = True
+            if not future.done():
+                waiter.cancel()
+                future.set_exception(
+                    ClientDisconnected("client disconnected while its request waited")
+                )
+
+        if isinstance(disconnected, DisconnectSignal):
+            disconnected.add_callback(client_left)
+            stops.append(functools.partial(disconnected.remove_callback, client_left))
+        else:
+            plain_event = disconnected
+            watching = asyncio.ensure_future(disconnected.wait())
+            watching.add_done_callback(lambda task: None if task.cancelled() else client_left())
+            stops.append(watching.cancel)
+    if max_wait_s is not None:
+        clock = clock or LoopClock()
+
+        def expired() -> None:
+            # A lease granted at the same moment wins: the request is served.
+            if not future.done():
+                waiter.cancel()
+                future.set_exception(
+                    QueueTimeout(
+                        f"the request waited its limit of {max_wait_s:g} s "
+                        "(x-fair-sched-max-wait-s) without being released",
+                        retry_after_s=1.0,
+                    )
+                )
+
+        stops.append(clock.call_at(clock.now() + max_wait_s, expired).cancel)
     try:
-        if waiter.future.done():
-            await asyncio.sleep(0)
-        return await waiter.future
-    except BaseException:
-        waiter.withdraw()
+        if future.done():
+            await asyncio.sleep(0)  # after the waiters decided before it
+        lease = await future
+        if gone or (plain_event is not None and plain_event.is_set()):
+            raise ClientDisconnected("client disconnected while its request waited")
+        return lease
+    except BaseException as exc:
+        waiter.withdraw()  # no lease outlives a wait that ends without it
+        if isinstance(exc, Rejected) and (
+            gone or (plain_event is not None and plain_event.is_set())
+        ):
+            raise ClientDisconnected("client disconnected while its request waited") from None
         raise
+    finally:
+        for stop in stops:
+            stop()
 
 
 def abandon_if_granted(future: asyncio.Future[Lease]) -> None:

@@ -227,7 +227,7 @@ class _ProxyRoutes:
                 model,
                 shown,
             )
-            _abandon_leases()
+            _engine_never_answered()
             return _json_error(
                 _responses.error_response(
                     EngineUnavailable(
@@ -269,9 +269,9 @@ class _ProxyRoutes:
                 self._service.names.redact(_describe(exc)),
             )
             if isinstance(exc, httpx.ReadTimeout):
-                _charge_leases()
+                _engine_timed_out()
             else:
-                _abandon_leases()
+                _engine_never_answered()
             # Retry when the queue ahead would have drained at the measured rate, or at least
             # once the gate could have noticed (metrics go stale and it falls back).
             service = self._service
@@ -306,25 +306,20 @@ def upstream_url(api_base: str, suffix: str) -> str:
     return urlunsplit(parts._replace(path=parts.path.rstrip("/") + suffix))
 
 
-def _abandon_leases() -> None:
-    """The engine never had the running request: the request's watch ends its lease now, so
-    the turn passes on uncharged and our own answer is not the engine's first byte (the gate
-    would count a slot taken there)."""
+def _engine_never_answered() -> None:
+    """The engine never answered: its lease's life ends it before our own answer goes out
+    (which is not the engine's first byte: the gate would count a slot taken there)."""
     watch = current_request()
     if watch is not None:
-        for lease in watch.leases:
-            watch.engine_never_answered(lease)
+        watch.engine_never_answered()
 
 
-def _charge_leases() -> None:
-    """The engine had the request until we gave up waiting for its answer (a read timeout): the
-    request's watch ends its lease now (before our own answer, which is not the engine's first
-    byte), charged what the engine can have generated, as for a client that leaves; abandoned,
-    each request longer than the timeout would use the engine for free."""
+def _engine_timed_out() -> None:
+    """We gave up waiting for the engine's answer (a read timeout): its lease's life ends it
+    before our own answer goes out (which is not the engine's first byte)."""
     watch = current_request()
     if watch is not None:
-        for lease in watch.leases:
-            watch.engine_timed_out(lease)
+        watch.engine_timed_out()
 
 
 async def _send_retrying_once(

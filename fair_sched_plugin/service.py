@@ -1,8 +1,9 @@
 """The one code path both integrations share: identity, admission and release, and the wiring.
 
 The LiteLLM callback and the ASGI middleware are thin adapters over `SchedulingService`:
-they turn their request into `Credentials` and a JSON body, call `admit()`, forward the request,
-and end the lease exactly once with `finish()`. What the service wires together lives beside it:
+they turn their request into `Credentials` and a JSON body, call `admit()` and forward the
+request; the request's watch (`_request`) holds the granted lease, and its life
+(`_lifecycle`) ends it once. What the service wires together lives beside it:
 the request body's bounds (`_body`), prices and charges (`_charging`), where a parked request
 stands and `Retry-After` (`_standing`), graceful drain (`_drain`), deployments' public names
 (`_names`), and the read model observability reads (`observability.ServiceReadModel`).
@@ -21,7 +22,7 @@ import httpx
 
 from ._body import request_size
 from ._charging import Charges
-from ._drain import GracefulDrain, RunningRequest
+from ._drain import GracefulDrain, Running, RunningRequest
 from ._http import hide_url_secrets_in_httpx_logs
 from ._names import DeploymentNames
 from ._rejection_log import RejectionLog
@@ -42,17 +43,15 @@ from .core import (
     TierLimits,
 )
 from .driver import (
-    DisconnectSignal,
     FairScheduler,
     LoopClock,
     TimerClock,
-    Waiter,
+    granted,
 )
 from .errors import (
     BudgetExceeded,
     ClientDisconnected,
     InvalidRequest,
-    QueueTimeout,
     Rejected,
     UnknownModel,
 )
@@ -201,8 +200,10 @@ class SchedulingService:
         # How fast each model's queue drains (releases per second), for estimates.
         self.drain = DrainMeter()
         self.standings = Standings(settings, self.scheduler, self.drain, self.clock)
-        self._graceful_drain = GracefulDrain(self.clock, settings.drain_grace_s)
-        self.scheduler.add_end_listener(self._graceful_drain.lease_ended)
+        # Every request running, one entry each (the drain and the status document read it).
+        self.running = Running()
+        self.scheduler.add_end_listener(self.running.lease_ended)
+        self._graceful_drain = GracefulDrain(self.clock, settings.drain_grace_s, self.running)
         self.scheduler.add_decider_listener(self._scrape_all_now)
         # Created now so the wait histogram sees every admission; reads happen at scrape time.
         view = ServiceReadModel(
@@ -213,10 +214,9 @@ class SchedulingService:
             budgets=self.budgets,
             names=self.names,
             configured_models=frozenset(self.backends),
+            running=self.running.entries,
         )
         self._observability = ServiceMetrics(view)
-        self.scheduler.add_end_listener(view.lease_ended)
-        self.add_admission_observer(view)
         self.add_admission_observer(self._observability.recorder)
         self.add_transition_listener(view.gate_transition)
         self.add_transition_listener(self._observability.recorder.gate_transition)
@@ -419,8 +419,8 @@ class SchedulingService:
             self.engine_priority(scheduled_as, ticket.tier, lease.engine_rank),
             self.names.deployment_name(lease.deployment) if lease.deployment is not None else None,
         )
-        if waiting is not None and lease.active:
-            self._graceful_drain.hold(lease, waiting)
+        if lease.active:
+            self.running.hold(lease, waiting)
         for observer in self._admission_observers:
             # The lease is granted: an observer's failure must not lose it (no request would
             # hold it) nor fail the request.
@@ -445,77 +445,12 @@ class SchedulingService:
         try:
             if waiting is not None:
                 waiting.parked(parked)
-            return await self._wait(waiter, disconnected, max_wait_s)
+            # On the service's clock, like every other time it reads.
+            return await granted(waiter, disconnected, max_wait_s=max_wait_s, clock=self.clock)
         finally:
             self.standings.unpark(parked)
             if waiting is not None:
                 waiting.unparked()
-
-    async def _wait(
-        self, waiter: Waiter, disconnected: asyncio.Event | None, max_wait_s: float | None
-    ) -> Lease:
-        """Wait on the ticket's one future. The client leaving and its own limit end the wait
-        from a callback (they take the ticket out of the queue and fail the future): no task
-        and no timer per parked request beyond the limit's."""
-        future = waiter.future
-        stops: list[Callable[[], object]] = []
-        gone = False  # the client left (told by the callback)
-        plain_event = None  # a plain `asyncio.Event`: its task may tell us a turn late
-        if disconnected is not None:
-
-            def client_left() -> None:
-                nonlocal gone
-                gone = True
-                if not future.done():
-                    waiter.cancel()
-                    future.set_exception(
-                        ClientDisconnected("client disconnected while its request waited")
-                    )
-
-            if isinstance(disconnected, DisconnectSignal):
-                disconnected.add_callback(client_left)
-                stops.append(functools.partial(disconnected.remove_callback, client_left))
-            else:
-                plain_event = disconnected
-                watching = asyncio.ensure_future(disconnected.wait())
-                watching.add_done_callback(lambda task: None if task.cancelled() else client_left())
-                stops.append(watching.cancel)
-        if max_wait_s is not None:
-
-            def expired() -> None:
-                # A lease granted at the same moment wins: the request is served.
-                if not future.done():
-                    waiter.cancel()
-                    future.set_exception(
-                        QueueTimeout(
-                            f"the request waited its limit of {max_wait_s:g} s "
-                            "(x-fair-sched-max-wait-s) without being released",
-                            retry_after_s=1.0,
-                        )
-                    )
-
-            # On the service's clock, like every other time it reads.
-            stops.append(self.clock.call_at(self.clock.now() + max_wait_s, expired).cancel)
-        try:
-            # `driver.granted`, inline: each frame of an await chain runs again on resuming.
-            if future.done():
-                await asyncio.sleep(0)  # after the waiters decided before it
-            lease = await future
-        except BaseException as exc:
-            waiter.withdraw()  # no lease outlives a wait that ends without it
-            if isinstance(exc, Rejected) and (
-                gone or (plain_event is not None and plain_event.is_set())
-            ):
-                raise ClientDisconnected("client disconnected while its request waited") from None
-            raise
-        finally:
-            for stop in stops:
-                stop()
-        if gone or (plain_event is not None and plain_event.is_set()):
-            # Disconnect wins a tie: the engine must never see a request nobody waits for.
-            lease.abandon()
-            raise ClientDisconnected("client disconnected while its request waited")
-        return lease
 
     def engine_priority(self, model: str, tier_name: str, engine_rank: int = 0) -> int | None:
         """The `priority` to send for this tier, or None where the backend does not support it.
@@ -533,11 +468,6 @@ class SchedulingService:
         if backend.engine == "sglang" and not backend.priority_low_values_first:
             return -priority
         return priority
-
-    @staticmethod
-    def finish(lease: Lease, tokens_used: int | None = None) -> bool:
-        """End the lease (idempotent); True for the call that ended it."""
-        return lease.release(tokens_used=tokens_used)
 
     # ------------------------------------------------------------------ internals
 

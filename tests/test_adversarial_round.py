@@ -50,7 +50,7 @@ async def test_a_forwarded_request_that_outlives_max_lease_s_is_charged_not_aban
 
     async def engine_still_working(scope: Any, receive: Any, send: Any) -> None:
         holder[0].hold(lease)
-        holder[0].forwarded = True  # the app read the body: the engine has it
+        holder[0].forwarded()  # the app read the body: the engine has it
         await asyncio.Event().wait()
 
     watch = RequestWatch(_receive_forever, _discard, max_lease_s=0.05)

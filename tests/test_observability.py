@@ -323,7 +323,7 @@ async def test_nothing_is_logged_at_info_for_a_successful_request(
     caplog.set_level(logging.INFO)
     service = make_service()
     admission = await service.admit(who(service, ALICE_KEY), "m", BODY)
-    service.finish(admission.lease)
+    admission.lease.release()
     assert not [record for record in caplog.records if record.name.startswith("fair_sched")]
     await service.aclose()
 

@@ -109,7 +109,7 @@ async def _run_hook_app(report: Any) -> list[tuple[str, int | None]]:
 
     async def app(scope: Any, receive: Any, send: Any) -> None:
         watch.hold(lease)
-        watch.forwarded = True
+        watch.forwarded()
         report(watch, lease)
         await send({"type": "http.response.start", "status": 200, "headers": []})
         await send({"type": "http.response.body", "body": b"{}", "more_body": False})

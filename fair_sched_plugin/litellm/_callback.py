@@ -185,7 +185,7 @@ class FairSchedCallback(CustomLogger):
         request.admitted(admission, name_principal=service.names_principals)
         # LiteLLM sends it on when this hook returns: a client that leaves from now on is
         # charged what the engine can have generated.
-        request.forwarded = True
+        request.forwarded()
         request.interrupted_tokens = service.charges.interrupted_tokens
         rewrite_priority(data, admission.engine_priority, via_extra_body=via_extra_body)
         return data
@@ -302,16 +302,16 @@ class FairSchedCallback(CustomLogger):
     ) -> None:
         request = current_request()
         lease = request.lease if request is not None else None
-        if request is not None and lease is not None and not lease.started:
+        if request is not None and lease is not None:
+            # What LiteLLM saw; the lease's life decides what it means (an answered request
+            # ends with its response, not here).
             if isinstance(original_exception, Timeout):
                 # LiteLLM gave up on a request the engine had (a `timeout` the client may set
-                # itself): charged what the engine can have generated, as when a client leaves;
-                # never abandoned, or each such request would use the engine for free.
+                # itself).
                 request.engine_timed_out(lease)
-                return
-            # Refused on the way (another hook, the router) or failed before any answer: the
-            # turn passes on uncharged. A started one ends with its response (the watch).
-            request.engine_never_answered(lease)
+            else:
+                # Refused on the way (another hook, the router) or failed before any answer.
+                request.engine_never_answered(lease)
 
     async def async_log_success_event(
         self, kwargs: dict[str, Any], response_obj: Any, start_time: Any, end_time: Any

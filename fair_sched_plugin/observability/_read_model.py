@@ -8,7 +8,7 @@ observability reads only this, never the service. Nothing here changes what it r
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Protocol
 
 from ..core import (
@@ -18,17 +18,14 @@ from ..core import (
     Lease,
     MetricsGate,
     SchedulerStatistics,
-    Ticket,
     TierLimits,
     UserBacklog,
 )
-from ..errors import Rejected
-from ._view import Admitted, BudgetStanding, DeploymentReading
+from ._view import BudgetStanding, DeploymentReading
 
 if TYPE_CHECKING:
     from .._names import DeploymentNames
     from ..config import FairSchedSettings
-    from ..identity import Principal
     from ..metrics.watcher import MetricsWatcher
     from ..state import StateStatistics
 
@@ -68,6 +65,7 @@ class ServiceReadModel:
         budgets: BudgetBook,
         names: DeploymentNames,
         configured_models: frozenset[str],
+        running: Mapping[Lease, object],
     ) -> None:
         self.settings = settings
         self._scheduler = scheduler
@@ -76,23 +74,12 @@ class ServiceReadModel:
         self._budgets = budgets
         self._names = names
         self._configured_models = configured_models
-        # Leases granted through the service and not yet ended, for the per-principal view.
-        self._running: dict[Lease, tuple[str, str, str]] = {}
-        # The scheduler's end listener, `(lease, abandoned)`: the running leases' own `pop`,
-        # a C call on every request's end (`abandoned` is only its unused default).
-        self.lease_ended: Callable[[Lease, bool], object] = self._running.pop
+        # Leases granted through the service and not yet ended (the service's one entry per
+        # running request), for the per-principal view.
+        self._running = running
         self._transitions: deque[GateTransition] = deque(maxlen=RECENT_TRANSITIONS)
 
     # ------------------------------------------------------------------ told
-
-    def admitted(self, admission: Admitted) -> None:
-        lease = admission.lease
-        if lease.active:
-            ticket = lease.ticket
-            self._running[lease] = (ticket.model, ticket.tier, ticket.user)
-
-    def rejected(self, principal: Principal, ticket: Ticket, error: Rejected) -> None:
-        """Nothing to keep: the recorder counts rejections."""
 
     def gate_transition(self, transition: GateTransition) -> None:
         self._transitions.append(transition)
@@ -108,7 +95,9 @@ class ServiceReadModel:
     def in_flight_by_user(self) -> Mapping[tuple[str, str, str], int]:
         counts: dict[tuple[str, str, str], int] = {}
         # A copy first: a scrape that timed out waiting for the loop reads from another thread.
-        for key in list(self._running.values()):
+        for lease in list(self._running):
+            ticket = lease.ticket
+            key = (ticket.model, ticket.tier, ticket.user)
             counts[key] = counts.get(key, 0) + 1
         return counts
 

@@ -149,14 +149,14 @@ async def test_a_hundred_thousand_admissions_are_capped_and_leave_nothing_behind
             service.admit(service.identify(Credentials(api_key="sk-light")), "m", BODY)
         )
         await settle()
-        service.finish(holder.lease)
+        holder.lease.release()
         await settle()
         first = [task for task in parked if task.done()]
         assert len(first) == 1 and not light.done()
-        service.finish(first[0].result().lease)
+        first[0].result().lease.release()
         await settle()
         assert light.done() and sum(task.done() for task in parked) == 1
-        service.finish(light.result().lease)
+        light.result().lease.release()
         await cancel_all(parked)
         stats = service.scheduler.statistics()
         assert (stats.queued, stats.in_flight) == (0, 0)
@@ -215,7 +215,7 @@ async def test_memory_per_parked_request_is_small_and_returned() -> None:
     # resizes (asyncio's set of every task, sized by what other tests left) moves bytes by
     # hundreds of KiB in one block, while a leak of one object per request adds 5,000.
     assert kept[1].blocks - kept[0].blocks <= 0.02 * held[0].blocks
-    service.finish(holder.lease)
+    holder.lease.release()
     await service.aclose()
 
 
@@ -243,7 +243,7 @@ async def test_rotating_identities_are_bounded_by_the_total_cap() -> None:
     internals = scheduler_internals(service.scheduler)
     assert internals["users"] == 501 and internals["deadlines"] == 500
     await cancel_all(parked)
-    service.finish(holder.lease)
+    holder.lease.release()
     assert scheduler_internals(service.scheduler)["users"] <= 1
     await service.aclose()
 
@@ -257,7 +257,7 @@ async def test_users_served_and_gone_are_not_remembered_forever() -> None:
     service = SchedulingService({"unknown_model_max_inflight": 64})
     for index in range(MAX_IDLE_USERS_REMEMBERED + 5_000):
         principal = service.identify(Credentials(api_key=f"sk-once-{index}"))
-        service.finish((await service.admit(principal, "m", BODY)).lease)
+        (await service.admit(principal, "m", BODY)).lease.release()
     assert scheduler_internals(service.scheduler)["users"] <= MAX_IDLE_USERS_REMEMBERED
     await service.aclose()
 
@@ -312,7 +312,7 @@ async def test_submit_and_cancel_churn_leaves_nothing() -> None:
         largest["users"] <= 21 and largest["heap"] <= 20 + 65 and largest["deadlines"] <= 200 + 65
     )
     assert growth[20_000] <= 2 * growth[2_000] + 4 * MIB
-    service.finish(holder.lease)
+    holder.lease.release()
     await service.aclose()
 
 

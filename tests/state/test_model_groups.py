@@ -175,7 +175,7 @@ async def test_two_models_leaders_land_on_two_replicas(redis_server: RedisServer
             principal = service.identify(Credentials(api_key="sk-a"))
             for model in (MODEL, OTHER):
                 admission = await asyncio.wait_for(service.admit(principal, model, {}), 10)
-                service.finish(admission.lease)
+                admission.lease.release()
         by_name = {s.scheduler.replica: s for s in services}
         for model, name in chosen.items():
             # Its leader's core decided both replicas' requests for it, and no other's.
@@ -250,7 +250,7 @@ class Traffic:
                 async for _ in response.aiter_raw():
                     lease.mark_started()
         finally:
-            service.finish(lease)
+            lease.release()
         self.answers[(model, index)] = self.answers.get((model, index), 0) + 1
 
     async def stream(self, model: str, stop: asyncio.Event) -> None:
@@ -418,7 +418,7 @@ async def test_a_principals_spend_on_every_model_counts_in_one_budget_book(
             for model in "mn":
                 body = {"model": model, "messages": [{"role": "user", "content": "x"}]}
                 admission = await asyncio.wait_for(service.admit(heavy, model, body), 10)
-                service.finish(admission.lease, tokens_used=30)
+                admission.lease.release(30)
 
         def spent_everywhere() -> bool:
             verdicts = [s.budgets.verdict("heavy") for s in services]

@@ -68,7 +68,7 @@ def followers_of(services: list[SchedulingService]) -> list[SchedulingService]:
 async def spend(service: SchedulingService, tokens: int) -> None:
     heavy = service.identify(Credentials(api_key="sk-heavy"))
     admission = await asyncio.wait_for(service.admit(heavy, "m", BODY), 10)
-    service.finish(admission.lease, tokens_used=tokens)
+    admission.lease.release(tokens)
 
 
 def spent(service: SchedulingService) -> float:

@@ -67,7 +67,7 @@ async def test_a_followers_lease_names_the_deployment_the_leader_chose(
             await wait_until(lambda: follower.scheduler.leading, timeout_s=10)
             await wait_until(lambda: in_flight_per_deployment(follower) == bound, timeout_s=10)
             for lease in leases:
-                follower.finish(lease)
+                lease.release()
             await wait_until(lambda: not in_flight_per_deployment(follower))
 
 

@@ -99,7 +99,7 @@ class Flood:
                 async for _ in response.aiter_raw():
                     lease.mark_started()
         finally:
-            service.finish(lease)
+            lease.release()
         self.order.append(user)
         self.answers[index] = self.answers.get(index, 0) + 1
 
@@ -367,5 +367,5 @@ async def test_a_followers_status_and_metrics_show_the_leaders_truth(
                 f'fair_sched_state_local{{leader="{leader.scheduler.replica}",'
                 f'replica="{follower.scheduler.replica}"}} 0.0' in text
             )
-            leader.finish(held.lease)
-            leader.finish((await asyncio.wait_for(parked, 10)).lease)
+            held.lease.release()
+            (await asyncio.wait_for(parked, 10)).lease.release()
