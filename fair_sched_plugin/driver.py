@@ -1,11 +1,14 @@
 """The async driver over the sans-I/O core: the one place where waiting and time meet asyncio.
 
 `SchedulerCore` (`core/scheduler.py`) decides; this driver owns what a decision needs on an event
-loop: one future per waiting caller (resolved with the lease, or failed with the error that ends
-its wait) and one timer, armed for the core's `next_due()`, that runs its `tick`. Every scheduler
+loop: one future per waiting caller (made by `new_wait`, resolved by `grant` with the lease or by
+`refuse` with the error that ends its wait; a replica's waits for its leader use the same), the
+wait itself with its disconnect and time limit (`granted`), and one timer, armed for the core's
+`next_due()`, that runs its `tick`. The core holds none of these: a parked ticket's `ref` is
+opaque to it, and it asks the driver (`_gone`) whether its waiter went away. Every scheduler
 of the process is one: the memory:// service's, and the deciding term's under redis://.
 
-The driver is the core with those two things added (a subclass), so every read and event of the
+The driver is the core with those added (a subclass), so every read and event of the
 core is the driver's too, with no call in between on the hot path.
 """
 
@@ -36,7 +39,10 @@ __all__ = [
     "TimerHandle",
     "Waiter",
     "abandon_if_granted",
+    "grant",
     "granted",
+    "new_wait",
+    "refuse",
 ]
 
 logger = logging.getLogger("fair_sched")
@@ -206,9 +212,7 @@ async def granted(
             gone = True
             if not future.done():
                 waiter.cancel()
-                future.set_exception(
-                    ClientDisconnected("client disconnected while its request waited")
-                )
+                refuse(future, ClientDisconnected("client disconnected while its request waited"))
 
         if isinstance(disconnected, DisconnectSignal):
             disconnected.add_callback(client_left)
@@ -225,12 +229,13 @@ async def granted(
             # A lease granted at the same moment wins: the request is served.
             if not future.done():
                 waiter.cancel()
-                future.set_exception(
+                refuse(
+                    future,
                     QueueTimeout(
                         f"the request waited its limit of {max_wait_s:g} s "
                         "(x-fair-sched-max-wait-s) without being released",
                         retry_after_s=1.0,
-                    )
+                    ),
                 )
 
         stops.append(clock.call_at(clock.now() + max_wait_s, expired).cancel)
@@ -251,6 +256,24 @@ async def granted(
     finally:
         for stop in stops:
             stop()
+
+
+def new_wait() -> asyncio.Future[Lease]:
+    """A parked ticket's one future (every wait for a turn has one, made here, resolved by
+    `grant` or `refuse`)."""
+    return asyncio.get_running_loop().create_future()
+
+
+def grant(future: asyncio.Future[Lease], lease: Lease) -> None:
+    """`lease` for the wait on `future` (pending: the caller checked that someone waits)."""
+    future.set_result(lease)
+
+
+def refuse(future: asyncio.Future[Lease], error: BaseException) -> None:
+    """End the wait on `future` with `error`, unless it is over already (granted, refused, or
+    its task went away)."""
+    if not future.done():
+        future.set_exception(error)
 
 
 def abandon_if_granted(future: asyncio.Future[Lease]) -> None:
@@ -307,7 +330,7 @@ class FairScheduler(SchedulerCore):
     def enqueue(self, ticket: Ticket) -> Reservation:
         """Queue `ticket` and run the release decision; its `Reservation.future` resolves to
         the lease. Raises `QueueFull` at once when a cap is reached."""
-        future: asyncio.Future[Lease] = asyncio.get_running_loop().create_future()
+        future = new_wait()
         parked = self.submit(ticket, future)
         wakeups = self._wakeups
         if wakeups and (self._timer_due is None or wakeups[0][0] < self._timer_due):
@@ -320,14 +343,18 @@ class FairScheduler(SchedulerCore):
             self._timer.cancel()
             self._timer = self._timer_due = None
 
+    def _gone(self, parked: Parked) -> bool:
+        # The ticket's future is done before its task's cleanup (`withdraw`) runs: cancelled.
+        future: asyncio.Future[Lease] = parked.ref  # type: ignore[assignment]
+        return future.done()
+
     def _decided(self, parked: Parked, outcome: Lease | Rejected) -> None:
-        # The core asks `Parked.gone()` (the future's `done()`) before deciding, so the future
-        # is pending here.
-        future: asyncio.Future[Lease] = parked.claimant  # type: ignore[assignment]
+        # The core asks `_gone` before deciding, so the future is pending here.
+        future: asyncio.Future[Lease] = parked.ref  # type: ignore[assignment]
         if isinstance(outcome, Lease):
-            future.set_result(outcome)
+            grant(future, outcome)
         else:
-            future.set_exception(outcome)
+            refuse(future, outcome)
 
     def _arm(self) -> None:
         """One timer, for the core's next due deadline or promotion (an earlier one than armed

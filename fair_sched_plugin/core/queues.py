@@ -12,7 +12,6 @@ from __future__ import annotations
 import heapq
 from collections import OrderedDict, deque
 from collections.abc import Iterable, Iterator
-from typing import Protocol
 
 from .standing import DepthIndex
 from .ticket import Ticket, TierLimits
@@ -25,21 +24,14 @@ MAX_IDLE_USERS_REMEMBERED = 10_000
 QUEUED, GRANTED, CANCELLED, EXPIRED, CLOSED = range(5)
 
 
-class Claimant(Protocol):
-    """Whoever waits for a parked ticket (the driver's future): `done()` once it went away, so
-    the core does not grant a turn nobody can take."""
-
-    def done(self) -> bool: ...
-
-
 class Parked:
-    """A ticket waiting for its turn: one object per parked ticket. `claimant` is the waiting
-    side's handle, opaque to the core (None: nobody to ask, the grant is always taken)."""
+    """A ticket waiting for its turn: one object per parked ticket. `ref` is the caller's, plain
+    data the core never reads (the driver finds its waiter by it when `_decided` runs)."""
 
     __slots__ = (
-        "claimant",
         "enqueued_at",
         "passed_over",
+        "ref",
         "state",
         "ticket",
         "tier_since",
@@ -47,7 +39,7 @@ class Parked:
     )
 
     def __init__(
-        self, ticket: Ticket, now: float, user_queue: UserQueue, claimant: Claimant | None = None
+        self, ticket: Ticket, now: float, user_queue: UserQueue, ref: object = None
     ) -> None:
         self.ticket = ticket
         self.enqueued_at = now
@@ -56,13 +48,7 @@ class Parked:
         self.user_queue = user_queue
         # Times the look-ahead released someone after it instead (`MAX_PASSED_OVER`).
         self.passed_over = 0
-        self.claimant = claimant
-
-    def gone(self) -> bool:
-        """The waiting side went away before the core heard of it (a cancelled task whose
-        cleanup has not run yet): nothing to grant."""
-        claimant = self.claimant
-        return claimant is not None and claimant.done()
+        self.ref = ref
 
     def still_in(self, tier: TierQueue) -> bool:
         return self.state == QUEUED and self.user_queue.tier_queue is tier

@@ -38,7 +38,6 @@ from .queues import (
     EXPIRED,
     GRANTED,
     QUEUED,
-    Claimant,
     HeapEntry,
     ModelQueues,
     Parked,
@@ -200,9 +199,9 @@ class SchedulerCore(SchedulerReads):
             return False
         return user_queue is None or self._policy.engine_round(user_queue.unstarted, weight) <= 0
 
-    def submit(self, ticket: Ticket, claimant: Claimant | None = None) -> Parked:
+    def submit(self, ticket: Ticket, ref: object = None) -> Parked:
         """Park `ticket` and run the release decision (which may decide it at once: see
-        `_decided`). `claimant` is the waiting side's handle (`Parked.gone`). Raises `QueueFull`
+        `_decided`). `ref` is the caller's, kept on the `Parked` unread. Raises `QueueFull`
         at once when a cap is reached, `SchedulerClosed` once closed."""
         if self._closed:
             self._check_open()
@@ -230,7 +229,7 @@ class SchedulerCore(SchedulerReads):
             )
         if user_queue is None:
             user_queue = tier.user_queue(ticket.user)
-        waiter = Parked(ticket, self._clock.now(), user_queue, claimant)
+        waiter = Parked(ticket, self._clock.now(), user_queue, ref)
         depth = user_queue.depth
         if not depth:
             if user_queue.virtual_time < tier.virtual_time:
@@ -294,6 +293,12 @@ class SchedulerCore(SchedulerReads):
         decisions, self._outbox = self._outbox, []
         return decisions
 
+    def _gone(self, parked: Parked) -> bool:
+        """Whether `parked`'s waiting side went away before the core heard of it (a cancelled
+        task whose cleanup has not run yet): nothing to grant. Only a driver knows its waiters;
+        without one, a grant is always taken."""
+        return False
+
     def _decided(self, parked: Parked, outcome: Lease | Rejected) -> None:
         """A parked ticket's wait is over: `outcome` is its lease, or why it will never get one.
         Collected for `take_decisions`; the driver overrides this to resolve the waiting side's
@@ -336,7 +341,7 @@ class SchedulerCore(SchedulerReads):
                 for user_queue in list(tier.users.values()):
                     for parked in user_queue.live():
                         self._remove_waiter(parked, CLOSED)
-                        if not parked.gone():
+                        if not self._gone(parked):
                             self._decided(
                                 parked,
                                 SchedulerClosed("the scheduler is shutting down", retry_after_s=1),
@@ -438,10 +443,9 @@ class SchedulerCore(SchedulerReads):
         # look-ahead releases a user after it (see below).
         start_tag = user_queue.virtual_time
         off_heap_entry: HeapEntry | None = None
-        claimant = head.claimant  # `Parked.gone()`, inline
         if (
             look_ahead
-            and (claimant is None or not claimant.done())
+            and not self._gone(head)
             and self._gate.prefers_elsewhere(head.ticket, tier.limits)
         ):
             # Releasing the fair head now would bind it away from the deployment that has its
@@ -474,8 +478,7 @@ class SchedulerCore(SchedulerReads):
         tier.queued -= 1
         queues.queued -= 1
         self._queued_total -= 1
-        claimant = waiter.claimant
-        if claimant is not None and claimant.done():  # `Parked.gone()`, inline
+        if self._gone(waiter):
             # Its task was cancelled and has not run its cleanup yet: nothing to grant. The
             # user's position is unchanged: its heap entry stays if it still has requests.
             waiter.state = CANCELLED
@@ -522,7 +525,7 @@ class SchedulerCore(SchedulerReads):
                 waiter = user_queue.head()
                 # A waiter whose task was cancelled (not yet cleaned up) is taken too: the
                 # release path then discards it, as it would at the head.
-                if waiter.gone() or not prefers_elsewhere(waiter.ticket, tier.limits):
+                if self._gone(waiter) or not prefers_elsewhere(waiter.ticket, tier.limits):
                     entry = heapq.heappop(heap)
                     user_queue.in_heap = False
                     return user_queue, entry
@@ -660,7 +663,7 @@ class SchedulerCore(SchedulerReads):
         for waiter in self._deadlines.overdue(now):
             self._remove_waiter(waiter, EXPIRED)
             self._timed_out_total += 1
-            if not waiter.gone():
+            if not self._gone(waiter):
                 self._decided(
                     waiter,
                     QueueTimeout(

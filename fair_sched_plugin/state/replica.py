@@ -38,7 +38,16 @@ from ..core.gate import AdmissionGate
 from ..core.reads import SchedulerStatistics, UserBacklog
 from ..core.standing import BacklogIndex
 from ..core.ticket import Lease, Ticket, TierLimits, notify_end_listeners
-from ..driver import Admissions, FairScheduler, Waiter, abandon_if_granted, granted
+from ..driver import (
+    Admissions,
+    FairScheduler,
+    Waiter,
+    abandon_if_granted,
+    grant,
+    granted,
+    new_wait,
+    refuse,
+)
 from ..errors import QueueFull, SchedulerClosed
 from .budgets import SharedBudgets
 from .term import Term
@@ -194,9 +203,8 @@ class ReplicaScheduler:
         Raises `QueueFull` at once when a cap is reached."""
         self._check_open()
         self._check_tier(ticket.tier)
-        loop = asyncio.get_running_loop()
         now = self._core.clock.now()  # the service's time base, as the core's own leases
-        parked = _Parked(self, ticket, next(self._tids), loop.create_future(), now)
+        parked = _Parked(self, ticket, next(self._tids), new_wait(), now)
         self._park(parked)
         self._submit(parked, raise_full=True)
         return parked
@@ -307,10 +315,9 @@ class ReplicaScheduler:
         for parked in list(self._parked.values()):
             if self._term is None:
                 self._cancel(parked.tid)
-            if not parked.future.done():
-                parked.future.set_exception(
-                    SchedulerClosed("the scheduler is shutting down", retry_after_s=1)
-                )
+            refuse(
+                parked.future, SchedulerClosed("the scheduler is shutting down", retry_after_s=1)
+            )
         self._parked.clear()
         self._parked_index.clear()
         self._resign()
@@ -345,8 +352,7 @@ class ReplicaScheduler:
                 self._unpark(parked.tid)
                 if raise_full:
                     raise
-                if not parked.future.done():
-                    parked.future.set_exception(exc)
+                refuse(parked.future, exc)
             return
         self._tell("s", parked.tid, *ticket_body(parked.ticket))
 
@@ -413,8 +419,8 @@ class ReplicaScheduler:
         tid = reply[3]
         parked = self._unpark(tid)
         if kind != "g":
-            if parked is not None and not parked.future.done():
-                parked.future.set_exception(error_from(reply))
+            if parked is not None:
+                refuse(parked.future, error_from(reply))
             return
         if parked is None or parked.future.done():
             if tid not in self._held:
@@ -432,7 +438,7 @@ class ReplicaScheduler:
             engine_rank=reply[6] if len(reply) > 6 else 0,  # sent only where it is not 0
         )
         self._held[tid] = lease
-        parked.future.set_result(lease)
+        grant(parked.future, lease)
 
     def _resend(self) -> None:
         """Tell a new acting leader everything we have: running leases first (so their
