@@ -291,10 +291,6 @@ class RequestWatch:
                 return lease
         return None
 
-    def life(self, lease: Lease) -> RequestLife:
-        """Where `lease`'s turn stands (`_lifecycle`)."""
-        return self._lives[lease]
-
     def _tell(self, event: Event, lease: Lease | None = None) -> None:
         """Send `event` to `lease`'s life, or to every lease's where None."""
         if lease is not None:
