@@ -130,6 +130,7 @@ def _threshold_section(results: Sequence[FloodResult]) -> list[str]:
         ("waiting_below_1", "waiting_below 1"),
         ("plugin", "waiting_below 3"),
         ("waiting_below_8", "waiting_below 8"),
+        ("reserve_slots_1", "waiting_below 3, reserve_slots 1"),
     ):
         if name in by_name:
             summary = by_name[name].summary
@@ -137,18 +138,31 @@ def _threshold_section(results: Sequence[FloodResult]) -> list[str]:
                 [
                     label,
                     _seconds(summary["light_ttft_p50"]),
+                    _ratio(summary.get("light_vs_idle")),
                     _seconds(summary["power_ttft_p50"]),
                     f"{summary['throughput_tps']:,.0f}",
                     f"{summary['makespan_s']:.1f} s",
                     str(summary.get("max_waiting_seen", "-")),
                 ]
             )
-    header = ["", "light TTFT p50", "power TTFT p50", "tokens/s", "makespan", "max waiting"]
+    header = [
+        "",
+        "light TTFT p50",
+        "light vs idle",
+        "power TTFT p50",
+        "tokens/s",
+        "makespan",
+        "max waiting",
+    ]
     return ["### Choosing thresholds (all users in one tier)", "", markdown_table(header, rows), ""]
 
 
 def _seconds(value: float | None) -> str:
     return "-" if value is None else f"{value:.2f} s"
+
+
+def _ratio(value: float | None) -> str:
+    return "-" if value is None else f"{value:.1f}x"
 
 
 def _engine_line(settings: EmulatorSettings, args: argparse.Namespace) -> str:
