@@ -3,6 +3,8 @@ user starts at once instead of waiting for a slot to end (sans-I/O: FakeClock, n
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 from fair_sched_plugin.core import (
     BackendGroup,
     Deployment,
@@ -12,6 +14,8 @@ from fair_sched_plugin.core import (
     TierLimits,
 )
 from fair_sched_plugin.testing import FakeClock, make_ticket, snapshot
+
+from .engine_sim import EngineSim
 
 URL = "http://engine/metrics"
 
@@ -135,3 +139,61 @@ def test_the_gate_says_the_tier_is_held_for_its_reservation() -> None:
     _submit(core, "flood", 20)
     (group,) = gate.status()
     assert group.blocked_reason == "reserved"
+
+
+# ----------------------------------------------------------------------------- a flood, simulated
+
+FLOOD = 100
+# The engine of tests/core/engine_sim.py with the demo's shape: 8 slots, a request ends 1 s after
+# it started, its first token 20 ms after; requests take 50 ms to reach it, scrapes every 50 ms.
+SIM = {"max_num_seqs": 8, "service_s": 1.0, "transit_s": 0.05, "poll_s": 0.05, "prefill_s": 0.02}
+IDLE_FIRST_BYTE_S = SIM["transit_s"] + SIM["prefill_s"]
+
+
+class FloodRun(NamedTuple):
+    light_first_byte_s: float  # from the light user's submit
+    flood_makespan_s: float  # until the flood's last request ended
+
+
+def _flood_with_a_light_user(reserve: int, light_at: float) -> FloodRun:
+    """One user submits `FLOOD` requests at 0, a second user one at `light_at`; the scheduler's
+    decisions go to a simulated engine (FakeClock time, 10 ms ticks)."""
+    clock = FakeClock()
+    core, gate = _core(clock, reserve=reserve)
+    sim = EngineSim(gate, clock, finished_counter=True, **SIM)  # type: ignore[arg-type]
+    _submit(core, "flood", FLOOD)
+    light: Lease | None = None
+    light_first_byte = None
+    submitted = False
+    start = clock.now()
+    while sim.completed < FLOOD + 1 and clock.now() < start + 60:
+        now = clock.now()
+        if not submitted and now >= start + light_at:
+            _submit(core, "light")
+            submitted = True
+        for decision in core.take_decisions():
+            lease = decision.outcome
+            assert isinstance(lease, Lease)
+            if lease.ticket.user == "light":
+                light = lease
+            sim.admit(lease, "interactive")
+        sim.step(now)
+        if light is not None and light.started and light_first_byte is None:
+            light_first_byte = clock.now() - start - light_at
+        clock.advance(0.01)
+    assert light_first_byte is not None and sim.completed == FLOOD + 1
+    return FloodRun(light_first_byte, clock.now() - start)
+
+
+# Where the light user arrives among the flood's completions: through a whole round of slots.
+PHASES = [1.0 + i / 10 for i in range(10)]
+
+
+def test_with_a_reserved_slot_a_light_user_under_a_flood_starts_as_on_an_idle_engine() -> None:
+    waits = sorted(_flood_with_a_light_user(1, at).light_first_byte_s for at in PHASES)
+    assert waits[len(waits) // 2] <= 1.5 * IDLE_FIRST_BYTE_S + 0.02  # one 10 ms tick each way
+
+
+def test_without_one_it_waits_for_a_flood_request_to_end() -> None:
+    waits = sorted(_flood_with_a_light_user(0, at).light_first_byte_s for at in PHASES)
+    assert waits[len(waits) // 2] > 3 * IDLE_FIRST_BYTE_S
