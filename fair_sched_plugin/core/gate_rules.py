@@ -82,9 +82,12 @@ def blocked_reason(
 def _over_slots(ledger: DeploymentLedger, kept_free: int) -> bool:
     """One more request on the deployment would leave fewer than `kept_free` of its running
     slots free. Its load is the whole engine's (scraped running and waiting, with our first
-    bytes, ends and requests on their way), so replicas sharing it need no share of it."""
+    bytes, ends and requests on their way), so replicas sharing it need no share of it; our
+    own requests in flight bound it from below, where a lagging /metrics shows fewer than
+    run (a request the grace settled as arrived that no scrape shows yet counts nowhere else)."""
     slots = ledger.group.max_num_seqs
-    return slots is not None and ledger.load() + 1 > slots - kept_free
+    used = max(ledger.load(), float(ledger.in_flight))
+    return slots is not None and used + 1 > slots - kept_free
 
 
 def waiting_below(ledger: DeploymentLedger, tier: TierLimits, now: float) -> float:

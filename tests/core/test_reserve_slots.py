@@ -120,6 +120,20 @@ def test_a_lower_tier_keeps_the_reservation_of_the_tiers_above() -> None:
     assert _users(_granted(core)) == ["light"]
 
 
+def test_the_reservation_holds_while_the_engines_metrics_lag_behind_our_releases() -> None:
+    """A scrape sent after the arrival grace settles our releases as arrived; one that lags
+    shows none of them running: our requests in flight still count as the slots they hold."""
+    clock = FakeClock()
+    core, gate = _core(clock, reserve=1)
+    _submit(core, "flood", 20)
+    assert len(_granted(core)) == 7
+    clock.advance(1.0)
+    gate.update("m", snapshot(clock, URL, waiting=0, running=0))
+    assert _granted(core) == []
+    _submit(core, "light")
+    assert _users(_granted(core)) == ["light"]
+
+
 def test_a_reservation_needs_the_engines_slots_given() -> None:
     """Counted against the learned capacity, the reservation would lower it window by window
     (the engine never runs more than capacity minus the reservation): without `max_num_seqs`
