@@ -211,3 +211,12 @@ def test_with_a_reserved_slot_a_light_user_under_a_flood_starts_as_on_an_idle_en
 def test_without_one_it_waits_for_a_flood_request_to_end() -> None:
     waits = sorted(_flood_with_a_light_user(0, at).light_first_byte_s for at in PHASES)
     assert waits[len(waits) // 2] > 3 * IDLE_FIRST_BYTE_S
+
+
+def test_a_reserved_slot_costs_a_lone_flood_its_share_of_slots_and_a_refill_per_request() -> None:
+    """Not work-conserving: the flood runs on 7 of 8 slots, and with no engine queue left to
+    refill from, each freed slot idles for the way there (60 ms of each 1 s request here)."""
+    without = _flood_with_a_light_user(0, PHASES[0]).flood_makespan_s
+    reserved = _flood_with_a_light_user(1, PHASES[0]).flood_makespan_s
+    way_there = SIM["transit_s"] + 0.01  # and the tick that sees the slot free
+    assert 7 / 8 * (1 - 2 * way_there) <= without / reserved <= 7 / 8
