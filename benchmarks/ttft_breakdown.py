@@ -1,6 +1,6 @@
 """Where a light request's time to first token goes, idle and under a same-tier flood.
 
-    python scripts/ttft_breakdown.py [--policy fcfs|priority] [--reserve-slots N] [--flood 100]
+    python benchmarks/ttft_breakdown.py [--policy fcfs|priority] [--reserve-slots N] [--flood 100]
                                      [--engine URL]
 
 An emulator in this process (8 slots, the demo's engine) behind a real LiteLLM proxy with the
