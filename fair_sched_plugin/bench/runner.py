@@ -79,10 +79,16 @@ UI_SHOT = "fair-sched-ui.png"
 
 
 def _keep_runnable(variants: Sequence[Variant], args: argparse.Namespace) -> list[Variant]:
-    """Against a real engine, engine priority only where it was started with it."""
-    if args.engine is None or args.engine_priority:
+    """Against a real engine, engine priority only where it was started with it, and no
+    variant that tells the gate the emulator's slots (`max_num_seqs`): the engine's may differ."""
+    if args.engine is None:
         return list(variants)
-    return [variant for variant in variants if variant.engine_policy != "priority"]
+    return [
+        variant
+        for variant in variants
+        if (args.engine_priority or variant.engine_policy != "priority")
+        and variant.max_num_seqs is None
+    ]
 
 
 def _pick(variants: Sequence[Variant], *names: str) -> list[Variant]:
