@@ -572,6 +572,7 @@ def _tier_limits(settings: FairSchedSettings) -> tuple[TierLimits, ...]:
             kv_usage_below=tier.kv_usage_below,
             share=tier.share,
             promote_after_s=tier.promote_after_s,
+            reserve_slots=tier.reserve_slots,
         )
         for tier in settings.tiers
     )

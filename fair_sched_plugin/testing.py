@@ -110,6 +110,9 @@ class ManualGate:
     def may_release_newcomer(self, model: str, tier: TierLimits) -> bool:
         return self.newcomers
 
+    def may_release_into_reserve(self, model: str, tier: TierLimits) -> bool:
+        return False
+
     def place(self, ticket: Ticket, tier: TierLimits) -> str | None:
         return self.binds_to
 

@@ -104,7 +104,27 @@ def test_the_results_table_has_every_row_and_the_variants_own_labels() -> None:
     low, high = sorted(tokens)
     assert rows["throughput (tokens/s)"][1] == f"{(low + high) / 2:,.0f} ({low:,.0f}-{high:,.0f})"
     assert rows["errors"] == ["0 (0-0)"] * 4
-    assert len(rows) == 12  # the header and the demo's 11 rows
+    assert len(rows) == 14  # the header and the demo's 13 rows
+
+
+def test_the_readme_table_has_the_light_users_on_the_idle_engine() -> None:
+    runs = []
+    for idle in (0.05, 0.06, 0.07):
+        run = json.loads(json.dumps(RUNS[0]))
+        for variant in run.values():
+            summary = variant["summary"]
+            summary["light_ttft_idle_p50"] = idle
+            summary["light_vs_idle"] = summary["light_ttft_p50"] / idle
+        runs.append(run)
+    rows = _rows(readme_table(runs))
+    assert rows["light users' TTFT p50, idle engine"] == ["0.06 s (0.05-0.07)"] * 4
+    plugin_ratio = RUNS[0]["plugin"]["summary"]["light_ttft_p50"] / 0.06
+    assert rows["light users vs idle engine"][2].startswith(f"**{plugin_ratio:.1f}x**")
+
+
+def test_runs_from_before_the_idle_row_leave_its_cells_empty() -> None:
+    rows = _rows(readme_table(RUNS))
+    assert rows["light users' TTFT p50, idle engine"] == ["-"] * 4
 
 
 def test_the_stamp_says_the_command_date_commit_machine_and_runs() -> None:

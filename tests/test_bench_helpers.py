@@ -5,12 +5,15 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+from argparse import Namespace
 from collections.abc import AsyncIterator
 
 import pytest
 
+from fair_sched_plugin.bench.flood import standard_variants
 from fair_sched_plugin.bench.processes import enter_side_by_side
 from fair_sched_plugin.bench.report import results_table
+from fair_sched_plugin.bench.runner import _keep_runnable
 
 
 def test_results_table_puts_each_heading_over_its_cells() -> None:
@@ -70,3 +73,13 @@ async def test_a_failed_start_waits_for_the_others_and_leaves_nothing_running() 
         async with contextlib.AsyncExitStack() as stack:
             await enter_side_by_side(stack, [broken(), slow()], lambda _: None, "starting ...")
     assert stopped == ["slow"]
+
+
+def test_a_real_engine_runs_no_variant_that_assumes_the_emulators_slots() -> None:
+    variants = standard_variants(with_thresholds=True)
+    emulator = {v.name for v in _keep_runnable(variants, Namespace(engine=None))}
+    real = {
+        v.name for v in _keep_runnable(variants, Namespace(engine="http://e", engine_priority=True))
+    }
+    assert "reserve_slots_1" in emulator
+    assert real == emulator - {"reserve_slots_1"}

@@ -106,7 +106,8 @@ def test_demo_guard_light_users_throughput_and_the_engines_queue(demo_output: Pa
 
 @pytest.mark.timing
 def test_demo_writes_summary_and_plots(demo_output: Path) -> None:
-    assert "light TTFT p50" in (demo_output / "summary.md").read_text()
+    summary = (demo_output / "summary.md").read_text()
+    assert "light TTFT p50" in summary and "light TTFT p50, idle engine" in summary
     plots = [demo_output / "ttft-cdf.png", *(demo_output / f"timeline-{v}.png" for v in VARIANTS)]
     for plot in plots:
         assert plot.stat().st_size > 0, plot

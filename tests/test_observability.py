@@ -818,6 +818,16 @@ async def test_tier_shares_delivered_in_metrics_and_status() -> None:
     await service.aclose()
 
 
+async def test_status_shows_the_running_slots_each_tier_keeps_free() -> None:
+    service = make_service(
+        backends={"m": {"max_num_seqs": 8}},
+        tiers=[{"name": "interactive", "reserve_slots": 1}, {"name": "batch"}],
+    )
+    interactive, batch = service.observability.status()["tiers"]
+    assert (interactive["reserve_slots"], batch["reserve_slots"]) == (1, 0)
+    await service.aclose()
+
+
 async def test_a_demoted_request_counts_in_the_tier_it_ran_in() -> None:
     service = make_service(principals=BUDGETS, unknown_model_max_inflight=10)
     bob = who(service, BOB_KEY)

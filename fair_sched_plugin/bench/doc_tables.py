@@ -26,7 +26,7 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
-from .report import COUNT, FLOOD_ROWS, SECONDS, Measure, markdown_table
+from .report import COUNT, FLOOD_ROWS, RATIO, SECONDS, Measure, markdown_table
 
 __all__ = [
     "DOC_TABLES",
@@ -88,6 +88,9 @@ def _ratio(key: str, reference: str) -> Callable[[Run, str], float | None]:
 
 README_ROWS = (
     Row("light users' TTFT p50", _field("light_ttft_p50"), SECONDS, bold=True),
+    # The same requests on the idle engine, before the flood: the physical limit.
+    Row("light users' TTFT p50, idle engine", _field("light_ttft_idle_p50"), SECONDS),
+    Row("light users vs idle engine", _field("light_vs_idle"), RATIO, bold=True),
     Row(
         "light users vs direct FIFO",
         _ratio("light_ttft_p50", "direct"),

@@ -31,7 +31,7 @@ from .processes import (
     litellm_proxy,
     plugin_available,
 )
-from .stats import summarize_flood
+from .stats import summarize_flood, ttft_p50
 
 Gateway = Literal["direct", "litellm", "plugin", "fair_proxy"]
 LIGHT_DELAY_S = 1.0
@@ -74,6 +74,9 @@ class Variant:
     auto_min: int | None = None
     # The engine's running slots, told to the gate (None: learned from its scrapes).
     max_num_seqs: int | None = None
+    # Running slots the interactive tier keeps free for a user who holds none (needs
+    # `max_num_seqs`).
+    reserve_slots: int = 0
 
 
 def fair_sched_section(variant: Variant, engine_base: str) -> dict[str, Any]:
@@ -90,6 +93,8 @@ def fair_sched_section(variant: Variant, engine_base: str) -> dict[str, Any]:
     }
     if variant.ttft_target_ms is not None:
         interactive["ttft_target_ms"] = variant.ttft_target_ms
+    if variant.reserve_slots:
+        interactive["reserve_slots"] = variant.reserve_slots
     return {
         "tiers": [
             interactive,
@@ -132,6 +137,13 @@ def standard_variants(*, with_thresholds: bool = False) -> list[Variant]:
         variants += [
             Variant("waiting_below_1", f"{via}, waiting_below 1", plugin, waiting_below=1),
             Variant("waiting_below_8", f"{via}, waiting_below 8", plugin, waiting_below=8),
+            Variant(
+                "reserve_slots_1",
+                f"{via}, reserve_slots 1",
+                plugin,
+                reserve_slots=1,
+                max_num_seqs=DEMO_ENGINE.max_num_seqs,
+            ),
         ]
     return variants
 
@@ -245,6 +257,8 @@ async def play_flood(
             progress(f"[{variant.name}] watch it live: {target.ui_url} (admin key {MASTER_KEY})")
         # The first request through a LiteLLM proxy pays for lazy imports: not part of the flood.
         await stream_one(client, target.base_url, power[0], WARM_UP_TOKENS, time.perf_counter())
+        # The light users' requests on the idle engine: what the flood's are compared with.
+        idle = await send_wave(client, target.base_url, light, size.max_tokens, time.perf_counter())
         clock_zero = time.perf_counter()
         waves = await asyncio.gather(
             send_wave(client, target.base_url, power, size.max_tokens, clock_zero),
@@ -253,6 +267,9 @@ async def play_flood(
         records = [record for wave in waves for record in wave]
         stats = await engine_stats(client, target.engine_base) if target.engine_is_emulator else {}
     summary = summarize_flood(records)
+    summary["light_ttft_idle_p50"] = ttft_p50(idle)
+    light_p50, idle_p50 = summary["light_ttft_p50"], summary["light_ttft_idle_p50"]
+    summary["light_vs_idle"] = light_p50 / idle_p50 if light_p50 is not None and idle_p50 else None
     summary["max_waiting_seen"] = stats.get("max_waiting_seen")
     summary["max_running_seen"] = stats.get("max_running_seen")
     progress(

@@ -50,10 +50,13 @@ class Measure:
 SECONDS = Measure(2, " s")
 COUNT = Measure(0)
 PERCENT = Measure(0, "%", scale=100)
+RATIO = Measure(1, "x")
 
 # (row label, summary key, how its numbers are written)
 FLOOD_ROWS: tuple[tuple[str, str, Measure], ...] = (
     ("light TTFT p50", "light_ttft_p50", SECONDS),
+    ("light TTFT p50, idle engine", "light_ttft_idle_p50", SECONDS),
+    ("light TTFT vs idle engine", "light_vs_idle", RATIO),
     ("light TTFT p95", "light_ttft_p95", SECONDS),
     ("power TTFT p50", "power_ttft_p50", SECONDS),
     ("power TTFT p95", "power_ttft_p95", SECONDS),

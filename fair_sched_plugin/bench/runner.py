@@ -79,10 +79,16 @@ UI_SHOT = "fair-sched-ui.png"
 
 
 def _keep_runnable(variants: Sequence[Variant], args: argparse.Namespace) -> list[Variant]:
-    """Against a real engine, engine priority only where it was started with it."""
-    if args.engine is None or args.engine_priority:
+    """Against a real engine, engine priority only where it was started with it, and no
+    variant that tells the gate the emulator's slots (`max_num_seqs`): the engine's may differ."""
+    if args.engine is None:
         return list(variants)
-    return [variant for variant in variants if variant.engine_policy != "priority"]
+    return [
+        variant
+        for variant in variants
+        if (args.engine_priority or variant.engine_policy != "priority")
+        and variant.max_num_seqs is None
+    ]
 
 
 def _pick(variants: Sequence[Variant], *names: str) -> list[Variant]:
@@ -130,6 +136,7 @@ def _threshold_section(results: Sequence[FloodResult]) -> list[str]:
         ("waiting_below_1", "waiting_below 1"),
         ("plugin", "waiting_below 3"),
         ("waiting_below_8", "waiting_below 8"),
+        ("reserve_slots_1", "waiting_below 3, reserve_slots 1"),
     ):
         if name in by_name:
             summary = by_name[name].summary
@@ -137,18 +144,31 @@ def _threshold_section(results: Sequence[FloodResult]) -> list[str]:
                 [
                     label,
                     _seconds(summary["light_ttft_p50"]),
+                    _ratio(summary.get("light_vs_idle")),
                     _seconds(summary["power_ttft_p50"]),
                     f"{summary['throughput_tps']:,.0f}",
                     f"{summary['makespan_s']:.1f} s",
                     str(summary.get("max_waiting_seen", "-")),
                 ]
             )
-    header = ["", "light TTFT p50", "power TTFT p50", "tokens/s", "makespan", "max waiting"]
+    header = [
+        "",
+        "light TTFT p50",
+        "light vs idle",
+        "power TTFT p50",
+        "tokens/s",
+        "makespan",
+        "max waiting",
+    ]
     return ["### Choosing thresholds (all users in one tier)", "", markdown_table(header, rows), ""]
 
 
 def _seconds(value: float | None) -> str:
     return "-" if value is None else f"{value:.2f} s"
+
+
+def _ratio(value: float | None) -> str:
+    return "-" if value is None else f"{value:.1f}x"
 
 
 def _engine_line(settings: EmulatorSettings, args: argparse.Namespace) -> str:

@@ -31,6 +31,11 @@ def _ttfts(records: Iterable[RequestRecord]) -> list[float]:
     return [r.ttft for r in records if r.ttft is not None and not r.error]
 
 
+def ttft_p50(records: Iterable[RequestRecord]) -> float | None:
+    """The median time to first token of the requests that got one."""
+    return percentile(_ttfts(records), 50)
+
+
 def _e2es(records: Iterable[RequestRecord]) -> list[float]:
     return [r.e2e for r in records if r.e2e is not None]
 

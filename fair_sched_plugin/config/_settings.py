@@ -76,6 +76,9 @@ class TierSettings(Frozen):
     share: Annotated[float, Field(gt=0)] | None = None
     # A request parked this long in this tier moves one tier up (not on the first tier).
     promote_after_s: Annotated[float, Field(gt=0)] | None = None
+    # Running slots that this tier's users who already hold one leave free (tiers below keep
+    # them too), so the next user starts at once; needs every backend's max_num_seqs.
+    reserve_slots: Annotated[int, Field(ge=0, le=10_000)] = 0
 
     @model_validator(mode="before")
     @classmethod
@@ -377,6 +380,7 @@ class FairSchedSettings(Frozen):
         tier_names = {tier.name for tier in self.tiers}
         if self.tiers[0].promote_after_s is not None:
             raise ValueError("tiers[0].promote_after_s: the first tier has no tier above it")
+        self._check_reservations()
         priced = any(backend.price is not None for backend in self.backends.values())
         # Inside LiteLLM every deployment may have a price in LiteLLM's own cost data.
         priced = priced or bool((info.context or {}).get(PRICES_FROM_ADAPTER))
@@ -417,6 +421,25 @@ class FairSchedSettings(Frozen):
                     )
                 seen_keys[key] = principal.name
         return self
+
+    def _check_reservations(self) -> None:
+        for index, tier in enumerate(self.tiers):
+            if not tier.reserve_slots:
+                continue
+            where = f"tiers[{index}].reserve_slots"
+            if any(other.share is not None for other in self.tiers):
+                raise ValueError(f"{where}: not with tier shares (share)")
+            for model, backend in self.backends.items():
+                if backend.max_num_seqs is None:
+                    raise ValueError(
+                        f"{where}: needs backends.{model}.max_num_seqs (the engine's running "
+                        "slots, which the reservation is kept out of)"
+                    )
+                if tier.reserve_slots >= backend.max_num_seqs:
+                    raise ValueError(
+                        f"{where}: must be below backends.{model}.max_num_seqs "
+                        f"({backend.max_num_seqs}) (got {tier.reserve_slots})"
+                    )
 
     def _check_model_groups(self) -> None:
         if self.state_model_groups and self.state_leadership != "per_model":

@@ -269,6 +269,20 @@ class MetricsGate:
                 return True
         return False
 
+    def may_release_into_reserve(self, model: str, tier: TierLimits) -> bool:
+        """With the tier's `reserve_slots`: some deployment has room for the tier once its
+        reserved slots count too (for a user who holds no slot)."""
+        state = self._groups.get(model)
+        if state is None or not tier.reserve_slots:
+            return False
+        now = self._now()
+        sharers = self._sharers_of(model)
+        for ledger in state.ledgers.values():
+            self._refresh_mode(ledger, now)
+            if blocked_reason(ledger, tier, now, sharers, into_reserve=True) is None:
+                return True
+        return False
+
     def place(self, ticket: Ticket, tier: TierLimits) -> str | None:
         """Bind the ticket to a deployment with room: prefix affinity within the load bound,
         else the least loaded (core/placement.py)."""
@@ -279,6 +293,9 @@ class MetricsGate:
         if state.spec.fair_engine_queue and not any(c.has_room for c in candidates):
             # Released by `may_release_newcomer`: the deployments with room for a newcomer.
             candidates = self._candidates(state, tier, newcomer=True)
+        if tier.reserve_slots and not any(c.has_room for c in candidates):
+            # Released by `may_release_into_reserve`: the deployments with a reserved slot.
+            candidates = self._candidates(state, tier, into_reserve=True)
         placement = state.placer.choose(ticket.prefix, candidates)
         if placement is None:
             return None  # may_release said otherwise a moment ago; on_released then decides
@@ -314,7 +331,12 @@ class MetricsGate:
         return state
 
     def _candidates(
-        self, state: _GroupState, tier: TierLimits, *, newcomer: bool = False
+        self,
+        state: _GroupState,
+        tier: TierLimits,
+        *,
+        newcomer: bool = False,
+        into_reserve: bool = False,
     ) -> list[Candidate]:
         """The deployments placement chooses among: those with fresh metrics while one of them
         has room for the tier, else all. A deployment without fresh metrics may be down, and
@@ -332,7 +354,10 @@ class MetricsGate:
                 ledger.spec.key,
                 ledger.load(),
                 placement_slots(ledger, sharers),
-                blocked_reason(ledger, tier, now, sharers, newcomer=newcomer) is None,
+                blocked_reason(
+                    ledger, tier, now, sharers, newcomer=newcomer, into_reserve=into_reserve
+                )
+                is None,
             )
             candidates.append(candidate)
             if ledger.mode == "metrics":

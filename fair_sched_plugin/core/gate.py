@@ -34,6 +34,10 @@ class AdmissionGate(Protocol):
         (`fair_engine_queue`), so that it goes first there: then a queue deeper by up to the
         engine's running slots delays it no more than the tier's own would."""
 
+    def may_release_into_reserve(self, model: str, tier: TierLimits) -> bool:
+        """Where `may_release` says no: may a request of a user who holds no slot go now, into
+        the running slots the tier keeps free (`TierLimits.reserve_slots`)?"""
+
     def place(self, ticket: Ticket, tier: TierLimits) -> str | None:
         """The deployment of the ticket's model that takes it, called right after `may_release`
         allowed it and before `on_released`; the lease is bound to it. None: nothing to choose
@@ -93,6 +97,9 @@ class InflightLimitGate(_ListenerMixin):
         return False
 
     def may_release_newcomer(self, model: str, tier: TierLimits) -> bool:
+        return False
+
+    def may_release_into_reserve(self, model: str, tier: TierLimits) -> bool:
         return False
 
     def place(self, ticket: Ticket, tier: TierLimits) -> str | None:

@@ -22,6 +22,12 @@ With `fair_engine_queue` a user with no request in the engine's queue (a newcome
 the threshold by the deployment's running slots: the engine serves its request before the
 queued ones of users who have some there.
 
+A tier's `reserve_slots` keeps that many of the engine's running slots free of requests from
+its users who already hold one in flight (the scheduler asks `into_reserve` only for a user who
+holds none): whoever comes next starts in a free slot instead of waiting for one to end. It is
+counted against `max_num_seqs`, never the learned capacity (which the reservation itself would
+lower window by window), so it needs the slots given; a fallback engine reserves nothing.
+
 Replicas that share one engine without shared state (`MetricsGate.share_with`) each spend only
 their share of every threshold, cap and free slot.
 """
@@ -39,6 +45,7 @@ def blocked_reason(
     sharers: int,
     *,
     newcomer: bool = False,
+    into_reserve: bool = False,
 ) -> str | None:
     """Why the deployment has no room for one more request of the tier; None if it has."""
     snapshot = ledger.latest
@@ -66,7 +73,21 @@ def blocked_reason(
         return "tpot"
     if _at_or_over(snapshot.kv_usage, tier.kv_usage_below):
         return "kv_usage"
+    # Into the reserve only into a slot that is free: never into the engine's queue.
+    if tier.reserve_slots and _over_slots(ledger, 0 if into_reserve else tier.reserve_slots):
+        return "reserved"
     return None
+
+
+def _over_slots(ledger: DeploymentLedger, kept_free: int) -> bool:
+    """One more request on the deployment would leave fewer than `kept_free` of its running
+    slots free. Its load is the whole engine's (scraped running and waiting, with our first
+    bytes, ends and requests on their way), so replicas sharing it need no share of it; our
+    own requests in flight bound it from below, where a lagging /metrics shows fewer than
+    run (a request the grace settled as arrived that no scrape shows yet counts nowhere else)."""
+    slots = ledger.group.max_num_seqs
+    used = max(ledger.load(), float(ledger.in_flight))
+    return slots is not None and used + 1 > slots - kept_free
 
 
 def waiting_below(ledger: DeploymentLedger, tier: TierLimits, now: float) -> float:

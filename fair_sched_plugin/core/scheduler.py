@@ -94,7 +94,7 @@ class SchedulerCore(SchedulerReads):
         order: QueueOrder = "fifo",
         clock: Clock | None = None,
     ) -> None:
-        self._tiers = tuple(tiers)
+        self._tiers = _with_reservations_below(tiers)
         if not self._tiers:
             raise ValueError("at least one tier is required")
         self._tier_index = {tier.name: index for index, tier in enumerate(self._tiers)}
@@ -167,12 +167,14 @@ class SchedulerCore(SchedulerReads):
         limits = self._tiers[tier_index]
         gate = self._gate
         if not gate.may_release(model, limits):
-            # Past a closed gate only as a newcomer, where the engine orders its own queue.
+            # Past a closed gate only into a reserved slot, or as a newcomer where the engine
+            # orders its own queue.
             if queues is None:
                 queues = self._model_queues(model)
             known = queues.tiers[tier_index].users.get(ticket.user)
-            if not queues.orders_engine_queue or not self._may_go_as_newcomer(
-                model, limits, known, ticket.weight
+            if not self._may_go_into_reserve(model, limits, known) and (
+                not queues.orders_engine_queue
+                or not self._may_go_as_newcomer(model, limits, known, ticket.weight)
             ):
                 return None
         elif gate.waits_for_home(ticket, limits):
@@ -198,6 +200,18 @@ class SchedulerCore(SchedulerReads):
         if self._shared_tiers or not self._gate.may_release_newcomer(model, limits):
             return False
         return user_queue is None or self._policy.engine_round(user_queue.unstarted, weight) <= 0
+
+    def _may_go_into_reserve(
+        self, model: str, limits: TierLimits, user_queue: UserQueue | None
+    ) -> bool:
+        """Where the gate holds the tier back: the user holds no slot (None: a user not seen
+        yet) and the tier's reserved running slots have room (`reserve_slots`). Not with tier
+        shares: their releases are counted against each other by the same test for everyone."""
+        if not limits.reserve_slots or self._shared_tiers:
+            return False
+        if user_queue is not None and user_queue.in_flight:
+            return False
+        return self._gate.may_release_into_reserve(model, limits)
 
     def submit(self, ticket: Ticket, ref: object = None) -> Parked:
         """Park `ticket` and run the release decision (which may decide it at once: see
@@ -411,6 +425,12 @@ class SchedulerCore(SchedulerReads):
                             continue
                         if gate.may_release(model, tier.limits):
                             released = self._release_next(queues, tier)
+                            break
+                        if tier.limits.reserve_slots and self._may_go_into_reserve(
+                            model, tier.limits, tier.peek()
+                        ):
+                            # No look-ahead: it is the head, the fair next one.
+                            released = self._release_next(queues, tier, look_ahead=False)
                             break
                         if not newcomers:
                             continue
@@ -699,3 +719,16 @@ class SchedulerCore(SchedulerReads):
     def _retry_hint(self, queues: ModelQueues) -> float:
         # A rough hint: a second per queued request per in-flight slot, between 1 s and 60 s.
         return min(60.0, max(1.0, queues.queued / max(queues.in_flight, 1)))
+
+
+def _with_reservations_below(tiers: Iterable[TierLimits]) -> tuple[TierLimits, ...]:
+    """The tiers, each keeping free at least the running slots every tier above it reserves: a
+    lower tier served while a higher one is held back must not take the slots kept for it."""
+    inherited = 0
+    kept = []
+    for tier in tiers:
+        inherited = max(inherited, tier.reserve_slots)
+        kept.append(
+            tier if tier.reserve_slots == inherited else tier._replace(reserve_slots=inherited)
+        )
+    return tuple(kept)

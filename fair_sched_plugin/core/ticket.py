@@ -68,6 +68,9 @@ class TierLimits(NamedTuple):
     auto_waiting_below: tuple[int, int] | None = None
     # Release-to-first-byte target the tuner keeps (and TTFT where the engine exports it).
     ttft_target_s: float | None = None
+    # Running slots of an engine with known slots (`max_num_seqs`) that this tier's users who
+    # already hold a request in flight leave free: a user who holds none starts at once.
+    reserve_slots: int = 0
 
 
 class _TicketFields(NamedTuple):

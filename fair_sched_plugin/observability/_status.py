@@ -147,6 +147,7 @@ class StatusDocument:
                     "vllm_priority": tier.vllm_priority,
                     "share": tier.share,
                     "promote_after_s": tier.promote_after_s,
+                    "reserve_slots": tier.reserve_slots,
                     "released": released_by_tier.get(tier.name, 0),
                     "delivered_share": (
                         round(released_by_tier.get(tier.name, 0) / released_all, 4)

@@ -262,7 +262,14 @@ function gateTable(gate) {
         .map(([tier, n]) => `${tier} < ${num(n, 1)}`).join(" · ") || DASH))))));
 }
 
-function modelCard(name, doc) {
+function reservationLine(reserved) {
+  // Slots a tier keeps free: the principals' "in flight" column shows the slots each holds.
+  if (!reserved.length) return null;
+  return h("p", { class: "muted reserve" }, "running slots kept free for a principal holding " +
+    "none: " + reserved.map((t) => `${t.name} ${t.reserve_slots}`).join(" · "));
+}
+
+function modelCard(name, doc, reserved) {
   const points = remember(name, doc);
   const queuedByTier = Object.entries(doc.queued || {}).map(([t, n]) => `${t} ${n}`).join(" · ");
   return h("section", { class: "card model", "data-model": name },
@@ -270,6 +277,7 @@ function modelCard(name, doc) {
     h("div", { class: "muted" }, `queued: ${queuedByTier || 0} · in flight: ${doc.in_flight} · ` +
       `backlogged principals: ${doc.backlogged_users}`),
     allowedQueue(doc.gate || {}),
+    reservationLine(reserved),
     h("div", { class: "grid" },
       h("div", {}, h("h3", {}, "Queued and in flight per principal"), principalsTable(doc)),
       h("div", {}, h("h3", {}, "Engine"), deploymentsTable(doc), gateTable(doc.gate || {}),
@@ -337,7 +345,9 @@ function render(status) {
     ["rejected", Object.values(t.rejected || {}).reduce((a, b) => a + b, 0)]];
   const totals = h("div", { class: "totals", id: "totals" }, stats.map(([label, value]) =>
     h("div", { class: "stat", "data-total": label }, h("b", {}, value), h("span", {}, label))));
-  const models = Object.entries(status.models || {}).map(([name, doc]) => modelCard(name, doc));
+  const reserved = (status.tiers || []).filter((t) => t.reserve_slots > 0);
+  const models = Object.entries(status.models || {}).map(
+    ([name, doc]) => modelCard(name, doc, reserved));
   const cards = [totals, tiersCard(status), ...models, budgetsCard(status), rejectionsCard(status)];
   $("dashboard").replaceChildren(...cards.filter((card) => card !== null));
 }
