@@ -221,6 +221,11 @@ class SchedulingService:
         self.add_transition_listener(view.gate_transition)
         self.add_transition_listener(self._observability.recorder.gate_transition)
 
+    def read_timed_out(self, phase: str) -> None:
+        """Count a client connection closed because its request came too slowly (the
+        `fair_sched_read_timeouts` metric)."""
+        self._observability.recorder.read_timed_out(phase)
+
     # ------------------------------------------------------------------ lifecycle
 
     @property
@@ -401,6 +406,8 @@ class SchedulingService:
         if not self._started:
             self.start()
         ticket = self.ticket_for(principal, scheduled_as, body)
+        # A parked request keeps its ticket, not the body (which may be megabytes of objects).
+        del body
         try:
             if ticket.user in self._budgeted:
                 ticket = self._apply_budget(ticket)

@@ -332,6 +332,11 @@ class FairSchedSettings(Frozen):
     max_lease_s: Annotated[float, Field(gt=0, le=86_400)] = 3600.0
     # A client that does not take one chunk of the response for this long is treated as gone.
     send_timeout_s: Annotated[float, Field(gt=0, le=3600)] = 60.0
+    # `fair-sched proxy`: a request's headers must arrive within this long of its first byte,
+    # its body within this long of its headers; then the connection is closed (nginx's
+    # client_header_timeout and client_body_timeout).
+    read_headers_timeout_s: Annotated[float, Field(gt=0, le=3600)] = 10.0
+    read_body_timeout_s: Annotated[float, Field(gt=0, le=3600)] = 30.0
     # Inside LiteLLM: at its first request, collect once and freeze (`gc.freeze`) the start-up
     # heap, so that a full collection no longer stops the proxy for ~0.45 s (docs/operations.md).
     freeze_startup_heap: bool = True
