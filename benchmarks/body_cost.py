@@ -23,6 +23,7 @@ import argparse
 import asyncio
 import contextlib
 import json
+import multiprocessing
 import os
 import re
 import socket
@@ -33,6 +34,7 @@ import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import httpx
 
@@ -103,24 +105,25 @@ def bomb() -> bytes:
     return b'{"model":"%s","messages":[%s]}' % (MODEL.encode(), b",".join([b"{}"] * elements))
 
 
+def poll_health(base_url: str, done: Any, slowest: Any, answered: Any) -> None:
+    with httpx.Client(base_url=base_url, trust_env=False, timeout=30) as client:
+        while not done.is_set():
+            started = time.perf_counter()
+            client.get("/health")
+            slowest.value = max(slowest.value, time.perf_counter() - started)
+            answered.set()
+            time.sleep(0.02)
+
+
 async def refused(base_url: str, key: str, body: bytes) -> tuple[int, float, float, str]:
     """(status, seconds to the answer, slowest /health meanwhile, error message)."""
-    slowest = 0.0
-    done = threading.Event()
-
-    def health() -> None:
-        # In a thread of its own: this loop's own work (8 MiB to write) must not count.
-        nonlocal slowest
-        with httpx.Client(base_url=base_url, trust_env=False, timeout=30) as client:
-            while not done.is_set():
-                started = time.perf_counter()
-                client.get("/health")
-                slowest = max(slowest, time.perf_counter() - started)
-                time.sleep(0.02)
-
-    watcher = threading.Thread(target=health)
+    # In a process of its own: this one's work (8 MiB to write) must not count.
+    slowest = multiprocessing.Value("d", 0.0)
+    answered = multiprocessing.Event()
+    done = multiprocessing.Event()
+    watcher = multiprocessing.Process(target=poll_health, args=(base_url, done, slowest, answered))
     watcher.start()
-    await asyncio.sleep(0.1)
+    await asyncio.get_running_loop().run_in_executor(None, answered.wait, 30)
     port = int(base_url.rsplit(":", 1)[1])
     reader, writer = await asyncio.open_connection(HOST, port)
     head = (
@@ -148,7 +151,7 @@ async def refused(base_url: str, key: str, body: bytes) -> tuple[int, float, flo
     done.set()
     watcher.join()
     message = json.loads(content).get("error", {}).get("message", "")
-    return int(answer.split(b" ", 2)[1]), took, slowest, message
+    return int(answer.split(b" ", 2)[1]), took, slowest.value, message
 
 
 async def stalled_uploads(base_url: str, count: int, pid: int) -> None:
@@ -218,10 +221,16 @@ async def parked_cost(base_url: str, pid: int, parked: int) -> None:
             found = re.findall(r"^fair_sched_queued_requests\{[^}]*\} (\S+)", text, re.M)
             return int(sum(float(value) for value in found))
 
-        async def until_queued(count: int) -> None:
-            for _ in range(6000):
-                if await queued() >= count:
-                    return
+        async def until_queued(count: int) -> int:
+            """How many are parked once `count` are, or once the count stops growing (a few
+            may be refused or released on a loaded machine)."""
+            last, steady = -1, 0
+            for _ in range(3000):
+                now = await queued()
+                if now >= count or (now == last and now > 0 and (steady := steady + 1) >= 40):
+                    return now
+                if now != last:
+                    last, steady = now, 0
                 await asyncio.sleep(0.05)
             raise RuntimeError(f"only {await queued()} of {count} parked")
 
@@ -258,9 +267,9 @@ async def parked_cost(base_url: str, pid: int, parked: int) -> None:
             connections.append(writer)
             if index % 500 == 499:
                 await asyncio.sleep(0.05)
-        await until_queued(parked)
-        held = (status_kib(pid, "VmRSS") - before) * 1024 / parked
-        print(f"{parked} small parked requests: RSS +{held / 1024:.1f} KiB each (server side)")
+        count = await until_queued(parked)
+        held = (status_kib(pid, "VmRSS") - before) * 1024 / count
+        print(f"{count} small parked requests: RSS +{held / 1024:.1f} KiB each (server side)")
         for writer in connections:
             writer.close()
         for task in hogs:
