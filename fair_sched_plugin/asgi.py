@@ -3,14 +3,15 @@
     app.add_middleware(FairSchedulerMiddleware, config="fair_sched.yaml")
 
 For each POST to an LLM path (the OpenAI completion, chat and responses paths by default) the
-middleware reads the JSON body once, resolves the caller, waits for the request's turn, rewrites
-`priority`, and replays the body to the app. A POST to such a path is always scheduled or refused:
-a body that is not a JSON object with a string `model` gets a 400 from us (an app that fills in a
-default model would otherwise run it unscheduled). Streams pass through unbuffered; the lease
-ends when the response body ends, when the client disconnects (while parked the app is never
-called; once running the app is cancelled, so its engine request is closed), after
-`max_lease_s`, or when the app raises (the exception is re-raised). Everything else passes
-straight through.
+middleware resolves the caller (from the headers before the body where it can), reads and parses
+the JSON body once (bounded: `_body.parse_request_body`), waits for the request's turn holding
+the body's bytes, adds our `priority`, and replays the bytes to the app. A POST to such a path is
+always scheduled or refused: a body that is not a JSON object with a string `model` gets a 400
+from us (an app that fills in a default model would otherwise run it unscheduled). Streams pass
+through unbuffered; the lease ends when the response body ends, when the client disconnects
+(while parked the app is never called; once running the app is cancelled, so its engine request
+is closed), after `max_lease_s`, or when the app raises (the exception is re-raised). Everything
+else passes straight through.
 
 Which requests are scheduled is one table, built once: each path pattern with its mode
 (`paths=` are scheduled; `routes=` adds patterns with modes of their own, such as LiteLLM's
@@ -115,8 +116,9 @@ class FairSchedulerMiddleware:
     answers them with another app instead (the LiteLLM integration's, behind the proxy's master
     key).
     `reject_unknown_keys=True` answers 401 to a caller that is not a configured principal, before
-    it can queue: for apps that do not authenticate themselves (the standalone proxy), so that
-    made-up keys cannot each open a queue and fill the total cap.
+    it can queue (and, unless `resolve_user` or `identity.source: body_user` reads the body,
+    before its body is read): for apps that do not authenticate themselves (the standalone
+    proxy), so that made-up keys cannot each open a queue and fill the total cap.
     `unknown_models="reject"` answers 404 to a model the service was not configured with, before
     it queues (the standalone proxy serves only its backends); the default schedules every such
     name in one shared queue with one in-flight cap.
@@ -406,7 +408,7 @@ class _ScheduledRequest:
     async def _read_body(self, receive: Receive, send: Send) -> bytes | None:
         limit = self.middleware._max_body_bytes
         declared = Headers(scope=self.scope).get("content-length", "")
-        if declared.isdigit() and len(declared) <= 20 and int(declared) > limit:
+        if declared.isdigit() and (len(declared) > 19 or int(declared) > limit):
             # Refused from its header, before a byte of it is read.
             await _unread_body_answer(_too_large(limit)).send_asgi(send)
             return None
