@@ -364,6 +364,7 @@ class _ScheduledRequest:
             # client's, without any priority it sent.
             forwarded = _without_client_priority(body, body_bytes)
             del body_bytes
+            holding = len(forwarded)
             admitting = self.service.admit(
                 principal,
                 model,
@@ -372,6 +373,7 @@ class _ScheduledRequest:
                 unknown_models=middleware._unknown_models,
                 waiting=self.watch,
                 max_wait_s=self.watch.max_wait_s(self.service.settings.queue.max_wait_s),
+                body_bytes=holding,
             )
             del body
             admission = await admitting

@@ -41,6 +41,7 @@ from .core import (
     Ticket,
     TierLimits,
 )
+from .core.parked_bytes import ParkedBytes
 from .driver import (
     DisconnectSignal,
     FairScheduler,
@@ -191,6 +192,11 @@ class SchedulingService:
         self._admission_observers: list[AdmissionObserver] = []
         self._rejection_log = RejectionLog(clock=self.clock.now)
         self.charges = Charges(self.backends, self.known_models, self.scheduler, self.clock)
+        # The request bodies parked requests hold here (`admit`'s `body_bytes`).
+        self.parked_bytes = ParkedBytes(
+            max_per_user=self.settings.queue.max_bytes_per_user,
+            max_total=self.settings.queue.max_bytes_total,
+        )
         self.budgets = BudgetBook(_budget_rules(settings), clock=self.clock)
         # The principals with a budget: only their admissions read it, only their ends count.
         self._budgeted = frozenset(self.budgets.principals())
@@ -392,6 +398,7 @@ class SchedulingService:
         unknown_models: UnknownModels = "share",
         waiting: WaitObserver | None = None,
         max_wait_s: float | None = None,
+        body_bytes: int = 0,
     ) -> Admission:
         """Wait for this request's turn. Raises `Rejected` (400/404/429/503) or
         `ClientDisconnected`.
@@ -400,7 +407,9 @@ class SchedulingService:
         for the name returned there. A request whose client disconnects while parked leaves the
         queue and never gets a lease. `waiting` is told when the request parks and when it stops
         waiting; `max_wait_s` (the client's `x-fair-sched-max-wait-s`) gives up sooner than
-        `queue.max_wait_s`, never later.
+        `queue.max_wait_s`, never later. `body_bytes`, the size of the body the caller holds
+        while the request waits, counts against `queue.max_bytes_per_user` and
+        `queue.max_bytes_total` until it stops waiting (`QueueFull` past either).
         """
         scheduled_as = self.scheduling_model(model, unknown_models=unknown_models)
         if not self._started:
@@ -413,7 +422,11 @@ class SchedulingService:
                 ticket = self._apply_budget(ticket)
             lease = self._admissions.try_acquire(ticket)
             if lease is None:
-                lease = await self._park(principal, ticket, disconnected, waiting, max_wait_s)
+                self.parked_bytes.reserve(ticket.user, body_bytes)
+                try:
+                    lease = await self._park(principal, ticket, disconnected, waiting, max_wait_s)
+                finally:
+                    self.parked_bytes.release(ticket.user, body_bytes)
         except Rejected as exc:
             self.standings.estimate_retry_after(exc, ticket)
             self._rejected(principal, ticket, exc)

@@ -241,6 +241,9 @@ class PrincipalSettings(Frozen):
 class QueueSettings(Frozen):
     max_per_user: Annotated[int, Field(gt=0)] = 1000
     max_total: Annotated[int, Field(gt=0)] = 100_000
+    # The request bodies waiting requests hold in this process, per user and in all (bytes).
+    max_bytes_per_user: Annotated[int, Field(gt=0)] = 256 * 1024 * 1024
+    max_bytes_total: Annotated[int, Field(gt=0)] = 1024 * 1024 * 1024
     max_wait_s: Annotated[float, Field(gt=0, le=86_400)] = 600.0
     # Inside one user's queue: arrival order, or the smallest expected work (prompt estimate +
     # requested output tokens) first.

@@ -236,3 +236,27 @@ async def test_a_parked_request_holds_its_bytes_not_its_parsed_body() -> None:
         response = await parked
     assert response.status_code == 200
     assert held < 2 * len(body), (held, len(body))
+
+
+async def test_parked_body_bytes_past_the_users_cap_are_refused_with_retry_after() -> None:
+    body = json.dumps(chat_body(user="bytes") | {"pad": "x" * 3_000}).encode()
+    queue = {"max_bytes_per_user": len(body) + 100}
+    async with (
+        proxy({"max_num_seqs": 1}, waiting_below=1, queue=queue) as (base_url, service, emu),
+        httpx.AsyncClient(base_url=base_url, trust_env=False, timeout=60) as client,
+    ):
+        client.headers["authorization"] = "Bearer sk-b"
+        hogs = await park_behind_full_engine(emu, service, client)
+        try:
+            headers = {"authorization": "Bearer sk-a", "content-type": "application/json"}
+            first = asyncio.ensure_future(
+                client.post("/v1/chat/completions", content=body, headers=headers)
+            )
+            await wait_until(lambda: first.done() or service.scheduler.statistics().queued)
+            second = await client.post("/v1/chat/completions", content=body, headers=headers)
+        finally:
+            for hog in hogs:
+                hog.cancel()
+        assert (await first).status_code == 200
+    assert second.status_code == 429
+    assert "retry-after" in second.headers
