@@ -19,7 +19,7 @@ import httpx
 from starlette.applications import Starlette
 from starlette.background import BackgroundTask
 from starlette.requests import Request
-from starlette.responses import Response, StreamingResponse
+from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
 from fair_sched_plugin.asgi import FairSchedulerMiddleware
@@ -28,8 +28,18 @@ CONFIG = os.environ.get("FAIR_SCHED_CONFIG") or str(Path(__file__).with_name("fa
 
 
 async def chat(request: Request) -> Response:
-    # Where the scheduler bound this request: the engine it counted it on.
+    # Where the scheduler bound this request: the engine it counted it on. None for a model
+    # with no `api_base` in the settings: there is nowhere to send it.
     api_base = request.state.fair_sched_deployment  # e.g. "http://127.0.0.1:8000/v1"
+    if api_base is None:
+        model = request.state.fair_sched_model
+        error = {
+            "message": f"The model `{model}` does not exist.",
+            "type": "invalid_request_error",
+            "param": "model",
+            "code": "model_not_found",
+        }
+        return JSONResponse({"error": error}, status_code=404)
     client: httpx.AsyncClient = request.app.state.http
     upstream = await client.send(
         client.build_request(
@@ -59,7 +69,8 @@ def build_app(config: str | Mapping[str, Any] = CONFIG) -> Starlette:
     app = Starlette(
         routes=[Route("/v1/chat/completions", chat, methods=["POST"])], lifespan=lifespan
     )
-    app.add_middleware(FairSchedulerMiddleware, config=config)
+    # Only the models of the settings are served: any other name is a 404 before it queues.
+    app.add_middleware(FairSchedulerMiddleware, config=config, unknown_models="reject")
     return app
 
 

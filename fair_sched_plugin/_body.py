@@ -7,11 +7,12 @@ that rewrites the body's `priority` for the engine.
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import Mapping, MutableMapping
 from typing import Any
 
 from .core import MAX_REQUEST_TOKENS
-from .errors import InvalidRequest
+from .errors import BodyTooLarge, InvalidRequest
 
 # What a request costs when it does not say how many tokens it may generate.
 DEFAULT_MAX_TOKENS = 256
@@ -20,60 +21,107 @@ DEFAULT_MAX_TOKENS = 256
 OUTPUT_TOKEN_FIELDS = ("max_completion_tokens", "max_tokens", "max_output_tokens")
 # OpenAI's own limit on `n` (choices generated per request).
 MAX_CHOICES = 128
+# The largest request body read (an 8 MiB body is ~2 million tokens of text).
+MAX_BODY_BYTES = 8 * 1024 * 1024
 # Deeper request bodies are refused with a 400 before any work (real ones nest < 20 levels).
 MAX_BODY_DEPTH = 64
+# The most objects and arrays one body may hold: each costs a Python object when parsed (a
+# 2-byte `{}` about 64 bytes), so an 8 MiB body of them would cost half a GiB. A long agent
+# conversation with tools holds a few thousand.
+MAX_BODY_CONTAINERS = 100_000
+# Per-field element counts, bounded before anything walks them (OpenAI allows 128 tools).
+MAX_MESSAGES = 20_000
+MAX_CONTENT_PARTS = 2_000
+MAX_TOOLS = 1_024
+# The list fields a request's element counts are bounded in (`input` is the responses API's).
+_MESSAGE_LISTS = ("messages", "input")
+
+_BRACKETS_ONLY = bytes(range(256)).translate(None, b"{}[]")
+# A JSON string once escaped backslashes and quotes are gone (see `_outside_strings`).
+_PLAIN_STRING = re.compile(rb'"[^"]*"')
 
 
 class RequestBody(dict[str, Any]):
-    """A request body `parse_request_body` read from JSON with its nesting checked:
-    `SchedulingService.admit` does not walk it again."""
+    """A request body `parse_request_body` read from JSON with its size, nesting and element
+    counts checked: nothing walks it again."""
 
 
-def parse_request_body(raw: bytes) -> RequestBody:
-    """A request body as a JSON object; `InvalidRequest` (400) for anything else.
+def parse_request_body(raw: bytes, *, max_bytes: int = MAX_BODY_BYTES) -> RequestBody:
+    """A request body as a JSON object; `BodyTooLarge` (413) over `max_bytes`,
+    `InvalidRequest` (400, naming the limit) for anything else.
 
-    Nesting is bounded before any work is done on the body: a deeply nested one would otherwise
-    overflow the JSON decoder's recursion (a 500 with a traceback) or cost time per level.
+    One bounded pass: the size, then the nesting depth and the number of objects and arrays
+    read from the bytes before the JSON decoder builds anything (a few C-speed scans), then the
+    decoder, then the list lengths the scheduler reads (`check_element_counts`).
     """
+    if len(raw) > max_bytes:
+        raise BodyTooLarge(f"the request body is larger than {max_bytes} bytes")
+    check_body_shape(raw)
     try:
         body = json.loads(raw) if raw else None
     except (ValueError, RecursionError):
-        raise InvalidRequest("the request body is not valid JSON (or nests too deeply)") from None
+        raise InvalidRequest("the request body is not valid JSON") from None
     if not isinstance(body, dict):
         raise InvalidRequest("the request body must be a JSON object")
-    check_body_depth(body)
+    check_element_counts(body)
     return RequestBody(body)
 
 
-_SCALARS = frozenset({str, int, float, bool, type(None)})
+def check_body_shape(
+    raw: bytes, *, depth: int = MAX_BODY_DEPTH, containers: int = MAX_BODY_CONTAINERS
+) -> None:
+    """`InvalidRequest` where the JSON text `raw` holds more than `containers` objects and
+    arrays or nests them deeper than `depth`, read from its bytes outside its strings.
+
+    For valid JSON the reading is exact; for anything else the decoder refuses it after.
+    """
+    if raw.count(b"{") + raw.count(b"[") <= depth:
+        return  # too few brackets to nest deeper or count more, inside strings or not
+    structure = _outside_strings(raw)
+    count = structure.count(b"{") + structure.count(b"[")
+    if count > containers:
+        raise InvalidRequest(f"the request body holds more than {containers} objects and arrays")
+    brackets = structure.translate(None, _BRACKETS_ONLY)
+    # Each pass removes the innermost level: `depth` passes empty a body that deep. At most
+    # 2 * `containers` bytes, so each pass is cheap.
+    for _ in range(depth):
+        reduced = brackets.replace(b"{}", b"").replace(b"[]", b"")
+        if len(reduced) == len(brackets):
+            return  # empty, or mismatched brackets: the decoder refuses those
+        brackets = reduced
+    if brackets:
+        raise InvalidRequest(f"the request body nests deeper than {depth} levels")
 
 
-def check_body_depth(body: Mapping[str, Any], limit: int = MAX_BODY_DEPTH) -> None:
-    """Raise `InvalidRequest` when `body`'s dicts and lists nest deeper than `limit`."""
-    stack: list[tuple[Any, int]] = [(body, 1)]
-    # An adapter's own request dict (LiteLLM's) may refer to itself: visit each container once.
-    seen = {id(body)}
-    while stack:
-        node, depth = stack.pop()
-        if depth > limit:
-            raise InvalidRequest(f"the request body nests deeper than {limit} levels")
-        # Exact types first: `isinstance(_, Mapping)` is a Python-level ABC check, and a body is
-        # mostly plain dicts, lists, strings and numbers.
-        kind = type(node)
-        children = node if kind is list else node.values() if kind is dict else _children(node)
-        for child in children:
-            kind = type(child)
-            if kind in _SCALARS:
-                continue
-            if (kind is dict or kind is list or isinstance(child, Mapping)) and id(
-                child
-            ) not in seen:
-                seen.add(id(child))
-                stack.append((child, depth + 1))
+def _outside_strings(raw: bytes) -> bytes:
+    """The JSON text `raw` without its strings. Backslashes appear only in strings' escapes,
+    which pair up from the left: removing `\\\\` pairs, then escaped quotes, leaves only the
+    quotes that open and close strings."""
+    plain = raw.replace(b"\\\\", b"").replace(b'\\"', b"")
+    return _PLAIN_STRING.sub(b"", plain)
 
 
-def _children(node: Any) -> Any:
-    return node.values() if isinstance(node, Mapping) else node
+def check_element_counts(body: Mapping[str, Any]) -> None:
+    """`InvalidRequest` naming the field where `messages` (or `input`), a message's `content`
+    parts or `tools` is longer than its limit: checked before anything iterates them, on
+    every path (an adapter's own parsed body too)."""
+    for field in _MESSAGE_LISTS:
+        messages = body.get(field)
+        if type(messages) is not list:
+            continue
+        if len(messages) > MAX_MESSAGES:
+            raise InvalidRequest(f"`{field}` holds more than {MAX_MESSAGES} items", param=field)
+        for message in messages:
+            if type(message) is dict or isinstance(message, Mapping):
+                content = message.get("content")
+                if type(content) is list and len(content) > MAX_CONTENT_PARTS:
+                    raise InvalidRequest(
+                        f"a message's `content` holds more than {MAX_CONTENT_PARTS} parts",
+                        param=field,
+                    )
+    tools = body.get("tools")
+    if type(tools) is list and len(tools) > MAX_TOOLS:
+        raise InvalidRequest(f"`tools` holds more than {MAX_TOOLS} items", param="tools")
 
 
 def estimate_prompt_tokens(body: Mapping[str, Any]) -> int:
@@ -103,10 +151,11 @@ def estimate_prompt_tokens(body: Mapping[str, Any]) -> int:
 def request_size(body: Mapping[str, Any]) -> tuple[int, int]:
     """(estimated prompt tokens, most output tokens over every choice): what a ticket costs,
     each field read once (`estimate_prompt_tokens`, `requested_max_tokens` times
-    `requested_choices`), with the body's nesting checked first unless `parse_request_body`
-    did (`InvalidRequest`)."""
+    `requested_choices`), with the lists it iterates bounded first unless `parse_request_body`
+    did (`InvalidRequest`). Nothing here recurses, so an adapter's own parsed body (LiteLLM's,
+    bounded by its decoder) needs no walk of its nesting."""
     if type(body) is not RequestBody:
-        check_body_depth(body)
+        check_element_counts(body)
     return estimate_prompt_tokens(body), requested_max_tokens(body) * requested_choices(body)
 
 

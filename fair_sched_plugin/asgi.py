@@ -3,14 +3,15 @@
     app.add_middleware(FairSchedulerMiddleware, config="fair_sched.yaml")
 
 For each POST to an LLM path (the OpenAI completion, chat and responses paths by default) the
-middleware reads the JSON body once, resolves the caller, waits for the request's turn, rewrites
-`priority`, and replays the body to the app. A POST to such a path is always scheduled or refused:
-a body that is not a JSON object with a string `model` gets a 400 from us (an app that fills in a
-default model would otherwise run it unscheduled). Streams pass through unbuffered; the lease
-ends when the response body ends, when the client disconnects (while parked the app is never
-called; once running the app is cancelled, so its engine request is closed), after
-`max_lease_s`, or when the app raises (the exception is re-raised). Everything else passes
-straight through.
+middleware resolves the caller (from the headers before the body where it can), reads and parses
+the JSON body once (bounded: `_body.parse_request_body`), waits for the request's turn holding
+the body's bytes, adds our `priority`, and replays the bytes to the app. A POST to such a path is
+always scheduled or refused: a body that is not a JSON object with a string `model` gets a 400
+from us (an app that fills in a default model would otherwise run it unscheduled). Streams pass
+through unbuffered; the lease ends when the response body ends, when the client disconnects
+(while parked the app is never called; once running the app is cancelled, so its engine request
+is closed), after `max_lease_s`, or when the app raises (the exception is re-raised). Everything
+else passes straight through.
 
 Which requests are scheduled is one table, built once: each path pattern with its mode
 (`paths=` are scheduled; `routes=` adds patterns with modes of their own, such as LiteLLM's
@@ -48,13 +49,13 @@ from starlette.datastructures import Headers
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from . import _responses, observability
-from ._body import parse_request_body, rewrite_priority
+from ._body import MAX_BODY_BYTES, parse_request_body, rewrite_priority
 from ._request import DEPLOYMENT_HEADER, MAX_WAIT_HEADER, RequestWatch
 from ._shutdown import install_sigterm_drain
 from ._usage import JsonUsageFinder, Usage, read_usage
 from .config import FairSchedSettings
 from .core import Lease
-from .errors import ClientDisconnected, ConfigError, Rejected
+from .errors import BodyTooLarge, ClientDisconnected, ConfigError, Rejected
 from .identity import Credentials
 from .service import SchedulingService, UnknownModels
 
@@ -83,7 +84,6 @@ DEFAULT_PATHS = (
     r"^(/v1)?/completions$",
     r"^(/v1)?/responses$",
 )
-MAX_BODY_BYTES = 8 * 1024 * 1024
 # The longest event-stream line kept while it waits for its line end (a `usage` event is a few
 # hundred bytes).
 SSE_LINE_LIMIT_BYTES = 64 * 1024
@@ -91,10 +91,13 @@ SSE_LINE_LIMIT_BYTES = 64 * 1024
 # Key in the ASGI scope's "state" (Starlette's `request.state.fair_sched_deployment`): the
 # deployment the request is bound to, None where the gate knows no deployment of its model.
 DEPLOYMENT_STATE = "fair_sched_deployment"
+# Key in the ASGI scope's "state": the scheduled request's `model`, read from its body once.
+MODEL_STATE = "fair_sched_model"
 
 __all__ = [
     "DEFAULT_PATHS",
     "DEPLOYMENT_STATE",
+    "MODEL_STATE",
     "QUEUE_PATH",
     "FairSchedulerMiddleware",
     "RouteMode",
@@ -113,8 +116,9 @@ class FairSchedulerMiddleware:
     answers them with another app instead (the LiteLLM integration's, behind the proxy's master
     key).
     `reject_unknown_keys=True` answers 401 to a caller that is not a configured principal, before
-    it can queue: for apps that do not authenticate themselves (the standalone proxy), so that
-    made-up keys cannot each open a queue and fill the total cap.
+    it can queue (and, unless `resolve_user` or `identity.source: body_user` reads the body,
+    before its body is read): for apps that do not authenticate themselves (the standalone
+    proxy), so that made-up keys cannot each open a queue and fill the total cap.
     `unknown_models="reject"` answers 404 to a model the service was not configured with, before
     it queues (the standalone proxy serves only its backends); the default schedules every such
     name in one shared queue with one in-flight cap.
@@ -166,6 +170,11 @@ class FairSchedulerMiddleware:
         except ConfigError as exc:
             self._config_error = exc
             return
+        # Whether a caller's identity may come from its body (a resolver sees the body): if not,
+        # it is known from the headers before the body is read.
+        self.identity_reads_body = (
+            resolve_user is not None or self.service.settings.identity.source == "body_user"
+        )
         if serve_admin and admin is None:
             # Opt-in: /fair-sched/metrics, /status and /ui answered here, before the app.
             self._admin = observability.admin_app(self.service, admin_key=admin_key)
@@ -319,33 +328,55 @@ class _ScheduledRequest:
         await self.watch.run(self._schedule_and_call, self.scope)
 
     async def _schedule_and_call(self, scope: Scope, receive: Receive, send: Send) -> None:
+        middleware = self.middleware
+        # Where the caller is known from its headers, a stranger is refused before its body is
+        # read: an unknown key never costs the bytes it sends.
+        principal = None
+        if not middleware.identity_reads_body:
+            principal = self.service.identify(middleware.credentials(scope, {}))
+            if middleware._reject_unknown_keys and not principal.known:
+                await _unread_body_answer(_unknown_key()).send_asgi(send)
+                return
         body_bytes = await self._read_body(receive, send)
         if body_bytes is None:
-            return  # the client left before sending its body, or it was too large
-        if self.only_with_model and not _names_a_model(body_bytes):
-            await self.middleware.app(scope, self._replay(body_bytes, receive), send)
+            return  # the client left before sending its body, or it was refused
+        try:
+            body = parse_request_body(body_bytes, max_bytes=middleware._max_body_bytes)
+        except Rejected as exc:
+            if self.only_with_model:
+                await middleware.app(scope, self._replay(body_bytes, receive), send)
+            else:
+                await _responses.error_response(exc).send_asgi(send)
+            return
+        model = body.get("model")
+        if self.only_with_model and not isinstance(model, str):
+            await middleware.app(scope, self._replay(body_bytes, receive), send)
             return
         try:
-            body = parse_request_body(body_bytes)
-            principal = self.service.identify(self.middleware.credentials(scope, body))
-            if self.middleware._reject_unknown_keys and not principal.known:
-                await _responses.error(
-                    401,
-                    "unknown or missing API key",
-                    code="invalid_api_key",
-                    headers={"WWW-Authenticate": "Bearer"},
-                ).send_asgi(send)
-                return
+            if principal is None:
+                principal = self.service.identify(middleware.credentials(scope, body))
+                if middleware._reject_unknown_keys and not principal.known:
+                    await _unknown_key().send_asgi(send)
+                    return
             self.watch.streaming = body.get("stream") is True
-            admission = await self.service.admit(
+            # While it waits, the request holds its bytes, not the parsed body: the body is
+            # read into its ticket (inside `admit`) and let go, and the bytes forwarded are the
+            # client's, without any priority it sent.
+            forwarded = _without_client_priority(body, body_bytes)
+            del body_bytes
+            holding = len(forwarded)
+            admitting = self.service.admit(
                 principal,
-                body.get("model"),
+                model,
                 body,
                 disconnected=self.watch.watch(),
-                unknown_models=self.middleware._unknown_models,
+                unknown_models=middleware._unknown_models,
                 waiting=self.watch,
                 max_wait_s=self.watch.max_wait_s(self.service.settings.queue.max_wait_s),
+                body_bytes=holding,
             )
+            del body
+            admission = await admitting
         except Rejected as exc:
             await _responses.error_response(exc).send_asgi(send)
             return
@@ -355,16 +386,20 @@ class _ScheduledRequest:
         self.watch.hold(lease)
         self.watch.interrupted_tokens = self.service.charges.interrupted_tokens
         self.watch.admitted(admission, name_principal=self.service.names_principals)
-        rewrite_priority(body, admission.engine_priority, via_extra_body=False)
-        new_body = json.dumps(body).encode()
+        new_body = _with_priority(forwarded, admission.engine_priority)
+        del forwarded
         app_scope = dict(scope)
         app_scope["headers"] = _for_app(scope["headers"], len(new_body), admission.deployment_name)
         # Where the app sends it: the deployment the scheduler bound it to (request.state), by
         # its key (the api_base); the header carries only its public name, since an app may
-        # echo or forward headers.
-        app_scope["state"] = {**scope.get("state", {}), DEPLOYMENT_STATE: lease.deployment}
+        # echo or forward headers. The model is handed on too: the app need not parse again.
+        app_scope["state"] = {
+            **scope.get("state", {}),
+            DEPLOYMENT_STATE: lease.deployment,
+            MODEL_STATE: model,
+        }
         try:
-            await self.middleware.app(
+            await middleware.app(
                 app_scope, self._replay(new_body, receive), self._send_and_track(lease, send)
             )
         finally:
@@ -373,6 +408,12 @@ class _ScheduledRequest:
             self._report(lease)
 
     async def _read_body(self, receive: Receive, send: Send) -> bytes | None:
+        limit = self.middleware._max_body_bytes
+        declared = Headers(scope=self.scope).get("content-length", "")
+        if declared.isdigit() and (len(declared) > 19 or int(declared) > limit):
+            # Refused from its header, before a byte of it is read.
+            await _unread_body_answer(_too_large(limit)).send_asgi(send)
+            return None
         chunks = []
         size = 0
         while True:
@@ -381,10 +422,9 @@ class _ScheduledRequest:
                 return None
             chunk = message.get("body", b"")
             size += len(chunk)
-            if size > self.middleware._max_body_bytes:
-                await _responses.error(
-                    413, "request body too large", code="body_too_large"
-                ).send_asgi(send)
+            if size > limit:
+                # A chunked body without end is cut here too.
+                await _unread_body_answer(_too_large(limit)).send_asgi(send)
                 return None
             chunks.append(chunk)
             if not message.get("more_body", False):
@@ -459,11 +499,46 @@ class _ScheduledRequest:
             self.watch.report(lease, self.stream_chunks, None)
 
 
-def _names_a_model(body_bytes: bytes) -> bool:
-    try:
-        return isinstance(parse_request_body(body_bytes).get("model"), str)
-    except Rejected:
-        return False
+def _unknown_key() -> _responses.ErrorResponse:
+    return _responses.error(
+        401,
+        "unknown or missing API key",
+        code="invalid_api_key",
+        headers={"WWW-Authenticate": "Bearer"},
+    )
+
+
+def _too_large(limit: int) -> _responses.ErrorResponse:
+    return _responses.error_response(BodyTooLarge(f"the request body is larger than {limit} bytes"))
+
+
+def _unread_body_answer(error: _responses.ErrorResponse) -> _responses.ErrorResponse:
+    """An answer sent before the body is read to its end: the connection closes after it (the
+    server would otherwise read, and discard, whatever the client still sends)."""
+    return error._replace(headers={**error.headers, "Connection": "close"})
+
+
+def _without_client_priority(body: Mapping[str, Any], raw: bytes) -> bytes:
+    """The bytes to forward before our priority is added: the client's own where it sent no
+    priority (nearly always), else the body serialized once without it."""
+    extra_body = body.get("extra_body")
+    if "priority" not in body and (
+        extra_body is None
+        or (isinstance(extra_body, Mapping) and extra_body and "priority" not in extra_body)
+    ):
+        return raw
+    rewritten = dict(body)
+    rewrite_priority(rewritten, None, via_extra_body=False)
+    return json.dumps(rewritten).encode()
+
+
+def _with_priority(raw: bytes, priority: int | None) -> bytes:
+    """`raw` (a JSON object with a `model`, so not empty, and no `priority`) with the engine
+    priority added as its last member: spliced in front of the closing brace, no parse."""
+    if priority is None:
+        return raw
+    end = raw.rstrip().rindex(b"}")
+    return b'%s,"priority":%d}' % (raw[:end], priority)
 
 
 def _bearer_key(headers: Headers) -> str | None:

@@ -10,7 +10,8 @@
     │   ├── EngineUnavailable         the engine cannot be reached              -> HTTP 502
     │   ├── SchedulerClosed           the scheduler is shutting down            -> HTTP 503
     │   ├── InvalidRequest            a body or model name we will not schedule -> HTTP 400
-    │   │   └── UnknownModel          a model this server does not serve        -> HTTP 404
+    │   │   ├── UnknownModel          a model this server does not serve        -> HTTP 404
+    │   │   └── BodyTooLarge          a body over the size limit                -> HTTP 413
     │   └── LeaseExpired              held its lease longer than `max_lease_s`  -> HTTP 504
     ├── ClientDisconnected            the client left while its request waited  -> (HTTP 499)
     ├── StateStoreError               the shared state store (Redis) failed; wraps the cause
@@ -125,6 +126,13 @@ class UnknownModel(InvalidRequest):
 
     status_code = 404
     reason = "model_not_found"
+
+
+class BodyTooLarge(InvalidRequest):
+    """The request body is larger than the server reads (refused before it is parsed)."""
+
+    status_code = 413
+    reason = "body_too_large"
 
 
 class LeaseExpired(Rejected):

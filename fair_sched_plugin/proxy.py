@@ -27,7 +27,7 @@ import logging
 import sys
 import uuid
 from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Mapping
-from typing import Any
+from typing import TYPE_CHECKING, Any
 from urllib.parse import urlsplit, urlunsplit
 
 import httpx
@@ -39,16 +39,18 @@ from starlette.routing import Route
 from starlette.types import Receive, Scope, Send
 
 from . import _responses
-from ._body import parse_request_body
 from ._http import KEEPALIVE_EXPIRY_S
 from ._request import current_request
-from .asgi import DEPLOYMENT_STATE, FairSchedulerMiddleware
+from .asgi import DEPLOYMENT_STATE, MODEL_STATE, FairSchedulerMiddleware
 from .config import FairSchedSettings, load_settings
-from .errors import ConfigError, EngineUnavailable, Rejected
+from .errors import ConfigError, EngineUnavailable
 from .observability import METRICS_PATH, STATUS_PATH, endpoints
 from .service import SchedulingService
 
-__all__ = ["DEFAULT_TIMEOUT", "add_proxy_parser", "build_proxy_app"]
+if TYPE_CHECKING:
+    import uvicorn
+
+__all__ = ["DEFAULT_TIMEOUT", "add_proxy_parser", "build_proxy_app", "proxy_server_config"]
 
 logger = logging.getLogger("fair_sched.proxy")
 
@@ -195,12 +197,9 @@ class _ProxyRoutes:
 
     async def forward(self, request: Request) -> Response:
         # The middleware scheduled this request: its body is a JSON object with a string `model`
-        # this proxy serves (anything else was answered there).
-        try:
-            body = await request.body()
-            model = parse_request_body(body)["model"]
-        except Rejected as exc:
-            return _json_error(_responses.error_response(exc))
+        # this proxy serves (anything else was answered there), read once there and handed on.
+        model: str = getattr(request.state, MODEL_STATE, "")
+        body = await request.body()
         api_bases = self.api_bases.get(model)
         if api_bases is None:
             return _json_error(
@@ -397,6 +396,32 @@ def build_proxy_app(
     return app
 
 
+def proxy_server_config(
+    app: Starlette, *, host: str, port: int, log_level: str = "info"
+) -> uvicorn.Config:
+    """How `fair-sched proxy` serves `app` (from `build_proxy_app`) with uvicorn: its keep-alive
+    and the read deadlines of its settings, counted in its metrics."""
+    import uvicorn
+
+    from ._read_deadlines import read_deadline_protocol
+
+    service: SchedulingService = app.state.fair_sched
+    settings = service.settings
+    return uvicorn.Config(
+        app,
+        host=host,
+        port=port,
+        log_level=log_level,
+        lifespan="on",
+        timeout_keep_alive=CLIENT_KEEP_ALIVE_S,
+        http=read_deadline_protocol(
+            headers_timeout_s=settings.read_headers_timeout_s,
+            body_timeout_s=settings.read_body_timeout_s,
+            on_timeout=service.read_timed_out,
+        ),
+    )
+
+
 # ----------------------------------------------------------------------------- command line
 
 
@@ -415,14 +440,11 @@ def run_proxy_from_args(args: argparse.Namespace) -> int:
             file=sys.stderr,
         )
         return 2
-    uvicorn.run(
-        build_proxy_app(settings),
-        host=args.host,
-        port=args.port,
-        log_level=args.log_level,
-        lifespan="on",
-        timeout_keep_alive=CLIENT_KEEP_ALIVE_S,
-    )
+    uvicorn.Server(
+        proxy_server_config(
+            build_proxy_app(settings), host=args.host, port=args.port, log_level=args.log_level
+        )
+    ).run()
     return 0
 
 

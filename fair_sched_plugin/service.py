@@ -42,6 +42,7 @@ from .core import (
     Ticket,
     TierLimits,
 )
+from .core.parked_bytes import ParkedBytes
 from .driver import (
     FairScheduler,
     LoopClock,
@@ -190,6 +191,11 @@ class SchedulingService:
         self._admission_observers: list[AdmissionObserver] = []
         self._rejection_log = RejectionLog(clock=self.clock.now)
         self.charges = Charges(self.backends, self.known_models, self.scheduler, self.clock)
+        # The request bodies parked requests hold here (`admit`'s `body_bytes`).
+        self.parked_bytes = ParkedBytes(
+            max_per_user=self.settings.queue.max_bytes_per_user,
+            max_total=self.settings.queue.max_bytes_total,
+        )
         self.budgets = BudgetBook(_budget_rules(settings), clock=self.clock)
         # The principals with a budget: only their admissions read it, only their ends count.
         self._budgeted = frozenset(self.budgets.principals())
@@ -220,6 +226,11 @@ class SchedulingService:
         self.add_admission_observer(self._observability.recorder)
         self.add_transition_listener(view.gate_transition)
         self.add_transition_listener(self._observability.recorder.gate_transition)
+
+    def read_timed_out(self, phase: str) -> None:
+        """Count a client connection closed because its request came too slowly (the
+        `fair_sched_read_timeouts` metric)."""
+        self._observability.recorder.read_timed_out(phase)
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -387,6 +398,7 @@ class SchedulingService:
         unknown_models: UnknownModels = "share",
         waiting: WaitObserver | None = None,
         max_wait_s: float | None = None,
+        body_bytes: int = 0,
     ) -> Admission:
         """Wait for this request's turn. Raises `Rejected` (400/404/429/503) or
         `ClientDisconnected`.
@@ -395,18 +407,26 @@ class SchedulingService:
         for the name returned there. A request whose client disconnects while parked leaves the
         queue and never gets a lease. `waiting` is told when the request parks and when it stops
         waiting; `max_wait_s` (the client's `x-fair-sched-max-wait-s`) gives up sooner than
-        `queue.max_wait_s`, never later.
+        `queue.max_wait_s`, never later. `body_bytes`, the size of the body the caller holds
+        while the request waits, counts against `queue.max_bytes_per_user` and
+        `queue.max_bytes_total` until it stops waiting (`QueueFull` past either).
         """
         scheduled_as = self.scheduling_model(model, unknown_models=unknown_models)
         if not self._started:
             self.start()
         ticket = self.ticket_for(principal, scheduled_as, body)
+        # A parked request keeps its ticket, not the body (which may be megabytes of objects).
+        del body
         try:
             if ticket.user in self._budgeted:
                 ticket = self._apply_budget(ticket)
             lease = self._admissions.try_acquire(ticket)
             if lease is None:
-                lease = await self._park(principal, ticket, disconnected, waiting, max_wait_s)
+                self.parked_bytes.reserve(ticket.user, body_bytes)
+                try:
+                    lease = await self._park(principal, ticket, disconnected, waiting, max_wait_s)
+                finally:
+                    self.parked_bytes.release(ticket.user, body_bytes)
         except Rejected as exc:
             self.standings.estimate_retry_after(exc, ticket)
             self._rejected(principal, ticket, exc)

@@ -2,17 +2,25 @@
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
 import pytest
 
 from fair_sched_plugin._body import (
+    MAX_BODY_CONTAINERS,
+    MAX_BODY_DEPTH,
+    MAX_CONTENT_PARTS,
+    MAX_MESSAGES,
+    MAX_TOOLS,
     estimate_prompt_tokens,
+    parse_request_body,
+    request_size,
     requested_choices,
     requested_max_tokens,
     rewrite_priority,
 )
-from fair_sched_plugin.errors import InvalidRequest
+from fair_sched_plugin.errors import BodyTooLarge, InvalidRequest
 
 BODY = {"model": "m", "messages": [{"role": "user", "content": "x" * 400}], "max_tokens": 50}
 
@@ -68,3 +76,66 @@ def test_a_choice_count_out_of_range_is_a_400_naming_the_field(field: str, value
     with pytest.raises(InvalidRequest) as refused:
         requested_choices({field: value})
     assert refused.value.param == field
+
+
+def nested(levels: int, inner: str = "1") -> bytes:
+    return ('{"model":"m","x":' + "[" * (levels - 1) + inner + "]" * (levels - 1) + "}").encode()
+
+
+def test_a_body_nested_to_the_limit_is_read() -> None:
+    assert parse_request_body(nested(MAX_BODY_DEPTH))["model"] == "m"
+
+
+def test_a_body_nested_past_the_limit_is_a_400_naming_it() -> None:
+    with pytest.raises(InvalidRequest, match=f"deeper than {MAX_BODY_DEPTH} levels"):
+        parse_request_body(nested(MAX_BODY_DEPTH + 1))
+
+
+def test_brackets_and_escapes_inside_strings_are_not_structure() -> None:
+    """A string full of brackets, escaped quotes and backslashes neither nests nor counts."""
+    text = '[{\\"\\\\' * (MAX_BODY_CONTAINERS + 1) + '\\\\"[[['
+    raw = json.dumps({"model": "m", "messages": [{"role": "user", "content": text}]})
+    body = parse_request_body(raw.encode())
+    assert body["messages"][0]["content"] == text
+
+
+def test_more_objects_and_arrays_than_the_limit_is_a_400_naming_it() -> None:
+    raw = b'{"model":"m","messages":[%s]}' % b",".join([b"{}"] * MAX_BODY_CONTAINERS)
+    with pytest.raises(InvalidRequest, match=str(MAX_BODY_CONTAINERS)):
+        parse_request_body(raw)
+
+
+def test_a_body_over_the_size_limit_is_a_413_before_it_is_parsed() -> None:
+    with pytest.raises(BodyTooLarge) as raised:
+        parse_request_body(b"{" * 11, max_bytes=10)
+    assert raised.value.status_code == 413
+
+
+@pytest.mark.parametrize(
+    ("field", "items"),
+    [("messages", MAX_MESSAGES + 1), ("input", MAX_MESSAGES + 1), ("tools", MAX_TOOLS + 1)],
+)
+def test_a_list_longer_than_its_limit_is_a_400_naming_the_field(field: str, items: int) -> None:
+    body = {"model": "m", field: ["x"] * items}
+    with pytest.raises(InvalidRequest) as raised:
+        parse_request_body(json.dumps(body).encode())
+    assert raised.value.param == field
+
+
+def test_content_parts_past_the_limit_are_a_400_naming_messages() -> None:
+    parts = [{"type": "text", "text": "x"}] * (MAX_CONTENT_PARTS + 1)
+    body = {"model": "m", "messages": [{"role": "user", "content": parts}]}
+    with pytest.raises(InvalidRequest) as raised:
+        parse_request_body(json.dumps(body).encode())
+    assert raised.value.param == "messages"
+
+
+def test_an_adapters_own_body_has_its_list_lengths_bounded_without_a_walk() -> None:
+    """LiteLLM parsed the body itself: `request_size` bounds what it iterates, nothing more."""
+    deep: Any = "x"
+    for _ in range(MAX_BODY_DEPTH * 2):
+        deep = [deep]
+    assert request_size({"model": "m", "metadata": deep, "messages": []})[0] >= 1
+    with pytest.raises(InvalidRequest) as raised:
+        request_size({"model": "m", "messages": [{}] * (MAX_MESSAGES + 1)})
+    assert raised.value.param == "messages"

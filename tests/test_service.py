@@ -95,6 +95,21 @@ async def test_queue_full_is_raised_to_the_integration() -> None:
     await svc.aclose()
 
 
+async def test_parked_body_bytes_past_the_users_cap_are_a_429_and_given_back() -> None:
+    svc = service(queue={"max_bytes_per_user": 1_000})
+    principal = svc.identify(Credentials(api_key="sk-a"))
+    holder = await svc.admit(principal, "m", BODY, body_bytes=900)  # released at once: free
+    parked = asyncio.create_task(svc.admit(principal, "m", BODY, body_bytes=600))
+    await settle()
+    with pytest.raises(QueueFull) as raised:
+        await svc.admit(principal, "m", BODY, body_bytes=401)
+    assert raised.value.retry_after_header
+    holder.lease.release()
+    (await parked).lease.release()
+    assert svc.parked_bytes.total == 0
+    await svc.aclose()
+
+
 def test_engine_priority_follows_the_backend() -> None:
     svc = SchedulingService(
         {

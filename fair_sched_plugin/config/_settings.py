@@ -244,6 +244,9 @@ class PrincipalSettings(Frozen):
 class QueueSettings(Frozen):
     max_per_user: Annotated[int, Field(gt=0)] = 1000
     max_total: Annotated[int, Field(gt=0)] = 100_000
+    # The request bodies waiting requests hold in this process, per user and in all (bytes).
+    max_bytes_per_user: Annotated[int, Field(gt=0)] = 256 * 1024 * 1024
+    max_bytes_total: Annotated[int, Field(gt=0)] = 1024 * 1024 * 1024
     max_wait_s: Annotated[float, Field(gt=0, le=86_400)] = 600.0
     # Inside one user's queue: arrival order, or the smallest expected work (prompt estimate +
     # requested output tokens) first.
@@ -335,6 +338,11 @@ class FairSchedSettings(Frozen):
     max_lease_s: Annotated[float, Field(gt=0, le=86_400)] = 3600.0
     # A client that does not take one chunk of the response for this long is treated as gone.
     send_timeout_s: Annotated[float, Field(gt=0, le=3600)] = 60.0
+    # `fair-sched proxy`: a request's headers must arrive within this long of its first byte,
+    # its body within this long of its headers; then the connection is closed (nginx's
+    # client_header_timeout and client_body_timeout).
+    read_headers_timeout_s: Annotated[float, Field(gt=0, le=3600)] = 10.0
+    read_body_timeout_s: Annotated[float, Field(gt=0, le=3600)] = 30.0
     # Inside LiteLLM: at its first request, collect once and freeze (`gc.freeze`) the start-up
     # heap, so that a full collection no longer stops the proxy for ~0.45 s (docs/operations.md).
     freeze_startup_heap: bool = True

@@ -144,6 +144,12 @@ class FairSchedCollector:
             "Gate mode changes per model group.",
             labels=("model", "from", "to"),
         )
+        read_timeouts = CounterMetricFamily(
+            "fair_sched_read_timeouts",
+            "Client connections closed because a request's headers or body came too slowly "
+            "(`fair-sched proxy`'s read deadlines).",
+            labels=("phase",),
+        )
         unavailable = CounterMetricFamily(
             "fair_sched_metrics_unavailable",
             "Times a model group's engine metrics became unavailable (switch to fallback).",
@@ -202,6 +208,7 @@ class FairSchedCollector:
             scrape_failures,
             prefix_hit_ratio,
             transitions,
+            read_timeouts,
             unavailable,
             state_fallbacks,
             state_local,
@@ -310,6 +317,9 @@ class FairSchedCollector:
                 )
         for (model, old, new), count in sorted(transition_values.items()):
             transitions.add_metric([model, old, new], count)
+        read_timeout_values = {"headers": 0, "body": 0, **recorder.copy_read_timeouts()}
+        for phase, count in sorted(read_timeout_values.items()):
+            read_timeouts.add_metric([phase], count)
         unavailable_values = dict.fromkeys(sorted(self._gated_models), 0)
         for (model, _old, new), count in transition_values.items():
             if new == "fallback":

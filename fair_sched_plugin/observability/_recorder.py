@@ -116,6 +116,7 @@ class RequestRecorder:
         self._rejected: dict[tuple[str, ...], int] = {}
         self._recent: deque[RecentRejection] = deque(maxlen=RECENT_REJECTIONS)
         self._transitions: dict[tuple[str, str, str], int] = {}
+        self._read_timeouts: dict[str, int] = {}
 
     @property
     def wait_bounds(self) -> tuple[float, ...]:
@@ -139,6 +140,15 @@ class RequestRecorder:
         key = (transition.model, transition.old, transition.new)
         with self._lock:
             self._transitions[key] = self._transitions.get(key, 0) + 1
+
+    def read_timed_out(self, phase: str) -> None:
+        """A connection closed because its request's headers or body came too slowly."""
+        with self._lock:
+            self._read_timeouts[phase] = self._read_timeouts.get(phase, 0) + 1
+
+    def copy_read_timeouts(self) -> dict[str, int]:
+        with self._lock:
+            return dict(self._read_timeouts)
 
     def copy_rejected(self) -> dict[tuple[str, ...], int]:
         with self._lock:

@@ -85,6 +85,17 @@ async def test_the_asgi_example_app_schedules_and_relays_a_stream() -> None:
     assert received_priorities(emu) == [0]  # the tier's vllm_priority reached the engine
 
 
+async def test_the_asgi_example_app_answers_404_for_a_model_it_does_not_serve() -> None:
+    async with emulator(policy="priority") as emu:
+        app = load_asgi_example().build_app(pointed_at("fair_sched.yaml", emu))
+        async with serve(app) as url, open_client(url, EXAMPLE_KEY, 60.0) as client:
+            response = await client.post(
+                "/v1/chat/completions", json={**chat(), "model": "not-served"}
+            )
+    assert response.status_code == 404
+    assert response.json()["error"]["code"] == "model_not_found"
+
+
 def spawn_proxy(config_path: Path, port: int, log_path: Path) -> subprocess.Popen[bytes]:
     with log_path.open("wb") as log:
         return subprocess.Popen(

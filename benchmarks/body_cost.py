@@ -1,0 +1,305 @@
+"""What a request body costs `fair-sched proxy` with principal keys configured.
+
+    .venv/bin/python benchmarks/body_cost.py [--stalled 30] [--parked 10000]
+
+Starts the engine emulator (one slot) and `fair-sched proxy` as child processes on 127.0.0.1
+and measures, from the proxy's /proc status (`VmHWM` for peaks, `VmRSS` otherwise):
+
+- an unknown key's 8 MiB body of ~2.8 million `{}` in `messages`: the time to its refusal, the
+  slowest `/health` answer meanwhile, and the peak RSS growth; then the same body from a valid
+  key (refused naming the limit);
+- `--stalled` connections from unknown keys, each sending the headers of an 8 MiB upload and
+  as much of its body as the server takes without the last byte: RSS growth and how many are
+  closed, and when;
+- with the engine's slot held by two long streams (one runs, one waits), one parked request of
+  ~8 MiB (a single message), then `--parked` small parked requests: RSS growth per request.
+
+Prints one line per measure. Timings are wall-clock on whatever else the machine runs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import json
+import multiprocessing
+import os
+import re
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+HOST = "127.0.0.1"
+MODEL = "tiny"
+EIGHT_MIB = 8 * 1024 * 1024
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind((HOST, 0))
+        return int(sock.getsockname()[1])
+
+
+def status_kib(pid: int, field: str) -> int:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith(field + ":"):
+            return int(line.split()[1])
+    raise RuntimeError(f"no {field}")
+
+
+@contextlib.contextmanager
+def servers(parked: int) -> Iterator[tuple[str, int]]:
+    """The emulator and the proxy in front of it: (proxy base URL, proxy pid)."""
+    engine_port, proxy_port = free_port(), free_port()
+    python = sys.executable
+    engine = subprocess.Popen(
+        [python, "-m", "fair_sched_plugin.cli", "emulate", "--port", str(engine_port),
+         "--model", MODEL, "--max-num-seqs", "1", "--step-ms", "20"],
+        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+    )  # fmt: skip
+    config = {
+        "fair_sched": {
+            "tiers": [{"name": "interactive", "waiting_below": 1}],
+            "principals": [{"name": "alice", "keys": ["sk-a"]}, {"name": "hog", "keys": ["sk-h"]}],
+            "backends": {MODEL: {"api_base": f"http://{HOST}:{engine_port}/v1"}},
+            "queue": {"max_per_user": parked + 10, "max_total": parked + 100},
+            "metrics_poll_ms": 50,
+        }
+    }
+    with tempfile.NamedTemporaryFile("w", suffix=".yaml", delete=False) as file:
+        json.dump(config, file)  # JSON is YAML
+    proxy = subprocess.Popen(
+        [python, "-m", "fair_sched_plugin.cli", "proxy", "--config", file.name,
+         "--port", str(proxy_port), "--log-level", "warning"],
+        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+    )  # fmt: skip
+    base_url = f"http://{HOST}:{proxy_port}"
+    try:
+        for _ in range(300):
+            with contextlib.suppress(httpx.HTTPError):
+                if httpx.get(f"{base_url}/health", timeout=1).status_code == 200:
+                    break
+            time.sleep(0.1)
+        yield base_url, proxy.pid
+    finally:
+        for process in (proxy, engine):
+            process.terminate()
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                process.wait(10)
+            if process.poll() is None:
+                process.kill()
+        os.unlink(file.name)
+
+
+def bomb() -> bytes:
+    elements = (EIGHT_MIB - 64) // 3
+    return b'{"model":"%s","messages":[%s]}' % (MODEL.encode(), b",".join([b"{}"] * elements))
+
+
+def poll_health(base_url: str, done: Any, slowest: Any, answered: Any) -> None:
+    with httpx.Client(base_url=base_url, trust_env=False, timeout=30) as client:
+        while not done.is_set():
+            started = time.perf_counter()
+            client.get("/health")
+            slowest.value = max(slowest.value, time.perf_counter() - started)
+            answered.set()
+            time.sleep(0.02)
+
+
+async def refused(base_url: str, key: str, body: bytes) -> tuple[int, float, float, str]:
+    """(status, seconds to the answer, slowest /health meanwhile, error message)."""
+    # In a process of its own: this one's work (8 MiB to write) must not count.
+    slowest = multiprocessing.Value("d", 0.0)
+    answered = multiprocessing.Event()
+    done = multiprocessing.Event()
+    watcher = multiprocessing.Process(target=poll_health, args=(base_url, done, slowest, answered))
+    watcher.start()
+    await asyncio.get_running_loop().run_in_executor(None, answered.wait, 30)
+    port = int(base_url.rsplit(":", 1)[1])
+    reader, writer = await asyncio.open_connection(HOST, port)
+    head = (
+        f"POST /v1/chat/completions HTTP/1.1\r\nHost: {HOST}\r\nAuthorization: Bearer {key}\r\n"
+        f"Content-Type: application/json\r\nContent-Length: {len(body)}\r\n\r\n"
+    ).encode()
+    started = time.perf_counter()
+
+    async def send_body() -> None:
+        # A server that answers from the headers closes the connection while this still sends.
+        with contextlib.suppress(ConnectionError):
+            writer.write(head + body)
+            await writer.drain()
+
+    sending = asyncio.ensure_future(send_body())
+    answer = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 60)
+    took = time.perf_counter() - started
+    length = int(re.search(rb"content-length: (\d+)", answer, re.I).group(1))  # type: ignore[union-attr]
+    try:
+        content = await reader.readexactly(length)
+    except (ConnectionError, asyncio.IncompleteReadError):
+        content = b"{}"  # reset by the server's close while the body was still coming
+    writer.close()
+    await sending
+    done.set()
+    watcher.join()
+    message = json.loads(content).get("error", {}).get("message", "")
+    return int(answer.split(b" ", 2)[1]), took, slowest.value, message
+
+
+async def stalled_uploads(base_url: str, count: int, pid: int) -> None:
+    port = int(base_url.rsplit(":", 1)[1])
+    before = status_kib(pid, "VmRSS")
+    head = (
+        f"POST /v1/chat/completions HTTP/1.1\r\nHost: {HOST}\r\nAuthorization: Bearer sk-x\r\n"
+        f"Content-Type: application/json\r\nContent-Length: {EIGHT_MIB}\r\n\r\n"
+    ).encode()
+    started = time.perf_counter()
+    closed_at: list[float] = []
+
+    async def upload() -> None:
+        reader, writer = await asyncio.open_connection(HOST, port)
+        writer.write(head)
+        with contextlib.suppress(ConnectionError, asyncio.TimeoutError):
+            for _ in range(EIGHT_MIB // 65536 - 1):
+                writer.write(b" " * 65536)
+                await asyncio.wait_for(writer.drain(), 2)
+        with contextlib.suppress(asyncio.TimeoutError):
+            with contextlib.suppress(ConnectionError):
+                while await asyncio.wait_for(reader.read(65536), 60):
+                    pass
+            closed_at.append(time.perf_counter() - started)
+        writer.close()
+
+    peak = before
+    sampling = True
+
+    def sample() -> None:
+        nonlocal peak
+        while sampling:
+            peak = max(peak, status_kib(pid, "VmRSS"))
+            time.sleep(0.005)
+
+    sampler = threading.Thread(target=sample)
+    sampler.start()
+    await asyncio.gather(*(upload() for _ in range(count)))
+    sampling = False
+    sampler.join()
+    grown = (peak - before) / 1024
+    last = max(closed_at) if closed_at else float("nan")
+    print(
+        f"{count} stalled 8 MiB uploads, unknown keys: {len(closed_at)} closed, the last after "
+        f"{last:.2f} s; RSS at most +{grown:.1f} MiB (sampled every 5 ms)"
+    )
+
+
+async def parked_cost(base_url: str, pid: int, parked: int) -> None:
+    port = int(base_url.rsplit(":", 1)[1])
+    hog_body = {"model": MODEL, "messages": [{"role": "user", "content": "x"}],
+                "max_tokens": 100_000, "stream": True}  # fmt: skip
+    async with httpx.AsyncClient(base_url=base_url, trust_env=False, timeout=600) as client:
+
+        async def hog() -> None:
+            async with client.stream(
+                "POST", "/v1/chat/completions", json=hog_body,
+                headers={"authorization": "Bearer sk-h"},
+            ) as response:  # fmt: skip
+                async for _ in response.aiter_raw():
+                    pass
+
+        hogs = [asyncio.ensure_future(hog()) for _ in range(2)]
+
+        async def queued() -> int:
+            text = (await client.get("/fair-sched/metrics")).text
+            found = re.findall(r"^fair_sched_queued_requests\{[^}]*\} (\S+)", text, re.M)
+            return int(sum(float(value) for value in found))
+
+        async def until_queued(count: int) -> int:
+            """How many are parked once `count` are, or once the count stops growing (a few
+            may be refused or released on a loaded machine)."""
+            last, steady = -1, 0
+            for _ in range(3000):
+                now = await queued()
+                if now >= count or (now == last and now > 0 and (steady := steady + 1) >= 40):
+                    return now
+                if now != last:
+                    last, steady = now, 0
+                await asyncio.sleep(0.05)
+            raise RuntimeError(f"only {await queued()} of {count} parked")
+
+        await asyncio.sleep(2)  # the gate sees the engine's slot taken and its queue
+        text = "x" * (EIGHT_MIB - 200)
+        big = json.dumps({"model": MODEL, "messages": [{"role": "user", "content": text}]})
+        before = status_kib(pid, "VmRSS")
+        heavy = asyncio.ensure_future(
+            client.post(
+                "/v1/chat/completions", content=big.encode(),
+                headers={"authorization": "Bearer sk-a", "content-type": "application/json"},
+            )
+        )  # fmt: skip
+        await until_queued(1)
+        held = (status_kib(pid, "VmRSS") - before) / 1024
+        print(f"one parked ~8 MiB request: RSS +{held:.1f} MiB")
+        heavy.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await heavy
+        await asyncio.sleep(1)
+
+        small = json.dumps(
+            {"model": MODEL, "messages": [{"role": "user", "content": "hello"}], "max_tokens": 8}
+        ).encode()
+        request = (
+            f"POST /v1/chat/completions HTTP/1.1\r\nHost: {HOST}\r\nAuthorization: Bearer sk-a\r\n"
+            f"Content-Type: application/json\r\nContent-Length: {len(small)}\r\n\r\n"
+        ).encode() + small
+        connections = []
+        before = status_kib(pid, "VmRSS")
+        for index in range(parked):
+            _reader, writer = await asyncio.open_connection(HOST, port)
+            writer.write(request)
+            connections.append(writer)
+            if index % 500 == 499:
+                await asyncio.sleep(0.05)
+        count = await until_queued(parked)
+        held = (status_kib(pid, "VmRSS") - before) * 1024 / count
+        print(f"{count} small parked requests: RSS +{held / 1024:.1f} KiB each (server side)")
+        for writer in connections:
+            writer.close()
+        for task in hogs:
+            task.cancel()
+        await asyncio.gather(*hogs, return_exceptions=True)
+
+
+async def main(args: argparse.Namespace) -> None:
+    with servers(args.parked) as (base_url, pid):
+        body = bomb()
+        before = status_kib(pid, "VmHWM")
+        status, took, slowest, _ = await refused(base_url, "sk-unknown", body)
+        grown = (status_kib(pid, "VmHWM") - before) / 1024
+        print(
+            f"unknown key, 8 MiB of {body.count(b'{}')} elements: {status} after {took:.3f} s; "
+            f"slowest /health {slowest:.3f} s; peak RSS +{grown:.1f} MiB"
+        )
+        before = status_kib(pid, "VmHWM")
+        status, took, slowest, message = await refused(base_url, "sk-a", body)
+        grown = (status_kib(pid, "VmHWM") - before) / 1024
+        print(
+            f"valid key, same body: {status} after {took:.3f} s ({message!r}); slowest /health "
+            f"{slowest:.3f} s; peak RSS +{grown:.1f} MiB"
+        )
+        await stalled_uploads(base_url, args.stalled, pid)
+        await parked_cost(base_url, pid, args.parked)
+
+
+if __name__ == "__main__":
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--stalled", type=int, default=30)
+    parser.add_argument("--parked", type=int, default=10_000)
+    asyncio.run(main(parser.parse_args()))

@@ -1,0 +1,98 @@
+"""Read deadlines for `fair-sched proxy`'s HTTP/1.1 connections (uvicorn's h11 protocol).
+
+uvicorn bounds what one connection buffers (h11's `h11_max_incomplete_event_size` for headers;
+a request body stops being read past 64 KiB until the app takes it) and closes a connection
+idle between requests (`timeout_keep_alive`), but nothing times out a request's headers sent a
+byte at a time, nor a body that never ends: each such connection would stay open for good. Here
+a request's headers must arrive within `read_headers_timeout_s` of its first byte (or of the
+connection opening) and its body within `read_body_timeout_s` of its headers, as nginx's
+`client_header_timeout` and `client_body_timeout`; then the connection is closed and counted.
+The time a body waits for the app (reading paused by flow control) is not the client's and
+never counts against it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable
+from typing import Any, Literal
+
+import h11
+from uvicorn.protocols.http.h11_impl import H11Protocol
+
+ReadPhase = Literal["headers", "body"]
+
+__all__ = ["ReadPhase", "read_deadline_protocol"]
+
+
+def read_deadline_protocol(
+    *,
+    headers_timeout_s: float,
+    body_timeout_s: float,
+    on_timeout: Callable[[ReadPhase], None],
+) -> type[H11Protocol]:
+    """An `H11Protocol` (uvicorn's `http=` argument) that closes a connection whose request's
+    headers or body arrive too slowly, telling `on_timeout` which."""
+
+    class ReadDeadlineProtocol(H11Protocol):
+        _read_timer: asyncio.TimerHandle | None = None
+        _read_phase: ReadPhase | None = None
+
+        def connection_made(self, transport: Any) -> None:
+            super().connection_made(transport)
+            self._start_reading("headers")
+
+        def connection_lost(self, exc: Exception | None) -> None:
+            self._stop_reading()
+            super().connection_lost(exc)
+
+        def data_received(self, data: bytes) -> None:
+            super().data_received(data)
+            self._follow_request()
+
+        def on_response_complete(self) -> None:
+            super().on_response_complete()
+            self._follow_request()
+
+        def _follow_request(self) -> None:
+            """Which deadline runs now, from the state of the request being read."""
+            state = self.conn.their_state
+            if self.transport.is_closing():
+                self._stop_reading()
+            elif state is h11.SEND_BODY:
+                if self._read_phase != "body":
+                    self._start_reading("body")
+            elif state is h11.IDLE and self.conn.trailing_data[0]:
+                # Part of the next request's headers is here.
+                if self._read_phase != "headers":
+                    self._start_reading("headers")
+            else:
+                # Between requests (uvicorn's keep-alive timeout holds) or the request is in.
+                self._stop_reading()
+
+        def _start_reading(self, phase: ReadPhase) -> None:
+            self._stop_reading()
+            self._read_phase = phase
+            timeout = headers_timeout_s if phase == "headers" else body_timeout_s
+            self._read_timer = self.loop.call_later(timeout, self._read_deadline_passed)
+
+        def _stop_reading(self) -> None:
+            if self._read_timer is not None:
+                self._read_timer.cancel()
+            self._read_timer = None
+            self._read_phase = None
+
+        def _read_deadline_passed(self) -> None:
+            phase = self._read_phase
+            self._read_timer = None
+            self._read_phase = None
+            if phase is None or self.transport.is_closing():
+                return
+            if phase == "body" and self.flow.read_paused:
+                # The app has not taken what was read: the wait is ours, not the client's.
+                self._start_reading("body")
+                return
+            on_timeout(phase)
+            self.transport.close()
+
+    return ReadDeadlineProtocol
