@@ -74,16 +74,20 @@ HeapEntry = tuple[float, int, int, "UserQueue"]
 
 class UserQueue:
     __slots__ = (
+        "backlog_since",
         "depth",
         "heap_generation",
         "in_flight",
         "in_heap",
+        "served",
+        "served_tokens",
         "sized",
         "tier_queue",
         "unstarted",
         "user",
         "virtual_time",
         "waiters",
+        "waiting_since",
     )
 
     def __init__(self, user: str, tier_queue: TierQueue, virtual_time: float) -> None:
@@ -103,6 +107,19 @@ class UserQueue:
         self.unstarted = 0
         self.heap_generation = 0
         self.in_heap = False
+        # For the fairness gauges (`core/fairness_window.py`), kept where the user is touched
+        # anyway: the policy's charges and the tokens of its ended requests (both / weight), the
+        # arrival number that began its current backlog period, and since when it has waited
+        # for its next release.
+        self.served = 0.0
+        self.served_tokens = 0.0
+        self.backlog_since = -1
+        self.waiting_since = 0.0
+
+    def became_backlogged(self, arrival: int, now: float) -> None:
+        """Its first queued request arrived (`arrival`, at `now`): a new backlog period."""
+        self.backlog_since = arrival
+        self.waiting_since = now
 
     def head(self) -> Parked:
         """The user's next request in its order (cancelled entries before it are dropped)."""
@@ -239,6 +256,7 @@ class TierQueue:
         )
 
     def correct(self, user_queue: UserQueue, correction: float, arrival: int) -> None:
+        user_queue.served += correction
         user_queue.virtual_time = max(self.virtual_time, user_queue.virtual_time + correction)
         if user_queue.in_heap:
             self.unpush(user_queue)
@@ -275,7 +293,9 @@ class TierQueue:
         new_queue = upper.user_queue(parked.ticket.user)
         if not new_queue.depth:
             new_queue.lift()
-            upper.push(new_queue, next(arrivals))
+            arrival = next(arrivals)
+            new_queue.became_backlogged(arrival, now)
+            upper.push(new_queue, arrival)
         parked.ticket = parked.ticket._replace(tier=upper.limits.name)
         parked.user_queue = new_queue
         parked.tier_since = now
