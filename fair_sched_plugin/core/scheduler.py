@@ -598,10 +598,11 @@ class SchedulerCore(SchedulerReads):
                 tier.correct(user_queue, -lease.charged, next(self._arrivals))
         else:
             self._completed_total += 1
+            # The fairness gauges' tokens served: as reported, else as estimated (at least 1,
+            # as the token policy charges; `or 1` is `max(tokens, 1)` for counts >= 0).
             ticket = lease.ticket
-            user_queue.served_tokens += (
-                max(ticket.cost if tokens_used is None else tokens_used, 1) / ticket.weight
-            )
+            tokens = ticket.cost if tokens_used is None else tokens_used
+            user_queue.served_tokens += (tokens or 1) / ticket.weight
             if self._corrects:
                 correction = self._policy.end_correction(lease, tokens_used)
                 if correction:
