@@ -2,9 +2,10 @@
 backlogged users were served, the largest service gap between two of them, and how long the
 most starved one has waited.
 
-The queues keep running sums per user (`UserQueue.served`: the policy's charges; `served_tokens`:
-the tokens of its ended requests; both divided by the weight), when it last got a release and
-which backlog period it is in: O(1) on the paths that already touch the user. This module reads
+The queues keep running sums per user (`UserQueue.served`: the policy's charges, divided by the
+weight; `served_tokens`: the tokens of its ended requests, divided by the weight here), when it
+last got a release and which backlog period it is in: O(1) on the paths that already touch the
+user. This module reads
 them when asked (a scrape, a leader's heartbeat), keeps a few samples of them per window and
 compares the newest with the one a window ago: O(backlogged users) per reading, nothing per
 request. Sans-I/O: the time is passed in.
@@ -102,7 +103,7 @@ class FairnessWindow:
                 user_queue.user: _UserSample(
                     user_queue.backlog_since,
                     user_queue.served,
-                    user_queue.served_tokens,
+                    user_queue.served_tokens / user_queue.weight(),
                     user_queue.waiting_since,
                 )
                 for user_queue in tier.users.values()

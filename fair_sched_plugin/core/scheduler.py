@@ -239,7 +239,10 @@ class SchedulerCore(SchedulerReads):
             if user_queue.virtual_time < tier.virtual_time:
                 user_queue.lift()
             arrival = next(self._arrivals)
-            user_queue.became_backlogged(arrival, waiter.enqueued_at)
+            # A new backlog period (`UserQueue.became_backlogged`, inline: on the admission
+            # path of every user whose queue was empty).
+            user_queue.backlog_since = arrival
+            user_queue.waiting_since = waiter.enqueued_at
             tier.push(user_queue, arrival)
         if self._shortest_first:
             heapq.heappush(user_queue.sized, (ticket.cost, next(self._arrivals), waiter))
@@ -554,8 +557,7 @@ class SchedulerCore(SchedulerReads):
         if released_at is None:
             released_at = self._clock.now()
         user_queue.virtual_time += charge
-        user_queue.served += charge
-        user_queue.waiting_since = released_at
+        user_queue.waiting_since = released_at  # for the starved-wait gauge
         user_queue.in_flight += 1
         unstarted = user_queue.unstarted
         user_queue.unstarted = unstarted + 1
@@ -598,11 +600,9 @@ class SchedulerCore(SchedulerReads):
                 tier.correct(user_queue, -lease.charged, next(self._arrivals))
         else:
             self._completed_total += 1
-            # The fairness gauges' tokens served: as reported, else as estimated (at least 1,
-            # as the token policy charges; `or 1` is `max(tokens, 1)` for counts >= 0).
-            ticket = lease.ticket
-            tokens = ticket.cost if tokens_used is None else tokens_used
-            user_queue.served_tokens += (tokens or 1) / ticket.weight
+            # The fairness gauges' tokens served: as reported, else as estimated (divided by
+            # the weight when the gauges are read, not here on every end).
+            user_queue.served_tokens += tokens_used or lease.ticket.cost
             if self._corrects:
                 correction = self._policy.end_correction(lease, tokens_used)
                 if correction:
