@@ -275,20 +275,23 @@ function fairnessTable(doc, points) {
   if (!tiers.length) return null;
   // Jain's index per unit: tokens always, the fairness policy's own unit where it is another.
   const units = [...new Set(tiers.flatMap(([, f]) => Object.keys(f.jain_index || {})))].sort();
-  return h("div", { class: "scroll" }, h("table", { class: "fairness" },
-    h("thead", {}, h("tr", {}, h("th", {}, "tier"),
-      h("th", { class: "num" }, "backlogged throughout"),
-      ...units.map((u) => h("th", { class: "num" }, `Jain (${u})`)),
-      h("th", { class: "num" }, "service gap (tokens)"),
-      h("th", { class: "num" }, "longest wait for a release"), h("th", {}, ""))),
-    h("tbody", {}, tiers.map(([tier, f]) => h("tr", { "data-fairness-tier": tier },
-      h("td", {}, tier), h("td", { class: "num users" }, num(f.users)),
-      ...units.map((u) => h("td", { class: "num jain", "data-unit": u },
-        num((f.jain_index || {})[u], 2))),
-      h("td", { class: "num gap" }, num(f.service_gap_tokens, 0)),
-      h("td", { class: "num starved" }, num(f.starved_wait_s, 1) + " s"),
-      h("td", { class: "spark" }, sparkline(points, "jain:" + tier, "Jain (tokens)", 2),
-        sparkline(points, "gap:" + tier, "gap")))))));
+  return h("div", {},
+    h("div", { class: "scroll" }, h("table", { class: "fairness" },
+      h("thead", {}, h("tr", {}, h("th", {}, "tier"),
+        h("th", { class: "num", title: "backlogged throughout the window" }, "users"),
+        ...units.map((u) => h("th", { class: "num" }, `Jain (${u})`)),
+        h("th", { class: "num" }, "gap (tokens)"),
+        h("th", { class: "num", title: "the most starved user's wait for its next release" },
+          "longest wait"))),
+      h("tbody", {}, tiers.map(([tier, f]) => h("tr", { "data-fairness-tier": tier },
+        h("td", {}, tier), h("td", { class: "num users" }, num(f.users)),
+        ...units.map((u) => h("td", { class: "num jain", "data-unit": u },
+          num((f.jain_index || {})[u], 2))),
+        h("td", { class: "num gap" }, num(f.service_gap_tokens, 0)),
+        h("td", { class: "num starved" }, num(f.starved_wait_s, 1) + " s")))))),
+    tiers.map(([tier]) => h("div", { class: "spark", "data-fairness-spark": tier },
+      sparkline(points, "jain:" + tier, tier + ": Jain (tokens)", 2),
+      sparkline(points, "gap:" + tier, tier + ": gap (tokens)"))));
 }
 
 function modelCard(name, doc) {

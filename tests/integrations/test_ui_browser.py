@@ -212,7 +212,9 @@ async def test_the_page_shows_a_flood_live_and_nothing_without_the_key(
 
                 await eventually(fairness_shown, 30, interval_s=0.1, what="the fairness gauges")
                 fairness_jain = await jain_cell.inner_text()
-                fairness_sparks = await fairness_row.locator("figure[data-spark]").count()
+                fairness_sparks = await page.locator(
+                    f'[data-model="{MODEL}"] [data-fairness-spark="interactive"] figure'
+                ).count()
                 fairness_starved = await fairness_row.locator(".starved").inner_text()
                 budget_row = page.locator('#budgets tr[data-user="flooder"]')
                 budget_spent = await budget_row.locator(".spent").inner_text()
