@@ -23,6 +23,7 @@ from typing import Protocol
 
 from .core.clock import Clock
 from .core.fairness import FairnessPolicy
+from .core.fairness_window import DEFAULT_FAIRNESS_WINDOW_S
 from .core.gate import AdmissionGate
 from .core.queues import Parked
 from .core.scheduler import QueueOrder, SchedulerCore
@@ -299,6 +300,7 @@ class FairScheduler(SchedulerCore):
         max_wait_s: float = 600.0,
         order: QueueOrder = "fifo",
         clock: TimerClock | None = None,
+        fairness_window_s: float = DEFAULT_FAIRNESS_WINDOW_S,
     ) -> None:
         self._timer_clock: TimerClock = clock or LoopClock()
         super().__init__(
@@ -310,6 +312,7 @@ class FairScheduler(SchedulerCore):
             max_wait_s=max_wait_s,
             order=order,
             clock=self._timer_clock,
+            fairness_window_s=fairness_window_s,
         )
         self._timer: TimerHandle | None = None
         self._timer_due: float | None = None

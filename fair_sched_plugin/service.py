@@ -173,6 +173,7 @@ class SchedulingService:
                 max_wait_s=queue.max_wait_s,
                 order=queue.order,
                 clock=self.clock,
+                fairness_window_s=settings.observability.fairness_window_s,
             ),
             self.gate,
             prefix=settings.state_prefix,

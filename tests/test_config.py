@@ -34,6 +34,11 @@ BAD_CONFIGS: list[tuple[str, Any, str]] = [
         {"tiers": [{"name": "a", "kv_usage_below": 1.5}]},
         "fair_sched.tiers[0].kv_usage_below",
     ),
+    (
+        "fairness window not positive",
+        {"observability": {"fairness_window_s": 0}},
+        "fair_sched.observability.fairness_window_s",
+    ),
     ("no tiers", {"tiers": []}, "fair_sched.tiers: needs at least one tier"),
     ("duplicate tiers", {"tiers": [{"name": "a"}, {"name": "a"}]}, "duplicate tier names ['a']"),
     ("bad tier name", {"tiers": [{"name": "has space"}]}, "fair_sched.tiers[0].name"),

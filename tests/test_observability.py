@@ -31,6 +31,7 @@ from fair_sched_plugin.asgi import FairSchedulerMiddleware
 from fair_sched_plugin.config import load_settings, safe_url
 from fair_sched_plugin.core import (
     BackendSnapshot,
+    FairnessReading,
     GateTransition,
     GroupStatus,
     SchedulerStatistics,
@@ -709,6 +710,28 @@ class StaticView:
     def budget_standings(self) -> list[BudgetStanding]:
         return [BudgetStanding("alice", "usd", 5.0, 6.0, 0.0, 120.0, True, "reject", None)]
 
+    def fairness(self) -> list[FairnessReading]:
+        return [FAIRNESS]
+
+
+FAIRNESS = FairnessReading(
+    "big", "interactive", 2, (("tokens", 0.8), ("requests", 1.0)), 64.0, 2.5, 60
+)
+
+
+async def test_the_fairness_gauges_are_the_views_readings() -> None:
+    metrics = ServiceMetrics(StaticView())
+    text = metrics.render().decode()  # on the loop: the view's fairness is read
+    where = {"model": "big", "tier": "interactive"}
+    assert value(text, "fair_sched_fairness_jain_index", unit="tokens", **where) == 0.8
+    assert value(text, "fair_sched_fairness_jain_index", unit="requests", **where) == 1.0
+    assert value(text, "fair_sched_service_gap_tokens", **where) == 64.0
+    assert value(text, "fair_sched_starved_wait_seconds", **where) == 2.5
+    assert value(text, "fair_sched_fairness_users", **where) == 2
+    fairness = metrics.status()["models"]["big"]["fairness"]["interactive"]
+    assert fairness["jain_index"] == {"tokens": 0.8, "requests": 1.0}
+    assert fairness["service_gap_tokens"] == 64.0
+
 
 def test_observability_reads_only_the_service_view() -> None:
     view = StaticView()
@@ -1050,15 +1073,35 @@ def test_observability_settings_are_validated_with_key_paths() -> None:
 # ----------------------------------------------------------------------------- the dashboard
 
 
+def exported_sample_names(metrics: ServiceMetrics) -> set[str]:
+    """Every sample name the collector's families can export (whether or not a series has a
+    value now: the fairness gauges appear only while users are backlogged)."""
+    suffixes = {"counter": ("_total",), "histogram": ("_bucket", "_count", "_sum")}
+    return {
+        family.name + suffix
+        for family in metrics.collector.describe()
+        for suffix in suffixes.get(family.type, ("",))
+    }
+
+
 async def test_grafana_dashboard_uses_only_metrics_we_export() -> None:
     dashboard = json.loads(DASHBOARD.read_text(encoding="utf-8"))
     expressions = [
         target["expr"] for panel in dashboard["panels"] for target in panel.get("targets", ())
     ]
+    expressions += [variable["definition"] for variable in dashboard["templating"]["list"][1:]]
     used = {name for expr in expressions for name in re.findall(r"fair_sched_[a-z_]+", expr)}
     service = make_service(backends={"big": {"metrics_url": METRICS_URL}})
     service.gate.update("big", snapshot(waiting=1, running=1, tpot_s=0.01, kv_usage=0.1))
     (await service.admit(who(service, ALICE_KEY), "m", BODY)).lease.release()
-    exported = {name for name, _ in metric_samples(scrape(service))}
+    exported = exported_sample_names(service.observability)
+    # What a scrape shows is among what the families describe (the describe is not stale).
+    assert {name for name, _ in metric_samples(scrape(service))} <= exported
     assert used and used <= exported, used - exported
+    assert {
+        "fair_sched_fairness_jain_index",
+        "fair_sched_service_gap_tokens",
+        "fair_sched_starved_wait_seconds",
+        "fair_sched_budget_spent",
+    } <= used
     await service.aclose()

@@ -15,6 +15,7 @@ from pydantic import (
     model_validator,
 )
 
+from ..core.fairness_window import DEFAULT_FAIRNESS_WINDOW_S
 from ._backends import BackendSettings, MetricsUnavailableSettings
 from ._base import Frozen, check_secret_reference, resolve_secret
 from ._messages import SAFE_KEY, nearest_key
@@ -291,6 +292,9 @@ class ObservabilitySettings(Frozen):
     # Backlogged (and in-flight) principals listed per model on the status page (most first).
     status_max_users: Annotated[int, Field(gt=0, le=100_000)] = 100
     wait_buckets_s: tuple[float, ...] = DEFAULT_WAIT_BUCKETS_S
+    # The sliding window of the fairness gauges (Jain's index, the service gap, the starved
+    # wait): service is compared between now and about this long ago.
+    fairness_window_s: Annotated[float, Field(gt=0, le=86_400)] = DEFAULT_FAIRNESS_WINDOW_S
 
     @field_validator("wait_buckets_s")
     @classmethod

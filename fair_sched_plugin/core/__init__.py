@@ -14,6 +14,7 @@ from .backpressure import (
 from .budget import BudgetAction, BudgetBook, BudgetRule, BudgetUnit, BudgetVerdict
 from .clock import Clock, MonotonicClock
 from .fairness import FairnessPolicy
+from .fairness_window import DEFAULT_FAIRNESS_WINDOW_S, FairnessReading, FairnessWindow
 from .gate import AdmissionGate, InflightLimitGate
 from .reads import SchedulerStatistics, UserBacklog
 from .scheduler import Decision, QueueOrder, SchedulerCore
@@ -32,6 +33,7 @@ from .tuning import QueueTuner, TunerStatus
 from .waiting import DrainMeter, estimate_position, retry_after_s
 
 __all__ = [
+    "DEFAULT_FAIRNESS_WINDOW_S",
     "MAX_REQUEST_COST",
     "MAX_REQUEST_TOKENS",
     "AdmissionGate",
@@ -48,6 +50,8 @@ __all__ = [
     "DeploymentStatus",
     "DrainMeter",
     "FairnessPolicy",
+    "FairnessReading",
+    "FairnessWindow",
     "GateTransition",
     "GroupStatus",
     "InflightLimitGate",

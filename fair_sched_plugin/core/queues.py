@@ -60,16 +60,20 @@ HeapEntry = tuple[float, int, int, "UserQueue"]
 
 class UserQueue:
     __slots__ = (
+        "backlog_since",
         "depth",
         "heap_generation",
         "in_flight",
         "in_heap",
+        "lifted",
+        "served_tokens",
         "sized",
         "tier_queue",
         "unstarted",
         "user",
         "virtual_time",
         "waiters",
+        "waiting_since",
     )
 
     def __init__(self, user: str, tier_queue: TierQueue, virtual_time: float) -> None:
@@ -89,6 +93,37 @@ class UserQueue:
         self.unstarted = 0
         self.heap_generation = 0
         self.in_heap = False
+        # For the fairness gauges (`core/fairness_window.py`), kept where the user is touched
+        # anyway: the virtual time it got without being served (its start, lifts, clamped
+        # corrections: `served` is the rest), the tokens of its ended requests (not divided by
+        # its weight: `weight` does that when read), the arrival number that began its current
+        # backlog period, and since when it has waited for its next release.
+        self.lifted = virtual_time
+        self.served_tokens = 0
+        self.backlog_since = -1
+        self.waiting_since = 0.0
+
+    @property
+    def served(self) -> float:
+        """The policy's charges to this user (releases and their corrections, / weight): its
+        virtual time less what it got without service (no work on a release's path)."""
+        return self.virtual_time - self.lifted
+
+    def weight(self) -> float:
+        """The weight of its first queued request (a principal's requests share one weight);
+        1 when none is queued. Reads only: cancelled entries stay where they are."""
+        for _, _, parked in self.sized:
+            if parked.state == QUEUED:
+                return parked.ticket.weight
+        for parked in self.waiters:
+            if parked.state == QUEUED:
+                return parked.ticket.weight
+        return 1.0
+
+    def became_backlogged(self, arrival: int, now: float) -> None:
+        """Its first queued request arrived (`arrival`, at `now`): a new backlog period."""
+        self.backlog_since = arrival
+        self.waiting_since = now
 
     def head(self) -> Parked:
         """The user's next request in its order (cancelled entries before it are dropped)."""
@@ -115,7 +150,10 @@ class UserQueue:
 
     def lift(self) -> None:
         # A user coming back from idle starts at the tier's virtual time: no banked credit.
-        self.virtual_time = max(self.virtual_time, self.tier_queue.virtual_time)
+        floor = self.tier_queue.virtual_time
+        if floor > self.virtual_time:
+            self.lifted += floor - self.virtual_time
+            self.virtual_time = floor
 
 
 class TierQueue:
@@ -225,7 +263,12 @@ class TierQueue:
         )
 
     def correct(self, user_queue: UserQueue, correction: float, arrival: int) -> None:
-        user_queue.virtual_time = max(self.virtual_time, user_queue.virtual_time + correction)
+        corrected = user_queue.virtual_time + correction
+        if corrected < self.virtual_time:
+            # Not below the tier's time; the rest of the correction still counts as service.
+            user_queue.lifted += self.virtual_time - corrected
+            corrected = self.virtual_time
+        user_queue.virtual_time = corrected
         if user_queue.in_heap:
             self.unpush(user_queue)
             self.push(user_queue, arrival)
@@ -261,7 +304,9 @@ class TierQueue:
         new_queue = upper.user_queue(parked.ticket.user)
         if not new_queue.depth:
             new_queue.lift()
-            upper.push(new_queue, next(arrivals))
+            arrival = next(arrivals)
+            new_queue.became_backlogged(arrival, now)
+            upper.push(new_queue, arrival)
         parked.ticket = parked.ticket._replace(tier=upper.limits.name)
         parked.user_queue = new_queue
         parked.tier_since = now

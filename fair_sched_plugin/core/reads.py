@@ -1,12 +1,14 @@
 """What the scheduler's queues say to status pages, metrics and waiting clients: counts kept as
-queues change (O(1) or O(tiers + log n) per answer), and the backlog by user (O(users), for
-status pages only). Reads only: nothing here changes a queue."""
+queues change (O(1) or O(tiers + log n) per answer), and the backlog and the fairness gauges by
+user (O(users), for status pages and metrics only). Nothing here changes a queue."""
 
 from __future__ import annotations
 
 from collections.abc import Mapping
 from typing import NamedTuple
 
+from .clock import Clock
+from .fairness_window import FairnessReading, FairnessWindow
 from .queues import ModelQueues, Parked
 from .standing import position_in
 
@@ -45,6 +47,8 @@ class SchedulerReads:
     _abandoned_total: int
     _rejected_full_total: int
     _timed_out_total: int
+    _clock: Clock
+    _fairness_window: FairnessWindow
 
     def statistics(self) -> SchedulerStatistics:
         by_tier = {
@@ -90,6 +94,12 @@ class SchedulerReads:
                         )
                     )
         return result
+
+    def fairness(self) -> list[FairnessReading]:
+        """The fairness gauges of every (model, tier) with backlogged users, over the sliding
+        window ending now (`FairnessWindow`; O(backlogged users))."""
+        tiers = (tier for queues in self._models.values() for tier in queues.tiers)
+        return self._fairness_window.read(self._clock.now(), tiers)
 
     def queued_of(self, model: str, tier: str, user: str) -> int:
         """How many requests `user` has queued in `tier` of `model` (O(1))."""

@@ -31,6 +31,7 @@ from ..errors import QueueFull, QueueTimeout, Rejected, SchedulerClosed
 from .clock import Clock, MonotonicClock
 from .deadlines import Deadlines
 from .fairness import POLICIES, FairnessPolicy
+from .fairness_window import DEFAULT_FAIRNESS_WINDOW_S, FairnessWindow
 from .gate import AdmissionGate
 from .queues import (
     CANCELLED,
@@ -93,6 +94,7 @@ class SchedulerCore(SchedulerReads):
         max_wait_s: float = 600.0,
         order: QueueOrder = "fifo",
         clock: Clock | None = None,
+        fairness_window_s: float = DEFAULT_FAIRNESS_WINDOW_S,
     ) -> None:
         self._tiers = _with_reservations_below(tiers)
         if not self._tiers:
@@ -134,6 +136,7 @@ class SchedulerCore(SchedulerReads):
         self._rejected_full_total = 0
         self._timed_out_total = 0
         self._end_listeners: list[Callable[[Lease, bool], object]] = []
+        self._fairness_window = FairnessWindow(fairness_window_s, fairness)
         gate.set_listener(self._on_capacity)
 
     # ------------------------------------------------------------------ public API
@@ -248,7 +251,12 @@ class SchedulerCore(SchedulerReads):
         if not depth:
             if user_queue.virtual_time < tier.virtual_time:
                 user_queue.lift()
-            tier.push(user_queue, next(self._arrivals))
+            arrival = next(self._arrivals)
+            # A new backlog period (`UserQueue.became_backlogged`, inline: on the admission
+            # path of every user whose queue was empty).
+            user_queue.backlog_since = arrival
+            user_queue.waiting_since = waiter.enqueued_at
+            tier.push(user_queue, arrival)
         if self._shortest_first:
             heapq.heappush(user_queue.sized, (ticket.cost, next(self._arrivals), waiter))
         else:
@@ -569,7 +577,10 @@ class SchedulerCore(SchedulerReads):
     ) -> Lease:
         if charge is None:
             charge = self._policy.release_charge(ticket)
+        if released_at is None:
+            released_at = self._clock.now()
         user_queue.virtual_time += charge
+        user_queue.waiting_since = released_at  # for the starved-wait gauge
         user_queue.in_flight += 1
         unstarted = user_queue.unstarted
         user_queue.unstarted = unstarted + 1
@@ -580,7 +591,7 @@ class SchedulerCore(SchedulerReads):
             ticket,
             next(self._lease_ids),
             enqueued_at,
-            self._clock.now() if released_at is None else released_at,
+            released_at,
             charge,
             user_queue,
             deployment,
@@ -612,6 +623,9 @@ class SchedulerCore(SchedulerReads):
                 tier.correct(user_queue, -lease.charged, next(self._arrivals))
         else:
             self._completed_total += 1
+            # The fairness gauges' tokens served: as reported, else as estimated (divided by
+            # the weight when the gauges are read, not here on every end).
+            user_queue.served_tokens += tokens_used or lease.ticket.cost
             if self._corrects:
                 correction = self._policy.end_correction(lease, tokens_used)
                 if correction:

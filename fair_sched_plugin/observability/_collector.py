@@ -6,7 +6,7 @@ path only feeds the `RequestRecorder` (wait histogram, rejections, transitions).
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator, Sequence
 
 from prometheus_client.core import (
     CounterMetricFamily,
@@ -15,7 +15,7 @@ from prometheus_client.core import (
     Metric,
 )
 
-from ..core import TierLimits
+from ..core import FairnessReading, TierLimits
 from ._recorder import OTHER, REJECTION_REASONS, RequestRecorder
 from ._view import ViewReader
 
@@ -24,6 +24,53 @@ GATE_MODES = ("starting", "metrics", "fallback")
 
 def _format_bound(bound: float) -> str:
     return repr(float(bound))
+
+
+def _fairness_families() -> dict[str, GaugeMetricFamily]:
+    return {
+        "jain": GaugeMetricFamily(
+            "fair_sched_fairness_jain_index",
+            "Jain's index (1 even, 1/n one user served) over the service per weight of the users "
+            "backlogged throughout the fairness window; unit: tokens, and the fairness "
+            "policy's own unit (requests or cost) where it is another.",
+            labels=("model", "tier", "unit"),
+        ),
+        "gap": GaugeMetricFamily(
+            "fair_sched_service_gap_tokens",
+            "The largest difference in tokens per weight served in the fairness window between "
+            "two users backlogged throughout it.",
+            labels=("model", "tier"),
+        ),
+        "starved": GaugeMetricFamily(
+            "fair_sched_starved_wait_seconds",
+            "How long the most starved backlogged user has waited for its next release.",
+            labels=("model", "tier"),
+        ),
+        "users": GaugeMetricFamily(
+            "fair_sched_fairness_users",
+            "Users backlogged throughout the fairness window (whom the index and gap are over).",
+            labels=("model", "tier"),
+        ),
+    }
+
+
+def _add_fairness(
+    families: dict[str, GaugeMetricFamily],
+    readings: Sequence[FairnessReading],
+    model_label: Callable[[str], str],
+) -> None:
+    seen: set[tuple[str, str]] = set()
+    for reading in sorted(readings, key=lambda reading: (reading.model, reading.tier)):
+        where = (model_label(reading.model), reading.tier)
+        if where in seen:  # models past `max_model_labels` share `other`: the first one shows
+            continue
+        seen.add(where)
+        families["starved"].add_metric(list(where), reading.starved_wait_s)
+        families["users"].add_metric(list(where), reading.users)
+        for unit, index in reading.jain_index:
+            families["jain"].add_metric([*where, unit], index)
+        if reading.service_gap_tokens is not None:
+            families["gap"].add_metric(list(where), reading.service_gap_tokens)
 
 
 class FairSchedCollector:
@@ -191,6 +238,7 @@ class FairSchedCollector:
             "Until the principal's budget window ends (only with user_labels: principals).",
             labels=("unit", *user),
         )
+        fairness = _fairness_families()
         all_families: list[Metric] = [
             queued,
             backlogged,
@@ -216,6 +264,7 @@ class FairSchedCollector:
             tier_share,
             *budget.values(),
             budget_resets,
+            *fairness.values(),
         ]
         if describe_only:
             return all_families
@@ -362,4 +411,5 @@ class FairSchedCollector:
         for name, by_labels in budget_values.items():
             for budget_labels, amount in sorted(by_labels.items()):
                 budget[name].add_metric(list(budget_labels), amount)
+        _add_fairness(fairness, state.fairness, names.model)
         return all_families

@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING, Protocol
 
 from ..core import (
     BudgetBook,
+    FairnessReading,
     GateTransition,
     GroupStatus,
     Lease,
@@ -49,6 +50,8 @@ class SchedulerReadings(Protocol):
     def gate_status(self) -> list[GroupStatus]: ...
 
     def state_statistics(self) -> StateStatistics: ...
+
+    def fairness(self) -> list[FairnessReading]: ...
 
 
 class ServiceReadModel:
@@ -107,6 +110,9 @@ class ServiceReadModel:
 
     def state_statistics(self) -> StateStatistics:
         return self._scheduler.state_statistics()
+
+    def fairness(self) -> list[FairnessReading]:
+        return self._scheduler.fairness()
 
     def shares_state(self) -> bool:
         return self._scheduler.coordinated

@@ -81,6 +81,15 @@ class StatusDocument:
             if len(gated.get(model, ())) == len(group.per_deployment)
             for url, row in zip(gated[model], group.per_deployment, strict=True)
         }
+        fairness_by_model: dict[str, dict[str, Any]] = {}
+        for reading in state.fairness:
+            fairness_by_model.setdefault(reading.model, {})[reading.tier] = {
+                "users": reading.users,
+                "jain_index": {unit: _round(index) for unit, index in reading.jain_index},
+                "service_gap_tokens": _round(reading.service_gap_tokens, 1),
+                "starved_wait_s": _round(reading.starved_wait_s, 1),
+                "window_s": _round(reading.span_s, 1),
+            }
         document_models: dict[str, Any] = {}
         for model in models:
             entries = sorted(
@@ -97,6 +106,8 @@ class StatusDocument:
                 "in_flight": stats.in_flight_by_model.get(model, 0),
                 "released": {tier: released.get((model, tier), 0) for tier in tier_names},
                 "backlogged_users": len(entries),
+                # Per tier with backlogged users: the fairness gauges over the sliding window.
+                "fairness": fairness_by_model.get(model, {}),
                 "backlog": [
                     {
                         "user": entry.user,
@@ -158,6 +169,7 @@ class StatusDocument:
                 for tier in settings.tiers
             ],
             "fairness": settings.fairness,
+            "fairness_window_s": settings.observability.fairness_window_s,
             "totals": {
                 "queued": stats.queued,
                 "in_flight": stats.in_flight,

@@ -84,7 +84,7 @@ _SCRIPT = r"""
 "use strict";
 const POLL_MS = 400, POLL_HIDDEN_MS = 5000, HISTORY_S = 120, STORE = "fair-sched-admin-key";
 let key = null, timer = null, session = 0;
-const samples = new Map();          // model -> [{t, queued, waiting}]
+const samples = new Map();          // model -> [{t, queued, waiting, jain:<tier>, gap:<tier>}]
 const $ = (id) => document.getElementById(id);
 
 function h(tag, props, ...children) {
@@ -114,13 +114,13 @@ function meter(ratio) {
   return h("span", { class: "meter" }, bar);
 }
 
-function sparkline(points, field, label) {
+function sparkline(points, field, label, digits = 0) {
   const W = 260, H = 48, NS = "http://www.w3.org/2000/svg";
   const svg = document.createElementNS(NS, "svg");
   svg.setAttribute("width", W); svg.setAttribute("height", H);
   svg.setAttribute("viewBox", `0 0 ${W} ${H}`);
   const now = Date.now() / 1000;
-  const known = points.filter((p) => p[field] !== null);
+  const known = points.filter((p) => p[field] != null);  // a tier may come and go
   const values = known.map((p) => p[field]);
   const max = Math.max(1, ...values);
   // The x axis spans what this tab has seen (at least 10 s), up to HISTORY_S.
@@ -138,7 +138,8 @@ function sparkline(points, field, label) {
     svg.append(area, line);
   }
   const caption = values.length
-    ? `${label}: now ${num(values[values.length - 1])}, max ${num(Math.max(...values))} ` +
+    ? `${label}: now ${num(values[values.length - 1], digits)}, ` +
+      `max ${num(Math.max(...values), digits)} ` +
       `(last ${span.toFixed(0)} s)`
     : `${label}: no reading yet`;
   return h("figure", { "data-spark": field }, svg, h("figcaption", {}, caption));
@@ -149,7 +150,14 @@ function remember(model, doc) {
   const t = Date.now() / 1000;
   const queued = Object.values(doc.queued || {}).reduce((a, b) => a + b, 0);
   const waiting = doc.gate && doc.gate.waiting !== undefined ? doc.gate.waiting : null;
-  points.push({ t, queued, waiting });
+  const point = { t, queued, waiting };
+  // Per tier, the fairness gauges (their sparklines beside the tier's row).
+  for (const [tier, f] of Object.entries(doc.fairness || {})) {
+    point["jain:" + tier] = f.jain_index && f.jain_index.tokens !== undefined
+      ? f.jain_index.tokens : null;
+    point["gap:" + tier] = f.service_gap_tokens;
+  }
+  points.push(point);
   while (points.length && points[0].t < t - HISTORY_S) points.shift();
   samples.set(model, points);
   return points;
@@ -269,6 +277,30 @@ function reservationLine(reserved) {
     "none: " + reserved.map((t) => `${t.name} ${t.reserve_slots}`).join(" · "));
 }
 
+function fairnessTable(doc, points) {
+  const tiers = Object.entries(doc.fairness || {});
+  if (!tiers.length) return null;
+  // Jain's index per unit: tokens always, the fairness policy's own unit where it is another.
+  const units = [...new Set(tiers.flatMap(([, f]) => Object.keys(f.jain_index || {})))].sort();
+  return h("div", {},
+    h("div", { class: "scroll" }, h("table", { class: "fairness" },
+      h("thead", {}, h("tr", {}, h("th", {}, "tier"),
+        h("th", { class: "num", title: "backlogged throughout the window" }, "users"),
+        ...units.map((u) => h("th", { class: "num" }, `Jain (${u})`)),
+        h("th", { class: "num" }, "gap (tokens)"),
+        h("th", { class: "num", title: "the most starved user's wait for its next release" },
+          "longest wait"))),
+      h("tbody", {}, tiers.map(([tier, f]) => h("tr", { "data-fairness-tier": tier },
+        h("td", {}, tier), h("td", { class: "num users" }, num(f.users)),
+        ...units.map((u) => h("td", { class: "num jain", "data-unit": u },
+          num((f.jain_index || {})[u], 2))),
+        h("td", { class: "num gap" }, num(f.service_gap_tokens, 0)),
+        h("td", { class: "num starved" }, num(f.starved_wait_s, 1) + " s")))))),
+    tiers.map(([tier]) => h("div", { class: "spark", "data-fairness-spark": tier },
+      sparkline(points, "jain:" + tier, tier + ": Jain (tokens)", 2),
+      sparkline(points, "gap:" + tier, tier + ": gap (tokens)"))));
+}
+
 function modelCard(name, doc, reserved) {
   const points = remember(name, doc);
   const queuedByTier = Object.entries(doc.queued || {}).map(([t, n]) => `${t} ${n}`).join(" · ");
@@ -279,7 +311,10 @@ function modelCard(name, doc, reserved) {
     allowedQueue(doc.gate || {}),
     reservationLine(reserved),
     h("div", { class: "grid" },
-      h("div", {}, h("h3", {}, "Queued and in flight per principal"), principalsTable(doc)),
+      h("div", {}, h("h3", {}, "Queued and in flight per principal"), principalsTable(doc),
+        doc.fairness && Object.keys(doc.fairness).length
+          ? h("h3", {}, "Fairness over the last window") : null,
+        fairnessTable(doc, points)),
       h("div", {}, h("h3", {}, "Engine"), deploymentsTable(doc), gateTable(doc.gate || {}),
         h("h3", {}, "History"),
         h("div", { class: "spark" }, sparkline(points, "queued", "queue depth"),

@@ -15,6 +15,7 @@ from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, NamedTuple, Protocol
 
 from ..core import (
+    FairnessReading,
     GateTransition,
     GroupStatus,
     Lease,
@@ -130,6 +131,12 @@ class ServiceView(Protocol):
         old on a follower)."""
         ...
 
+    def fairness(self) -> list[FairnessReading]:
+        """The fairness gauges per (model, tier) with backlogged users, over the sliding window
+        (with Redis: the leader's, at most a heartbeat old on a follower); on the service's
+        event loop only (the scheduler's clock needs it)."""
+        ...
+
 
 class Reading(NamedTuple):
     """Everything one scrape or one status document reads, taken in one go on the event loop."""
@@ -144,6 +151,7 @@ class Reading(NamedTuple):
     shared: bool
     now: float | None  # the loop's clock, for ages; None outside a loop
     budgets: list[BudgetStanding] = []
+    fairness: list[FairnessReading] = []
 
 
 class ViewReader:
@@ -179,6 +187,7 @@ class ViewReader:
             shared=view.shares_state(),
             now=asyncio.get_running_loop().time() if on_loop else None,
             budgets=view.budget_standings(),
+            fairness=view.fairness() if on_loop else [],
         )
 
     def read(self) -> Reading:

@@ -31,6 +31,7 @@ from collections.abc import Callable, Sequence
 
 from ..core.backpressure import GroupStatus, MetricsGate
 from ..core.budget import BudgetBook
+from ..core.fairness_window import FairnessReading
 from ..core.reads import SchedulerStatistics, UserBacklog
 from ..core.ticket import Lease, Ticket
 from ..driver import FairScheduler, Waiter
@@ -184,6 +185,15 @@ class ModelGroups(ReplicaScheduler):
             for index, member in enumerate(self.members)
             for row in member.backlog()
             if self.group_of(row.model) == index
+        ]
+
+    def fairness(self) -> list[FairnessReading]:
+        """Each model's fairness gauges from the core that decides for it."""
+        return [
+            reading
+            for index, member in enumerate(self.members)
+            for reading in member.fairness()
+            if self.group_of(reading.model) == index
         ]
 
     def state_statistics(self) -> StateStatistics:

@@ -431,7 +431,7 @@ class RedisReplica(ReplicaScheduler):
     def _document(self) -> str:
         gate = self._gate.status() if self._gate else []
         return statistics_document(
-            self.replica, self._epoch, len(self._alive), self.statistics(), gate
+            self.replica, self._epoch, len(self._alive), self.statistics(), gate, self.fairness()
         )
 
     # ------------------------------------------------------------------ messages: every replica

@@ -34,6 +34,7 @@ from typing import Any, Literal, NamedTuple
 
 from ..core.backpressure import GroupStatus, MetricsGate
 from ..core.budget import BudgetBook
+from ..core.fairness_window import FairnessReading
 from ..core.gate import AdmissionGate
 from ..core.reads import SchedulerStatistics, UserBacklog
 from ..core.standing import BacklogIndex
@@ -259,6 +260,13 @@ class ReplicaScheduler:
         if self._term is None and self._published is not None:
             return list(self._published.gate)
         return self._gate.status() if self._gate is not None else []
+
+    def fairness(self) -> list[FairnessReading]:
+        """The deciding core's fairness gauges: ours while we decide, else the leader's latest
+        published ones (every replica exports the same values), else none."""
+        if self._term is not None:
+            return self._core.fairness()
+        return list(self._published.fairness) if self._published is not None else []
 
     def backlog(self, model: str | None = None) -> list[UserBacklog]:
         """Backlogged users with their virtual times while we decide; a follower lists its own

@@ -23,6 +23,7 @@ from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple, TypeGuard
 
 from ..core.backpressure import GroupStatus
+from ..core.fairness_window import POLICY_UNITS, FairnessReading
 from ..core.reads import SchedulerStatistics
 from ..core.ticket import (
     MAX_REQUEST_COST,
@@ -402,6 +403,15 @@ class Published(NamedTuple):
 
     scheduler: SchedulerStatistics
     gate: tuple[GroupStatus, ...]
+    # The leader's fairness gauges (none from a leader of the version before them).
+    fairness: tuple[FairnessReading, ...] = ()
+
+
+# A fairness gauge's service gap: at most every request of a full queue at its largest and the
+# smallest weight; waits and spans: at most a long year.
+_MAX_SERVICE_GAP = 1e30
+_MAX_GAUGE_S = 1e8
+_FAIRNESS_UNITS = frozenset(POLICY_UNITS.values())
 
 
 def statistics_document(
@@ -410,6 +420,7 @@ def statistics_document(
     replicas: int,
     stats: SchedulerStatistics,
     gate: Sequence[GroupStatus],
+    fairness: Sequence[FairnessReading] = (),
 ) -> str:
     """What the leader stores in `stats` on each renewal (`read_published` reads it)."""
     return json.dumps(
@@ -426,7 +437,48 @@ def statistics_document(
                 "in_flight_by_model": list(stats.in_flight_by_model.items()),
             },
             "gate": [row.to_wire() for row in gate],
+            "fairness": [
+                [*reading[:3], [list(pair) for pair in reading.jain_index], *reading[4:]]
+                for reading in fairness
+            ],
         }
+    )
+
+
+def _seconds(value: object) -> bool:
+    return _number(value) and 0 <= value <= _MAX_GAUGE_S  # type: ignore[operator]
+
+
+def _fairness_reading(row: object) -> FairnessReading:
+    """One fairness reading of the leader's document, each field checked to its range."""
+    if not isinstance(row, list) or len(row) != len(FairnessReading._fields):
+        raise ValueError("a fairness reading is not a list of its fields")
+    model, tier, users, index, gap, starved, span = row
+    if not short_text(model) or not short_text(tier):
+        raise OutOfRange("a fairness reading's model or tier", model)
+    if not whole(users, 0, MAX_SERIAL):
+        raise OutOfRange("a fairness reading's users", users)
+    if not isinstance(index, list) or len(index) > len(_FAIRNESS_UNITS):
+        raise OutOfRange("a fairness reading's index", index)
+    pairs = []
+    for pair in index:
+        if not isinstance(pair, list) or len(pair) != 2 or pair[0] not in _FAIRNESS_UNITS:
+            raise OutOfRange("a fairness reading's unit", pair)
+        if not (_number(pair[1]) and 0 <= pair[1] <= 1):
+            raise OutOfRange("a fairness reading's Jain index", pair[1])
+        pairs.append((pair[0], float(pair[1])))
+    if gap is not None and not (_number(gap) and 0 <= gap <= _MAX_SERVICE_GAP):
+        raise OutOfRange("a fairness reading's service gap", gap)
+    if not _seconds(starved) or not _seconds(span):
+        raise OutOfRange("a fairness reading's wait or span", (starved, span))
+    return FairnessReading(
+        model,
+        tier,
+        users,
+        tuple(pairs),
+        None if gap is None else float(gap),
+        float(starved),
+        float(span),
     )
 
 
@@ -486,6 +538,7 @@ def read_published(text: str) -> Published:
         scheduler["in_flight_by_model"] = dict(scheduler["in_flight_by_model"])
         statistics = SchedulerStatistics(**scheduler)
         gate = tuple(_group_status(row) for row in document["gate"])
+        fairness = tuple(_fairness_reading(row) for row in document.get("fairness", []))
     except RecursionError:  # absurdly deep JSON
         raise ValueError("nested too deeply") from None
     except KeyError as exc:
@@ -499,4 +552,4 @@ def read_published(text: str) -> Published:
             raise OutOfRange("a scheduler count", count)
     if not all(isinstance(row.model, str) and isinstance(row.mode, str) for row in gate):
         raise ValueError("a gate row's model or mode is not a string")
-    return Published(statistics, gate)
+    return Published(statistics, gate, fairness)

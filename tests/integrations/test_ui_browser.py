@@ -117,6 +117,8 @@ async def test_the_page_shows_a_flood_live_and_nothing_without_the_key(
                 {"name": "light", "keys": [LIGHT_KEY]},
             ],
             "metrics_poll_ms": 50,
+            # Short: the flooder is backlogged throughout a window while the page is watched.
+            "observability": {"fairness_window_s": 1},
         }
         config = proxy_config([model_entry(MODEL, f"{emu.base_url}/v1")], section)
         async with (
@@ -195,6 +197,25 @@ async def test_the_page_shows_a_flood_live_and_nothing_without_the_key(
                 shot_2 = tmp_path / "ui-flood-2.png"
                 await page.screenshot(path=str(shot_2), full_page=True)
                 keep(shot_2)
+                # The fairness gauges beside the tier, with their sparklines: the flooder,
+                # backlogged for more than a window, is the one user the index is over.
+                fairness_row = page.locator(
+                    f'[data-model="{MODEL}"] tr[data-fairness-tier="interactive"]'
+                )
+                jain_cell = fairness_row.locator('.jain[data-unit="tokens"]')
+
+                async def fairness_shown() -> bool:
+                    return bool(await jain_cell.count()) and (await jain_cell.inner_text()) not in (
+                        "",
+                        "\u2013",
+                    )
+
+                await eventually(fairness_shown, 30, interval_s=0.1, what="the fairness gauges")
+                fairness_jain = await jain_cell.inner_text()
+                fairness_sparks = await page.locator(
+                    f'[data-model="{MODEL}"] [data-fairness-spark="interactive"] figure'
+                ).count()
+                fairness_starved = await fairness_row.locator(".starved").inner_text()
                 budget_row = page.locator('#budgets tr[data-user="flooder"]')
                 budget_spent = await budget_row.locator(".spent").inner_text()
                 budget_over = await budget_row.locator(".over").inner_text()
@@ -222,6 +243,9 @@ async def test_the_page_shows_a_flood_live_and_nothing_without_the_key(
             assert not budget_spent.startswith("0 of"), budget_spent
             assert budget_over == "no", budget_over
             assert interactive_delivered == "100 %", interactive_delivered
+            assert fairness_jain == "1.00", fairness_jain
+            assert fairness_sparks == 2, fairness_sparks
+            assert fairness_starved.endswith(" s"), fairness_starved
 
             # "Forget key" drops the data and the key; a reload asks again.
             await page.locator("#forget").click()

@@ -12,6 +12,7 @@ from fair_sched_plugin.core import (
     BackendSnapshot,
     Deployment,
     DeploymentStatus,
+    FairnessReading,
     GroupStatus,
     MetricsGate,
     TierLimits,
@@ -63,7 +64,7 @@ def test_a_follower_reads_the_leaders_gate_rows_per_deployment() -> None:
     scheduler, gate = _leader(FakeClock())
     stats = scheduler.statistics()
     published = read_published(statistics_document("leader", 1, 2, stats, gate.status()))
-    assert published == (stats, tuple(gate.status()))
+    assert published == (stats, tuple(gate.status()), ())
     (row,) = published.gate
     assert [d.deployment for d in row.per_deployment] == ["http://a/v1", "http://b/metrics"]
     assert row.per_deployment[0].allowed_queue == (("interactive", 2.0),)
@@ -104,3 +105,39 @@ def test_a_positional_row_longer_than_any_older_leader_wrote_is_refused() -> Non
     rows = [[*list(row), "extra"] for row in gate.status()]
     with pytest.raises(ValueError, match="positional gate row has 15 fields"):
         read_published(_document(scheduler, rows))
+
+
+READING = FairnessReading(
+    "m", "interactive", 2, (("tokens", 0.75), ("requests", 1.0)), 96.0, 1.5, 60
+)
+
+
+def test_a_follower_reads_the_leaders_fairness_gauges() -> None:
+    scheduler, gate = _leader(FakeClock())
+    stats = scheduler.statistics()
+    document = statistics_document("leader", 1, 2, stats, gate.status(), [READING])
+    assert read_published(document).fairness == (READING,)
+
+
+def test_an_older_leaders_document_has_no_fairness_gauges() -> None:
+    scheduler, _ = _leader(FakeClock())
+    assert read_published(_document(scheduler, [])).fairness == ()
+
+
+@pytest.mark.parametrize(
+    ("field", "bad"),
+    [
+        ("jain_index", (("tokens", 1.5),)),
+        ("jain_index", (("watts", 0.5),)),
+        ("service_gap_tokens", -1.0),
+        ("starved_wait_s", float("nan")),
+        ("users", -1),
+        ("model", ""),
+    ],
+)
+def test_a_fairness_gauge_out_of_range_is_refused(field: str, bad: object) -> None:
+    scheduler, _ = _leader(FakeClock())
+    reading = READING._replace(**{field: bad})
+    document = statistics_document("leader", 1, 2, scheduler.statistics(), [], [reading])
+    with pytest.raises(ValueError, match="fairness"):
+        read_published(document)

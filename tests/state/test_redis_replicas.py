@@ -369,3 +369,44 @@ async def test_a_followers_status_and_metrics_show_the_leaders_truth(
             )
             held.lease.release()
             (await asyncio.wait_for(parked, 10)).lease.release()
+
+
+async def test_a_follower_exports_the_leaders_fairness_gauges(redis_server: RedisServer) -> None:
+    """The fairness gauges are computed by the deciding core and published with its heartbeat:
+    a follower, whose own core holds nothing, exports the leader's."""
+    async with emulator(max_num_seqs=4) as emu:
+        config = fair_config(
+            emu,
+            observability={"fairness_window_s": 0.5},
+            **shared(redis_server.url, unknown_model_max_inflight=1),
+        )
+        async with replicas([config] * 2) as services:
+            leader = await settled(services)
+            follower = next(s for s in services if s is not leader)
+            alice = leader.identify(Credentials(api_key="sk-a"))
+            bob = follower.identify(Credentials(api_key="sk-b"))
+            held = await leader.admit(alice, "other", {})
+            parked = [
+                (leader, asyncio.ensure_future(leader.admit(alice, "other", {}))),
+                (follower, asyncio.ensure_future(follower.admit(bob, "other", {}))),
+            ]
+
+            def gauges(service: SchedulingService) -> dict[str, Any]:
+                models = service.observability.status()["models"]
+                fairness = models.get(UNKNOWN_MODELS, {}).get("fairness", {})
+                return dict(fairness.get("interactive", {}))
+
+            # Both backlogged for more than a window: the leader's reading covers them both.
+            await wait_until(lambda: gauges(follower).get("users") == 2, timeout_s=10)
+            shown = gauges(follower)
+            assert shown["jain_index"] == {"tokens": 1.0, "requests": 1.0}  # nobody served
+            assert shown["starved_wait_s"] >= 0.5
+            assert gauges(leader)["users"] == 2
+            text = follower.observability.render().decode()
+            assert (
+                f'fair_sched_fairness_users{{model="{UNKNOWN_MODELS}",tier="interactive"}} 2.0'
+                in text
+            )
+            held.lease.release()
+            for service, waiting in parked[::-1]:  # bob, never served yet, goes first
+                (await asyncio.wait_for(waiting, 10)).lease.release()
