@@ -408,5 +408,5 @@ async def test_a_follower_exports_the_leaders_fairness_gauges(redis_server: Redi
                 in text
             )
             held.lease.release()
-            for service, waiting in parked[::-1]:  # bob, never served yet, goes first
+            for _service, waiting in parked[::-1]:  # bob, never served yet, goes first
                 (await asyncio.wait_for(waiting, 10)).lease.release()
