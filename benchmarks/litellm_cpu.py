@@ -1,6 +1,6 @@
 """The plugin's CPU inside LiteLLM: LiteLLM's CPU per relayed token, with the plugin and without.
 
-Issue #17's shared-process layout: on two shared cores a LiteLLM proxy's relaying is the
+The shared-process layout: on two shared cores a LiteLLM proxy's relaying is the
 bottleneck, so every millisecond the plugin adds per token is throughput lost. This puts
 LiteLLM's CPU in the foreground: one emulated engine (a subprocess, 8 slots, 1 ms a step, so it
 is never what limits the flood) behind one `litellm --config` proxy per variant, all started
@@ -69,7 +69,7 @@ MODEL = "tiny"
 POWER_KEY = "sk-power"
 FLOOD_TIMEOUT_S = 300.0
 WARMUP_REQUESTS = 8
-# The issue's bounds for the plugin against LiteLLM alone (issue #34), printed beside the ratios.
+# The issue's bounds for the plugin against LiteLLM alone, printed beside the ratios.
 TARGET_CPU_RATIO = 1.02
 TARGET_LATENCY_RATIO = 1.02
 
@@ -314,7 +314,7 @@ def summary(
             )
     lines += [
         "",
-        f"targets (issue #34): CPU per token <= {TARGET_CPU_RATIO:g} x plain, single-request "
+        f"targets: CPU per token <= {TARGET_CPU_RATIO:g} x plain, single-request "
         f"latency <= {TARGET_LATENCY_RATIO:g} x plain",
     ]
     return lines

@@ -1,4 +1,4 @@
-"""What one scrape of a real vLLM's /metrics costs the engine (issue #17).
+"""What one scrape of a real vLLM's /metrics costs the engine.
 
 vLLM renders its Prometheus page in its API server process, the one that also takes requests in
 and streams tokens out. Starts the CPU build the real-vLLM stage uses (the cached virtualenv and

@@ -1,4 +1,4 @@
-"""One request lifecycle (issue #35): with memory:// the service hands out the core's own lease,
+"""One request lifecycle: with memory:// the service hands out the core's own lease,
 a parked request waits on one future, and an admission runs little code."""
 
 from __future__ import annotations

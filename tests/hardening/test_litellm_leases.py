@@ -1,4 +1,4 @@
-"""Issue 15 through a real LiteLLM proxy: `max_lease_s` and `send_timeout_s` end a lease.
+"""Through a real LiteLLM proxy: `max_lease_s` and `send_timeout_s` end a lease.
 
 One `litellm` process (the plugin as callback, our custom auth) in front of two emulators: `tiny`
 generates a short word per token, `firehose` a 32 KB word per token, so a client that reads

@@ -1,4 +1,4 @@
-"""Issue 15 against a real LiteLLM proxy: every route that can reach an engine is scheduled.
+"""Against a real LiteLLM proxy: every route that can reach an engine is scheduled.
 
 One `litellm` process (the plugin as callback, our custom auth) in front of a recording relay in
 front of the emulator. The relay sees exactly what the engine would get. The walk is generated

@@ -214,7 +214,8 @@ class PortTaken(ProxyStartError):
     its start-up, seconds later, while other workers start servers): start again elsewhere."""
 
 
-# What uvicorn logs when the port is taken; the proxy then idles without serving (CI, 6 Dec).
+# What uvicorn logs when the port is taken; the proxy then idles without serving, so the
+# harness starts it again on another port.
 BIND_FAILED = "error while attempting to bind on address"
 PORT_ATTEMPTS = 3
 

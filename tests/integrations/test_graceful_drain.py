@@ -1,4 +1,4 @@
-"""Graceful drain on SIGTERM, with real server processes (issue 18).
+"""Graceful drain on SIGTERM, with real server processes.
 
 `fair-sched proxy` and a `litellm --config` proxy, each in front of the emulator (8 slots): 8
 streams run, 12 requests are parked (the gate's in-flight cap is 8: the engine's metrics URL

@@ -1,5 +1,5 @@
-"""Budgets through two real `litellm` proxy processes sharing state in a real redis-server
-(issue 19): a principal that overspends through one proxy is refused by the other, and by a
+"""Budgets through two real `litellm` proxy processes sharing state in a real redis-server:
+a principal that overspends through one proxy is refused by the other, and by a
 proxy started after both stopped (the spend survives in Redis)."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Inside LiteLLM, cached prompt tokens reach the `tokens` policy (issue #16): a real `litellm`
+"""Inside LiteLLM, cached prompt tokens reach the `tokens` policy: a real `litellm`
 proxy with the plugin in front of the emulator with its prefix cache on; what each request was
 charged is read back from a token budget on the status page."""
 

@@ -1,5 +1,5 @@
-"""Inside LiteLLM, a model without `backends.<model>.price` is charged at LiteLLM's own prices
-(issue 19): the deployment's `model_info.input_cost_per_token` / `output_cost_per_token`, or
+"""Inside LiteLLM, a model without `backends.<model>.price` is charged at LiteLLM's own prices:
+the deployment's `model_info.input_cost_per_token` / `output_cost_per_token`, or
 LiteLLM's cost map for the deployment's model. A real `litellm` proxy in front of the emulator;
 the spend is read back from the budget on the status page."""
 

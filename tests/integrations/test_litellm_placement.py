@@ -1,4 +1,4 @@
-"""Several deployments behind one LiteLLM model name (#16): a real `litellm` proxy with the plugin
+"""Several deployments behind one LiteLLM model name: a real `litellm` proxy with the plugin
 sends each request exactly to the deployment the scheduler bound its lease to, also when that
 deployment fails while LiteLLM's retries, cooldowns and fallbacks are configured.
 

@@ -1,4 +1,4 @@
-"""Keep-alive while parked through a real `litellm --config` proxy process (issue 18).
+"""Keep-alive while parked through a real `litellm --config` proxy process.
 
 The engine (emulator, one slot) is filled by two long streams sent to it directly, so the
 proxy's gate parks what comes through it. The official `openai` SDK and `litellm.acompletion`

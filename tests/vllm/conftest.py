@@ -8,7 +8,7 @@ One engine runs at a time (two would fight over two cores): `engines.get("priori
 engine of the other policy first. Every engine runs in its own process group, killed in the
 session's teardown and, should that not run, at interpreter exit.
 
-`FAIR_SCHED_VLLM_LAYOUT` picks the process layout (issue #17): `shared` (the default, and CI's)
+`FAIR_SCHED_VLLM_LAYOUT` picks the process layout: `shared` (the default, and CI's)
 keeps the engine and the LiteLLM proxy in the test run's session; `sessions` starts each in a
 session of its own, so engine, LiteLLM proxy and client (this process) are three autogroup CPU
 scheduling groups, as when the proxy is CPU-starved by other work (`tests/processes.py`).
@@ -58,7 +58,7 @@ def layout() -> str:
 
 
 def flood_size() -> tuple[int, int]:
-    """(power requests, tokens each) of the floods: `FAIR_SCHED_VLLM_FLOOD` as `NxT` (issue #17's
+    """(power requests, tokens each) of the floods: `FAIR_SCHED_VLLM_FLOOD` as `NxT` (the larger
     flood is `100x128`), else CI's 56 x 48."""
     value = os.environ.get("FAIR_SCHED_VLLM_FLOOD", "").strip().lower()
     if not value:
@@ -171,7 +171,7 @@ THROUGHPUT_RATIOS = (
     (FAIR_PROXY_FLOOD, DIRECT_FLOOD),
     (PLAIN_LITELLM_FLOOD, DIRECT_FLOOD),
     (PLUGIN_LITELLM_FLOOD, PLAIN_LITELLM_FLOOD),
-    # Issue #17: >= 0.90 is the goal, in both process layouts (docs/real-vllm.md).
+    # >= 0.90 is the goal, in both process layouts (docs/real-vllm.md).
     (AUTO_LITELLM_FLOOD, PLAIN_LITELLM_FLOOD),
     (AUTO_LITELLM_FLOOD, PLUGIN_LITELLM_FLOOD),
     (FAIR_QUEUE_LITELLM_FLOOD, PLAIN_LITELLM_FLOOD),
@@ -311,7 +311,7 @@ class VllmEngine:
 
     def cpu_seconds(self) -> float:
         """User + system CPU time so far of every live process in the engine's process group:
-        the API server, its engine core and workers (issue #17: on this CPU build a token made
+        the API server, its engine core and workers (on this CPU build a token made
         in a small batch costs the engine several times the CPU of one made in a full batch)."""
         return group_cpu_seconds(self.process.pid)
 
@@ -325,7 +325,7 @@ def start_engine(vllm_python: Path, model_dir: Path, scratch: Path, policy: str)
     argv += ["--model", str(model_dir), "--served-model-name", SERVED_MODEL]
     argv += ["--host", LOOPBACK, "--port", str(port), "--enforce-eager"]
     argv += ["--max-num-seqs", "8", "--max-model-len", "512", "--dtype", "float32"]
-    # Issue #16: prefix caching (vLLM 0.32's default, named so it cannot change under us) and
+    # Prefix caching (vLLM 0.32's default, named so it cannot change under us) and
     # the cached prompt tokens in `usage.prompt_tokens_details`, which the `tokens` policy uses.
     argv += ["--enable-prefix-caching", "--enable-prompt-tokens-details"]
     if policy == "priority":

@@ -1,7 +1,8 @@
-"""Issue 19's scenarios through real `litellm` proxy processes in front of emulators.
+"""Cost fairness, budgets, tier shares and promotion through real `litellm` proxy processes in
+front of emulators.
 
-Shared by `test_litellm_budgets_shares.py` (short windows) and `benchmarks/issue19.py` (the
-issue's 60 s window, numbers printed). What was delivered is read from the emulators' own logs of
+Shared by `test_litellm_budgets_shares.py` (short windows) and
+`benchmarks/tier_shares_and_costs.py` (a 60 s window, numbers printed). What was delivered is read from the emulators' own logs of
 received requests (in release order), so the measure is what the scheduler let through, not
 what the clients happened to finish.
 """
