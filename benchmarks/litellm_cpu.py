@@ -52,8 +52,7 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 os.environ.setdefault("LITELLM_LOCAL_MODEL_COST_MAP", "True")
 
-from fair_sched_plugin.emulator import EmulatorConfig, run_emulator_subprocess
-from tests.integrations.litellm_harness import (
+from fair_sched_plugin.bench.harness.litellm_proxy import (
     MASTER_KEY,
     ProxyProcess,
     litellm_proxy,
@@ -62,7 +61,8 @@ from tests.integrations.litellm_harness import (
     proxy_config,
     stream_chat,
 )
-from tests.processes import group_cpu_seconds, process_cpu_seconds
+from fair_sched_plugin.bench.harness.processes import group_cpu_seconds, process_cpu_seconds
+from fair_sched_plugin.emulator import EmulatorConfig, run_emulator_subprocess
 
 CHAT = "/v1/chat/completions"
 MODEL = "tiny"

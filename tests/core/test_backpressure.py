@@ -8,6 +8,7 @@ from typing import NamedTuple
 
 import pytest
 
+from fair_sched_plugin.bench.harness.engine_sim import EngineSim, mean, run_deployments
 from fair_sched_plugin.core import (
     BackendGroup,
     BackendSnapshot,
@@ -24,7 +25,6 @@ from fair_sched_plugin.driver import FairScheduler
 from fair_sched_plugin.testing import FakeClock, GateLeaseOwner, ManualGate, snapshot
 
 from .conftest import drain, settle, ticket
-from .engine_sim import EngineSim, mean, run_deployments
 
 URL = "http://engine/metrics"
 INTERACTIVE = TierLimits("interactive", waiting_below=3, tpot_below_s=0.15)

@@ -17,10 +17,7 @@ import httpx
 import pytest
 import pytest_asyncio
 
-from fair_sched_plugin.emulator.server import RunningEmulator
-
-from ..integrations.conftest import chat_body, emulator, wait_until
-from ..integrations.litellm_harness import (
+from fair_sched_plugin.bench.harness.litellm_proxy import (
     CHAT,
     MASTER_KEY,
     ProxyProcess,
@@ -28,8 +25,11 @@ from ..integrations.litellm_harness import (
     model_entry,
     open_client,
     proxy_config,
-    shared_proxy_marks,
 )
+from fair_sched_plugin.emulator.server import RunningEmulator
+
+from ..integrations.conftest import chat_body, emulator, wait_until
+from ..integrations.litellm_harness import shared_proxy_marks
 from ..support import find_int
 from .test_bypasses import raw_request
 

@@ -27,18 +27,18 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
-from fair_sched_plugin.emulator.server import RunningEmulator
-
-from ..integrations.conftest import emulator, relay_upstream, serve, wait_until
-from ..integrations.litellm_harness import (
+from fair_sched_plugin.bench.harness.litellm_proxy import (
     MASTER_KEY,
     ProxyProcess,
     litellm_proxy,
     model_entry,
     open_client,
     proxy_config,
-    shared_proxy_marks,
 )
+from fair_sched_plugin.emulator.server import RunningEmulator
+
+from ..integrations.conftest import emulator, relay_upstream, serve, wait_until
+from ..integrations.litellm_harness import shared_proxy_marks
 from ..support import find_int
 
 pytestmark = shared_proxy_marks()

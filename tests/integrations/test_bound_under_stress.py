@@ -21,20 +21,20 @@ from typing import Any
 import httpx
 import pytest
 
+from fair_sched_plugin.bench.harness.litellm_proxy import (
+    CHAT,
+    litellm_proxy,
+    model_entry,
+    open_client,
+    proxy_config,
+)
 from fair_sched_plugin.emulator.engine import EmulatorConfig
 from fair_sched_plugin.emulator.server import RunningEmulator, run_emulator
 from fair_sched_plugin.identity import Credentials
 from fair_sched_plugin.service import SchedulingService
 
 from .conftest import MODEL, cancel_all, completion_body, fair_config, wait_until
-from .litellm_harness import (
-    CHAT,
-    NEEDS_LITELLM,
-    litellm_proxy,
-    model_entry,
-    open_client,
-    proxy_config,
-)
+from .litellm_harness import NEEDS_LITELLM
 
 THRESHOLD = 3
 STEPS = {"step_ms_per_running_seq": 0.0, "prefill_ms_per_token": 0.0}

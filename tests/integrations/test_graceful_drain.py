@@ -23,12 +23,7 @@ from typing import Any
 import httpx
 import pytest
 
-from fair_sched_plugin.emulator.server import RunningEmulator, run_emulator
-
-from ..processes import own_process_group
-from ..support import wait_healthy
-from .conftest import MODEL, emulator_config, wait_until
-from .litellm_harness import (
+from fair_sched_plugin.bench.harness.litellm_proxy import (
     MASTER_KEY,
     ProxyProcess,
     free_port,
@@ -38,6 +33,11 @@ from .litellm_harness import (
     proxy_env,
     write_config,
 )
+from fair_sched_plugin.bench.harness.processes import own_process_group
+from fair_sched_plugin.emulator.server import RunningEmulator, run_emulator
+
+from ..support import wait_healthy
+from .conftest import MODEL, emulator_config, wait_until
 
 pytestmark = pytest.mark.slow
 

@@ -1,6 +1,7 @@
 """End to end: cost fairness, budgets (demote and reject), tier shares and promotion,
 through real `litellm` proxy processes in front of emulators (scenarios in
-`tier_scenarios.py`; `benchmarks/tier_shares_and_costs.py` runs a 60 s cost window)."""
+`fair_sched_plugin.bench.harness.tier_scenarios`, which the tier benchmark runs with a 60 s
+cost window)."""
 
 from __future__ import annotations
 
@@ -9,8 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from .litellm_harness import NEEDS_LITELLM
-from .tier_scenarios import (
+from fair_sched_plugin.bench.harness.tier_scenarios import (
     budget_stack,
     cost_fairness,
     heavy_flood_with_light_user,
@@ -19,6 +19,8 @@ from .tier_scenarios import (
     tier_shares,
     warm,
 )
+
+from .litellm_harness import NEEDS_LITELLM
 
 pytestmark = [
     pytest.mark.litellm,

@@ -12,10 +12,16 @@ from typing import Any
 import httpx
 import pytest
 
+from fair_sched_plugin.bench.harness.litellm_proxy import (
+    litellm_proxy,
+    model_entry,
+    open_client,
+    proxy_config,
+)
 from fair_sched_plugin.emulator.engine import EmulatorConfig
 from fair_sched_plugin.emulator.server import RunningEmulator, run_emulator
 
-from .litellm_harness import NEEDS_LITELLM, litellm_proxy, model_entry, open_client, proxy_config
+from .litellm_harness import NEEDS_LITELLM
 
 pytestmark = [
     pytest.mark.litellm,

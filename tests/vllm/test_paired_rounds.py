@@ -23,7 +23,9 @@ from pathlib import Path
 
 import pytest
 
-from .conftest import PAIRED_ROUNDS, VllmEngine
+from fair_sched_plugin.bench.harness.vllm_stage import VllmEngine
+
+from .conftest import PAIRED_ROUNDS
 from .test_real_engine import litellm_flood
 
 

@@ -35,6 +35,7 @@ from starlette.responses import Response
 from starlette.routing import Route
 
 from fair_sched_plugin._http import sse_lines
+from fair_sched_plugin.bench.harness.vllm_stage import SERVED_MODEL, VllmEngine, own_sessions
 from fair_sched_plugin.core import BackendSnapshot
 from fair_sched_plugin.metrics.profiles import VLLM_PROFILE, engine_profile, filtered_metrics_url
 from fair_sched_plugin.metrics.watcher import MetricsWatcher
@@ -50,10 +51,7 @@ from .conftest import (
     FLOOD_REPORT,
     PLAIN_LITELLM_FLOOD,
     PLUGIN_LITELLM_FLOOD,
-    SERVED_MODEL,
-    VllmEngine,
     flood_size,
-    own_sessions,
 )
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow, pytest.mark.timeout(600)]
@@ -561,7 +559,7 @@ async def litellm_flood(
     """The power-user flood through a LiteLLM proxy subprocess, with or without the plugin
     (the interactive tier's `waiting_below` fixed, or `auto`). Without the plugin every caller
     uses LiteLLM's master key (no custom auth); with it, the principals' own keys."""
-    from ..integrations.litellm_harness import (
+    from fair_sched_plugin.bench.harness.litellm_proxy import (
         MASTER_KEY,
         litellm_proxy,
         model_entry,
@@ -621,7 +619,7 @@ async def trace_gate(base_url: str, *, enabled: bool) -> AsyncIterator[None]:
     if not enabled:
         yield
         return
-    from ..integrations.litellm_harness import MASTER_KEY
+    from fair_sched_plugin.bench.harness.litellm_proxy import MASTER_KEY
 
     lines: list[str] = []
 

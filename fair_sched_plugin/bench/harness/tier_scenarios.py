@@ -2,9 +2,9 @@
 front of emulators.
 
 Shared by `test_litellm_budgets_shares.py` (short windows) and
-`benchmarks/tier_shares_and_costs.py` (a 60 s window, numbers printed). What was delivered is read from the emulators' own logs of
-received requests (in release order), so the measure is what the scheduler let through, not
-what the clients happened to finish.
+`benchmarks/tier_shares_and_costs.py` (a 60 s window, numbers printed). What was delivered is
+read from the emulators' own logs of received requests (in release order), so the measure is
+what the scheduler let through, not what the clients happened to finish.
 """
 
 from __future__ import annotations
@@ -24,8 +24,7 @@ import httpx
 from fair_sched_plugin.emulator.engine import EmulatorConfig
 from fair_sched_plugin.emulator.server import RunningEmulator, run_emulator
 
-from ..support import eventually
-from .litellm_harness import (
+from .litellm_proxy import (
     MASTER_KEY,
     litellm_proxy,
     model_entry,
@@ -33,6 +32,7 @@ from .litellm_harness import (
     proxy_config,
     stream_chat,
 )
+from .loopback import eventually
 
 # Slow enough that the engines, not the proxy's CPU, are the bottleneck: the plugin's queues
 # must hold the backlog for fairness to decide anything.
