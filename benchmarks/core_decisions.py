@@ -41,8 +41,8 @@ from fair_sched_plugin.testing import FakeClock
 _seconds = time.perf_counter
 _nanoseconds = time.perf_counter_ns
 # One pair in this many is timed alone (p50, p99). Only those read the clock: reading CPU time
-# is a system call (~0.2 µs, twice a pair), which the pairs per second must not count. Until
-# 5 Dec every pair read it and the rate carried those reads (~9 % of a pair under --cpu-time).
+# is a system call (~0.2 µs, twice a pair), which the pairs per second must not count (read on
+# every pair, it was ~9 % of a pair under --cpu-time).
 SAMPLE_EVERY = 16
 
 TIERS = (TierLimits("interactive", waiting_below=3), TierLimits("batch", waiting_below=1))

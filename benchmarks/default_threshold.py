@@ -1,4 +1,4 @@
-"""What a tier gets without tuning, on the emulator (issue #34): the demo's flood (100 x 64
+"""What a tier gets without tuning, on the emulator: the demo's flood (100 x 64
 tokens from one power user, two light users 1 s later, 8 slots) through LiteLLM alone, and
 with the plugin at the fixed default (`waiting_below: 3`) and at `auto` (2 s TTFT target), on a
 FIFO engine and on one with priority scheduling (power user in the batch tier). The variants of

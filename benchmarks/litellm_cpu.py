@@ -1,6 +1,6 @@
 """The plugin's CPU inside LiteLLM: LiteLLM's CPU per relayed token, with the plugin and without.
 
-Issue #17's shared-process layout: on two shared cores a LiteLLM proxy's relaying is the
+The shared-process layout: on two shared cores a LiteLLM proxy's relaying is the
 bottleneck, so every millisecond the plugin adds per token is throughput lost. This puts
 LiteLLM's CPU in the foreground: one emulated engine (a subprocess, 8 slots, 1 ms a step, so it
 is never what limits the flood) behind one `litellm --config` proxy per variant, all started
@@ -52,8 +52,7 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 os.environ.setdefault("LITELLM_LOCAL_MODEL_COST_MAP", "True")
 
-from fair_sched_plugin.emulator import EmulatorConfig, run_emulator_subprocess
-from tests.integrations.litellm_harness import (
+from fair_sched_plugin.bench.harness.litellm_proxy import (
     MASTER_KEY,
     ProxyProcess,
     litellm_proxy,
@@ -62,14 +61,15 @@ from tests.integrations.litellm_harness import (
     proxy_config,
     stream_chat,
 )
-from tests.processes import group_cpu_seconds, process_cpu_seconds
+from fair_sched_plugin.bench.harness.processes import group_cpu_seconds, process_cpu_seconds
+from fair_sched_plugin.emulator import EmulatorConfig, run_emulator_subprocess
 
 CHAT = "/v1/chat/completions"
 MODEL = "tiny"
 POWER_KEY = "sk-power"
 FLOOD_TIMEOUT_S = 300.0
 WARMUP_REQUESTS = 8
-# The issue's bounds for the plugin against LiteLLM alone (issue #34), printed beside the ratios.
+# The issue's bounds for the plugin against LiteLLM alone, printed beside the ratios.
 TARGET_CPU_RATIO = 1.02
 TARGET_LATENCY_RATIO = 1.02
 
@@ -314,7 +314,7 @@ def summary(
             )
     lines += [
         "",
-        f"targets (issue #34): CPU per token <= {TARGET_CPU_RATIO:g} x plain, single-request "
+        f"targets: CPU per token <= {TARGET_CPU_RATIO:g} x plain, single-request "
         f"latency <= {TARGET_LATENCY_RATIO:g} x plain",
     ]
     return lines

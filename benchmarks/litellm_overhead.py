@@ -40,8 +40,7 @@ import httpx
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 os.environ.setdefault("LITELLM_LOCAL_MODEL_COST_MAP", "True")
 
-from fair_sched_plugin.emulator import EmulatorConfig, run_emulator_subprocess
-from tests.integrations.litellm_harness import (
+from fair_sched_plugin.bench.harness.litellm_proxy import (
     MASTER_KEY,
     ProxyProcess,
     StreamResult,
@@ -51,6 +50,7 @@ from tests.integrations.litellm_harness import (
     proxy_config,
     stream_chat,
 )
+from fair_sched_plugin.emulator import EmulatorConfig, run_emulator_subprocess
 
 CHAT = "/v1/chat/completions"
 WAITING_BELOW = 3

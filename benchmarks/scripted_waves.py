@@ -1,9 +1,9 @@
-"""The real-vLLM stage's flood as waves, in the scripted engine (issue #17).
+"""The real-vLLM stage's flood as waves, in the scripted engine.
 
 The stage's requests are equal (128 tokens, `ignore_eos`), so vLLM's 8 slots finish together:
-traced on 2 Dec, a wave every 1.1-1.5 s, scrapes coming back 0.3-0.8 s after they were sent
+traced on the real stage, a wave every 1.1-1.5 s, scrapes coming back 0.3-0.8 s after they were sent
 (about three a second), LiteLLM seeing first bytes and ends about half a second late. This runs
-100 parked requests through the gate against `tests/core/engine_sim.EngineSim` with those
+100 parked requests through the gate against the harness's `EngineSim` with those
 timings, a fixed `waiting_below: 3` against `auto` (2 s TTFT target), and prints when the last
 one finished, the engine's mean running sequences while requests were parked, the p95 of
 release-to-first-byte, and `auto`'s allowed queue once a second. A wave at a time would finish
@@ -14,12 +14,12 @@ in about 100 / 8 x 1.2 s + the way there, 15.3 s. Fake clock: a second of CPU, n
 
 from __future__ import annotations
 
+from fair_sched_plugin.bench.harness.engine_sim import URL, EngineSim, mean
 from fair_sched_plugin.core import BackendGroup, Deployment, MetricsGate, TierLimits
 from fair_sched_plugin.testing import FakeClock
-from tests.core.engine_sim import URL, EngineSim, mean
 
 REQUESTS = 100
-# As traced in the shared layout (docs/real-vllm.md, "Measured 2 Dec").
+# As traced in the shared layout (docs/real-vllm.md, its measured section).
 WAVES = {
     "service_s": 1.2,
     "transit_s": 0.3,

@@ -1,4 +1,4 @@
-"""The floor of a light user's TTFT in the speed-change scenario (issue #17), by setting.
+"""The floor of a light user's TTFT in the speed-change scenario, by setting.
 
 A light request arriving at a saturated engine, first in our round-robin, waits for the next
 completion with no engine queue (`waiting_below: 0`) and for the second with a queue of one: no

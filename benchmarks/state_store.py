@@ -18,52 +18,13 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import contextlib
-import shutil
-import socket
-import subprocess
-import tempfile
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 
-from fair_sched_plugin.core import InflightLimitGate, Ticket, TierLimits
+from fair_sched_plugin.bench.harness.redis_store import TIERS, percentile, redis_server
+from fair_sched_plugin.core import InflightLimitGate, Ticket
 from fair_sched_plugin.driver import FairScheduler
 from fair_sched_plugin.state import ReplicaScheduler, open_state
-
-TIERS = (TierLimits("interactive", waiting_below=3), TierLimits("batch", waiting_below=1))
-
-
-@contextlib.contextmanager
-def redis_server() -> Iterator[str]:
-    binary = shutil.which("redis-server")
-    if binary is None:
-        raise SystemExit("redis-server not found: pass --redis-url or install redis-server")
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
-    with tempfile.TemporaryDirectory() as directory:
-        process = subprocess.Popen(
-            [binary, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly",
-             "no", "--dir", directory],
-            stdout=subprocess.DEVNULL,
-        )  # fmt: skip
-        try:
-            for _ in range(500):
-                with (
-                    contextlib.suppress(OSError),
-                    socket.create_connection(("127.0.0.1", port), 0.1),
-                ):
-                    break
-                time.sleep(0.01)
-            yield f"redis://127.0.0.1:{port}/0"
-        finally:
-            process.terminate()
-            process.wait(5)
-
-
-def percentile(values: list[float], q: float) -> float:
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
 
 
 def core() -> FairScheduler:

@@ -1,4 +1,4 @@
-"""What one scrape of a real vLLM's /metrics costs the engine (issue #17).
+"""What one scrape of a real vLLM's /metrics costs the engine.
 
 vLLM renders its Prometheus page in its API server process, the one that also takes requests in
 and streams tokens out. Starts the CPU build the real-vLLM stage uses (the cached virtualenv and
@@ -19,9 +19,9 @@ import time
 
 import httpx
 
+from fair_sched_plugin.bench.harness import vllm_stage
 from fair_sched_plugin.bench.processes import group_cpu_seconds
 from fair_sched_plugin.metrics.profiles import VLLM_PROFILE, filtered_metrics_url
-from tests.vllm import conftest as vllm_stage
 
 
 def _measure(

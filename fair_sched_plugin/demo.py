@@ -218,7 +218,7 @@ def add_demo_parsers(subparsers: argparse._SubParsersAction[argparse.ArgumentPar
     bench.add_argument(
         "--quick",
         action="store_true",
-        # Measured (3 Dec, a 2-core machine also running other work): 448 s in all; flood 87,
+        # Measured on a 2-core machine also running other work: 448 s in all; flood 87,
         # tiers 37, many-users 2, overhead 34, speed-change 210, unequal-replicas 50,
         # shared-prefixes 25, core 2.
         help="smaller scenarios: all of them took 7.5 minutes on a busy 2-core machine "

@@ -1,4 +1,4 @@
-"""The replica scenarios' workload and summaries (issue #16), from scripted records and samples."""
+"""The replica scenarios' workload and summaries, from scripted records and samples."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Issue #16 end to end: small `unequal-replicas` and `shared-prefixes` runs through real LiteLLM
+"""End to end: small `unequal-replicas` and `shared-prefixes` runs through real LiteLLM
 proxies in front of two real emulators, the plugin against LiteLLM's default router.
 
 Each scenario is run once per module (two LiteLLM proxies, ~10 s of CPU each to start), and the
@@ -151,7 +151,7 @@ def test_shared_plugin_keeps_users_service_even(shared: dict[str, dict[str, Any]
     it).
 
     Six requests a user: the index counts service until the first user is done, and with three
-    rounds that moment comes before homes even out. On 2 Dec's faster machine three rounds read
+    rounds that moment comes before homes even out. On a faster machine three rounds read
     0.932-0.948 in 6 of 12 runs, this code and the one before it alike (users homed 10 to 6 on
     the two engines, each served in its engine's turn until a user of the emptier one finished),
     and 0.973-0.977 in the others; six rounds read 0.980-0.994 in 6 of 6, with hit rates
@@ -159,7 +159,7 @@ def test_shared_plugin_keeps_users_service_even(shared: dict[str, dict[str, Any]
 
     Throughput is not asserted at this size: a run of a few seconds is decided by the gate's
     first scrapes and a loaded LiteLLM's forwarding delay more than by the cache (measured:
-    0.8x-1.05x LiteLLM's, and 0.91x-1.53x in six runs on 1 Dec at load average 8-11, where
+    0.8x-1.05x LiteLLM's, and 0.91x-1.53x in six runs at load average 8-11, where
     the engines ran about 1 of their slots on average: LiteLLM, not the engines, set the pace);
     `fair-sched bench --scenarios shared-prefixes` measures it at full size (docs/results.md)."""
     assert shared["plugin"]["jain_backlogged"] >= 0.95

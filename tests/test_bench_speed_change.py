@@ -1,4 +1,4 @@
-"""The speed-change scenario's summary (issue #17), from scripted records and samples."""
+"""The speed-change scenario's summary, from scripted records and samples."""
 
 from __future__ import annotations
 

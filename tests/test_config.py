@@ -120,7 +120,7 @@ BAD_CONFIGS: list[tuple[str, Any, str]] = [
     ("poll too fast", {"metrics_poll_ms": 1}, "fair_sched.metrics_poll_ms"),
     ("bad state url", {"state": "postgres://x"}, "fair_sched.state: must be memory://"),
     ("bad identity source", {"identity": {"source": "cookie"}}, "fair_sched.identity.source"),
-    # Values that used to be accepted and silently broke a bound (issue 15).
+    # Values that used to be accepted and silently broke a bound.
     (
         "weight too small",
         {"principals": [{"name": "a", "keys": ["k"], "weight": 1e-300}]},

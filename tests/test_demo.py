@@ -77,7 +77,7 @@ def test_demo_direct_fifo_makes_light_users_wait_behind_the_flood(demo_output: P
 
 
 # CI's guard of the README's promises, on the quick demo (24 power requests x 48 tokens, two light
-# users 1 s later, `waiting_below: 3`). Measured on this kind of machine (3 Dec, two runs): light
+# users 1 s later, `waiting_below: 3`). Measured on this kind of machine (two runs): light
 # users 0.20x direct FIFO with the plugin, 0.18x with priority; throughput 1.00-1.01x LiteLLM's;
 # the engine's queue 3. The bounds leave room for this machine's noise (about 1.75x on the
 # ratio); a gate that lets everything through puts light users behind the flood (about 1x) and

@@ -758,7 +758,7 @@ def test_observability_reads_only_the_service_view() -> None:
     assert metrics.status()["budgets"][0]["user"] == "alice"
 
 
-# ----------------------------------------------------------------------------- issue 19
+# ------------------------------------------------------------------ tiers, budgets and costs
 
 BUDGETS: list[dict[str, Any]] = [
     {

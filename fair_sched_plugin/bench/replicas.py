@@ -1,4 +1,4 @@
-"""Two deployments behind one model name (issue #16): `unequal-replicas` and `shared-prefixes`.
+"""Two deployments behind one model name: `unequal-replicas` and `shared-prefixes`.
 
 Each variant gets its own engines (fresh emulators: their counters and prefix caches are its
 own) and its own gateway: none (``direct``: every request into one engine's queue, the flood's

@@ -1,4 +1,4 @@
-"""The speed-change scenario (issue #17): fixed `waiting_below` 0, 1, 3 and 8 against `auto`.
+"""The speed-change scenario: fixed `waiting_below` 0, 1, 3 and 8 against `auto`.
 
 A power user keeps the engine overloaded (a closed loop of streaming requests) and two light
 users send one request each every `light_every_s`; all are in the `interactive` tier. After
@@ -77,7 +77,7 @@ class SpeedChangeSize:
 QUICK_SPEED_SIZE = SpeedChangeSize(before_s=10.0, slow_s=10.0, after_s=10.0, transition_s=4.0)
 
 
-# The fixed settings issue #17 compares `auto`'s throughput with (the best of them).
+# The fixed settings `auto`'s throughput is compared with (the best of them).
 COMPARED_FIXED = ("fixed_1", "fixed_3", "fixed_8")
 
 

@@ -167,7 +167,7 @@ class TierSettings(Frozen):
     def initial_waiting_below(self) -> int:
         """The fixed threshold, or where `auto` starts: the fixed default within its bounds.
         From its minimum, slow start behind a lagging proxy (round trips of 1-2 s) spent most
-        of a 10 s flood growing 1 -> 12 with the engine's slots idle (issue #17); a first
+        of a 10 s flood growing 1 -> 12 with the engine's slots idle; a first
         interval over the targets shrinks it at once."""
         bounds = self.auto_bounds()
         if bounds is None:
@@ -252,7 +252,7 @@ class QueueSettings(Frozen):
     # Inside one user's queue: arrival order, or the smallest expected work (prompt estimate +
     # requested output tokens) first.
     order: Literal["fifo", "shortest_first"] = "fifo"
-    # Waiting clients (issue 18): a parked `stream: true` request gets its 200 and SSE headers
+    # Waiting clients: a parked `stream: true` request gets its 200 and SSE headers
     # after `keepalive_after_s` (0: never), then an SSE comment every `keepalive_interval_s`, so
     # idle timeouts of load balancers and client libraries do not cut it while it waits.
     keepalive_after_s: Annotated[float, Field(ge=0, le=86_400)] = 10.0
@@ -326,7 +326,7 @@ class FairSchedSettings(Frozen):
     identity: IdentitySettings = IdentitySettings()
     backends: dict[str, BackendSettings] = Field(default_factory=dict)
     queue: QueueSettings = QueueSettings()
-    # Graceful drain (issue 18): after SIGTERM, how long started requests may run to their end
+    # Graceful drain: after SIGTERM, how long started requests may run to their end
     # before they are cut; parked ones are refused at once (503 shutting_down).
     drain_grace_s: Annotated[float, Field(ge=0, le=3_600)] = 30.0
     metrics_poll_ms: Annotated[float, Field(ge=10, le=60_000)] = 100.0

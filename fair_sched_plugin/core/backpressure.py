@@ -26,14 +26,14 @@ A tier with `waiting_below: auto` has its threshold set by a `QueueTuner` (core/
 the gate owns per deployment and tier, and feeds with that tier's release-to-first-byte times of
 the requests bound there, that engine's TTFT and TPOT, and whether its queue held requests back.
 
-Several deployments behind one model name (issue #16): every rule above is a deployment's own.
+Several deployments behind one model name: every rule above is a deployment's own.
 Each has its snapshot, mode, pending leases, learned capacity, first bytes and ends, and its own
 threshold (the tier's `waiting_below`, or its tuner's, as users read it: per engine). A request
 may be released when some deployment has room for its tier; `place` then binds it to one of those
 (`core/placement.py`: prefix affinity within a load bound, else the least loaded by load per
 running slot), and its first byte and end settle against that deployment. The old rule, one group
 with the waiting counts summed against the threshold times the number of deployments, let one
-replica's queue grow far past the threshold while another idled (the slow engine of issue #16
+replica's queue grow far past the threshold while another idled (a slow engine
 reached 11 waiting with `waiting_below: 3`). A lease that names no deployment of the group (one
 adopted from an older replica after a failover, or granted by a gate that did not place) counts
 against the least loaded deployment at its release and stays there until it ends: it runs

@@ -16,7 +16,7 @@ of a sliding window (`capacity_window_s`, two buckets), not of all time: an engi
 with fewer slots, or one short-lived spike, would otherwise count slots free for ever and let
 pending requests into the engine's queue.
 
-Work-conserving against late signals (issue #17): a pending request that already runs would
+Work-conserving against late signals: a pending request that already runs would
 otherwise count twice (pending, and running in the scrape) until its first byte, which a
 CPU-starved proxy sees late; that eats the queue credit that keeps the engine full. So each
 scrape also settles as many pending requests as reached the engine since the previous one, less
@@ -298,7 +298,7 @@ class DeploymentLedger:
         """Settle as many pending leases (oldest first) as requests reached the engine between
         two scrapes. Waiting out the grace instead counts a request that already runs as pending
         too, which eats the queue credit the engine needs to stay full when first bytes come
-        back late (a CPU-starved proxy, issue #17). Another client's arrivals taken for ours let
+        back late (a CPU-starved proxy). Another client's arrivals taken for ours let
         at most that many more in, and the next scrape shows them. `finished`: the engine's
         finished count between the two (`_finished_delta`), None where it has none."""
         grown = snapshot.waiting + snapshot.running - previous.waiting - previous.running
@@ -312,7 +312,7 @@ class DeploymentLedger:
             # often seen a scrape or more after the one that showed the engine shrink: that
             # interval counts too few arrivals and the end's own too many. The deficit is
             # carried (below) until the end makes it up, so it settles no lease that has not
-            # arrived (issue #16's queue peaks of one to three over, before).
+            # arrived (counted at once, queues peaked one to three over the threshold).
             arrivals = grown + ends
         elif finished < 0:
             # The counter went down: the engine restarted, what it had is gone, and how many
@@ -444,7 +444,7 @@ class DeploymentLedger:
         still stretches the grace as its first bytes do.
 
         Neither rule learns the slowest way there from a proxy that forwards out of order
-        (issue #34: 0.5-3 s, seeded in the simulator): the slow leases are the ones the grace
+        (0.5-3 s, seeded in the simulator): the slow leases are the ones the grace
         settles before their arrival shows, their arrivals show only in intervals that began
         with the engine empty (rare under a flood), and the arrivals that do show are the quick
         ones. The grace stayed at 1.2-1.5 s, leases 3 s on their way were settled, the gate
@@ -511,7 +511,7 @@ class DeploymentLedger:
             # A scrape that takes D shows the engine D before it lands, and the next one lands
             # no sooner than D later: between two good scrapes the snapshot is up to 2D old.
             # Counted against `stale_after_s`, a slow /metrics (vLLM's API server on a starved
-            # CPU took a second and more, issue #17) sent the gate to its fallback cap while
+            # CPU took a second and more) sent the gate to its fallback cap while
             # every scrape succeeded, and the engine idled. Only good scrapes set D, so an engine
             # that stops answering is still found out after `stale_after_s` plus its usual 2D.
             if age > stale_after_s + 2 * self.scrape_s:
@@ -562,7 +562,7 @@ class DeploymentLedger:
             # and none of ours is on its way: the engine may have more slots. Probe one more
             # per scrape; a queue forming shows the real number. Without this an engine never
             # seen saturated keeps slots unused, since the gate only saturates it through slots
-            # it believes free (issue #17).
+            # it believes free.
             running += 1
         if ceiling is not None:
             running = min(running, float(ceiling))

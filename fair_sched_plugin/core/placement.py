@@ -3,9 +3,10 @@
 The gate knows which deployments have room; this policy chooses among them:
 
 1. **Prefix affinity.** A ticket's `prefix` is its prompt's chained block hashes
-   (`fair_sched_plugin.prefix`): two prompts share their first k hashes exactly when their first
-   k blocks are the same text. The deployment where the longest leading run of these blocks was
-   placed most recently probably still has them in its prefix cache, so the request goes there.
+   (`fair_sched_plugin.prefix`): two prompts share their first k hashes exactly when
+   their first k blocks are the same text. The deployment where the longest leading run of
+   these blocks was placed most recently probably still has them in its prefix cache, so the
+   request goes there.
    Only that one: after a spill the older home is not a fallback, so each prefix keeps one
    home and the engines' caches, each holding part of all prefixes, hold different ones (with
    every home a fallback, prefixes drift onto every deployment and each cache must hold all).

@@ -90,9 +90,9 @@ class Ticket(_TicketFields):
     it at release and corrects it with the actual count when the lease ends, and
     `queue.order: shortest_first` releases a user's smallest first. `price` is the estimated
     money cost (`fairness: cost` charges it, corrected by `Lease.release(cost_used=...)`).
-    `prefix` identifies the prompt's leading blocks (`fair_sched_plugin.prefix`): a gate that
-    places requests on several deployments sends requests that start alike where that start went
-    recently, so the engine's prefix cache has it.
+    `prefix` identifies the prompt's leading blocks (`fair_sched_plugin.prefix`): a gate
+    that places requests on several deployments sends requests that start alike where that
+    start went recently, so the engine's prefix cache has it.
 
     A named tuple rather than a frozen dataclass: one is built per request on the hot path, and
     a frozen dataclass's `__init__` costs twice as much.

@@ -33,7 +33,7 @@ use it, on the queue the gate lets form in the engine:
   back late and in bursts, and a rate from them cut the queue to a fraction of what the engine
   drained.
 
-The engine's queue, not the way to it (issue #17). The gate counts requests on their way to the
+The engine's queue, not the way to it. The gate counts requests on their way to the
 engine against the allowed queue, and behind a CPU-starved proxy (LiteLLM in a CPU scheduling
 group of its own) they take a second or more to arrive and their first bytes come back as late:
 our latency missed a 2 s target with the engine's queue empty and most of its slots free, the
@@ -298,7 +298,7 @@ class QueueTuner:
             # Nothing measured: no reason to move. Where only newcomers are measured, few
             # arrive in a flood of one user's requests, and holding until one did kept the
             # queue wherever it stood when the engine's first queue showed (1.7-4.9 waiting on
-            # the real vLLM while the power user's requests waited in ours, issue #17): the
+            # the real vLLM while the power user's requests waited in ours): the
             # last newcomer's latency (none since a decrease: growth) decides, as it would if
             # one had come.
             return False
@@ -318,7 +318,7 @@ class QueueTuner:
             # Slow start: the scrapes showed no engine queue although we held requests back, so
             # whatever the queue we allowed was spent on (requests on their way, first bytes
             # relayed late), the engine has room; one more a second left it idle for most of a
-            # 20 s flood behind a starved LiteLLM (issue #17: 1 -> 11 by the flood's end). So
+            # 20 s flood behind a starved LiteLLM (1 -> 11 by the flood's end). So
             # double, once per round trip (the path's latency: the requests of the last
             # doubling have reached the engine by then), one more per interval in between,
             # until the first decrease; from then on one more per interval only.
@@ -368,7 +368,7 @@ class QueueTuner:
         # interval beside first bytes that span several completions themselves; with no engine
         # queue they are only the way and one step, and that wait is the TTFT: at its 95th
         # percentile, or a queue of 0 reads as room to grow where the wait for a slot alone
-        # takes most of the target (issue #17's slow phase: it grew to 3 and missed it).
+        # takes most of the target (an engine's slow phase: it grew to 3 and missed it).
         if not self._drain_rate:
             return latency
         intervals = _NEXT_RELEASE_P95_INTERVALS if self._allowed < 1 else 1.0
@@ -420,7 +420,7 @@ class QueueTuner:
     def _effective_ttft_target(self) -> float | None:
         """The TTFT target, or where the way to the engine alone misses it, the path's latency
         with `headroom` of it to spare: no engine queue can meet the target then, and shrinking
-        the queue would only leave its slots idle (issue #17's CPU-starved proxy)."""
+        the queue would only leave its slots idle (as behind a CPU-starved proxy)."""
         target = self._ttft_target
         if target is None or self._path is None:
             return target

@@ -2,7 +2,7 @@
 
 A scrape through httpx costs its process 0.6-2 ms of CPU (the client, httpcore's pool, anyio,
 h11), ten times a second per engine. Inside LiteLLM that is CPU taken from relaying tokens: about
-20 ms a second whatever the traffic, 2-9 % of a busy proxy's CPU per token (issue #34). A scrape
+20 ms a second whatever the traffic, 2-9 % of a busy proxy's CPU per token. A scrape
 needs little of HTTP: a GET to a plain `http://` URL, the status, and a body framed by
 `Content-Length`, chunks or the connection's end. This does that in a tenth of the CPU; the
 watcher keeps httpx for everything else (https, credentials in the URL, a proxy from the

@@ -113,7 +113,7 @@ class MetricsWatcher:
         self._interval_s = interval_s
         self._timeout_s = timeout_s
         # A loaded engine renders /metrics slowly (vLLM's API server on a starved CPU took a
-        # second and more, issue #17), and a scrape cut off at `timeout_s` each time never
+        # second and more), and a scrape cut off at `timeout_s` each time never
         # completes: the gate then falls back although the engine answers. So the deadline
         # follows what good scrapes take (3x their smoothed duration, never below `timeout_s`),
         # doubles after a timeout, and stops at `longest_timeout_s` (4x `timeout_s` unless

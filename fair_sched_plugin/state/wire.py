@@ -57,7 +57,7 @@ MAX_EPOCH = 10**15 - 1
 MAX_NAME_CHARS = 512
 
 _TICKET_FIELDS = 6
-# A replica of the version before placement (#16) sends tickets without `prefix`, adopted leases
+# A replica of the version before placement sends tickets without `prefix`, adopted leases
 # without their deployment, and grants without a deployment: during a rolling upgrade those
 # still mean what they meant (no prefix, not placed), rather than being skipped as malformed,
 # which left a follower's request parked until its wait ran out while the leader counted its

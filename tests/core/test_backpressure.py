@@ -8,6 +8,7 @@ from typing import NamedTuple
 
 import pytest
 
+from fair_sched_plugin.bench.harness.engine_sim import EngineSim, mean, run_deployments
 from fair_sched_plugin.core import (
     BackendGroup,
     BackendSnapshot,
@@ -24,7 +25,6 @@ from fair_sched_plugin.driver import FairScheduler
 from fair_sched_plugin.testing import FakeClock, GateLeaseOwner, ManualGate, snapshot
 
 from .conftest import drain, settle, ticket
-from .engine_sim import EngineSim, mean, run_deployments
 
 URL = "http://engine/metrics"
 INTERACTIVE = TierLimits("interactive", waiting_below=3, tpot_below_s=0.15)
@@ -197,7 +197,7 @@ async def test_stale_metrics_fall_back_to_an_inflight_cap_and_recover() -> None:
 
 
 async def test_a_slow_metrics_page_is_late_not_stale() -> None:
-    """Issue #17: behind a starved LiteLLM every scrape of vLLM took about as long as
+    """Behind a starved LiteLLM every scrape of vLLM took about as long as
     `stale_after_s`; with the snapshot's age counted from when it was sent the gate fell back to
     its in-flight cap between two good scrapes and the engine idled. Good scrapes that take
     1.2 s keep it on metrics with `stale_after_s` 1 s; when the scrapes then fail it falls back
@@ -273,7 +273,7 @@ def take(scheduler: FairScheduler, user: str = "u", **fields: object) -> Lease |
 
 
 async def test_each_deployment_is_held_at_its_own_threshold_while_another_idles() -> None:
-    """Issue #16's failure: summed, the slow engine's 3 waiting plus the idle one's 0 were under
+    """Summed over deployments, the slow engine's 3 waiting plus the idle one's 0 were under
     3 x 2, so the slow one's queue kept growing (11 against `waiting_below: 3`)."""
     clock = FakeClock()
     gate = two_deployments(clock)
@@ -472,7 +472,7 @@ def _flood_deployments(service_s: dict[str, float]) -> dict[str, tuple[list[int]
 
 
 def test_a_flood_on_a_fast_and_a_three_times_slower_engine_holds_each_as_if_alone() -> None:
-    """Issue #16's scenario in the core: a flood parked in front of two engines of 8 slots, one
+    """Two unequal deployments in the core: a flood parked in front of two engines of 8 slots, one
     three times slower, `waiting_below: 3`. Summed, the slow engine's queue reached 11 while the
     fast one had slots free. Per deployment, each engine's queue is exactly what the same engine
     gets alone behind the gate (the same ticks, the same queue: the one-engine rules and tests
@@ -755,7 +755,7 @@ async def test_learned_capacity_is_forgotten_once_no_scrape_shows_it_for_a_windo
     assert gate.status()[0].free_slots == 2
 
 
-# ---------------------------------------------------------------- work-conserving (issue #17)
+# ---------------------------------------------------------------- work-conserving
 # A scripted engine (tests/core/engine_sim.py) with 8 slots and a flood parked in our queue.
 # "Mean running while parked" is the engine's true running count, sampled every 10 ms.
 
@@ -782,7 +782,7 @@ class Stats(NamedTuple):
 
 
 def test_late_first_bytes_and_ends_do_not_under_fill_the_engine() -> None:
-    """The real-vLLM result of issue #17: a CPU-starved proxy sees first bytes and ends late
+    """The real-vLLM result: a CPU-starved proxy sees first bytes and ends late
     (0.5 s here), requests take 0.3 s to reach the engine. Before the fix the gate counted a
     running request as pending until its late first byte, ate the queue credit with it, and
     never learned the slots it never filled: 7.0 of 8 running (5.5 with 0.5 s metrics lag).
@@ -873,7 +873,7 @@ def test_without_demand_the_capacity_is_not_probed() -> None:
     assert gate.status()[0].free_slots == 0
 
 
-# ---------------------------------------------------------------- no engine queue (issue #17)
+# ---------------------------------------------------------------- no engine queue
 # `waiting_below: 0` (or `auto` down to 0): a newcomer waits for one completion, not two.
 
 NO_QUEUE = TierLimits("interactive", waiting_below=0)
@@ -1029,7 +1029,7 @@ def test_with_metrics_lag_an_end_after_the_scrapes_view_frees_its_slot() -> None
     assert gate.status()[0].free_slots == 1
 
 
-# ------------------------------------- arrivals by the engine's finished counter (issue #16)
+# ------------------------------------- arrivals by the engine's finished counter
 # Behind a loaded LiteLLM the proxy sees ends a second or two after the engine: an end counted
 # in the interval after the scrape that showed the engine shrink reads as an arrival there.
 
@@ -1073,7 +1073,7 @@ async def _releases_with_a_late_end(counter: bool) -> int:
 
 
 async def test_a_late_end_settles_no_phantom_arrival_without_the_engines_counter() -> None:
-    """The overshoot of issue #16 as the gate did it: X's end, seen after the scrape that
+    """The overshoot of two deployments, as the gate once did it: X's end, seen after the scrape that
     showed the engine shrink, counted as an arrival in the next interval, settled a lease still
     in LiteLLM, and let a fifth request go: four in a queue of three, once they arrive. The
     interval that showed X gone without its end counted one arrival short (-1); that is now
@@ -1151,7 +1151,7 @@ async def test_a_scrape_after_a_pause_settles_no_lease_by_the_engines_growth() -
 
 
 def test_behind_a_slow_litellm_the_engines_counter_holds_the_threshold() -> None:
-    """Issue #16's bench as the scripted engine sees it: released requests take 1 s to reach
+    """The unequal-replicas bench as the scripted engine sees it: released requests take 1 s to reach
     the engine, the proxy sees first bytes and ends 1.5 s late, the grace is 3 s (the bench's).
     By its own counter the engine's queue stays at 3. The engine then runs what the gate lets be
     in flight: 8 slots plus 3 queued over 1 s of transit and 2 s of service is 7.3 running on
@@ -1301,7 +1301,7 @@ def test_a_proxy_forwarding_out_of_order_does_not_overshoot_the_threshold() -> N
 
 
 def test_without_the_counter_a_proxy_forwarding_out_of_order_does_not_overshoot() -> None:
-    """The same without the finished counter (issue #34; the defect of
+    """The same without the finished counter (the defect of
     tests/integrations/test_bound_under_stress.py, a CPU-starved LiteLLM without the counter:
     about 1 run in 6 peaked at 4-5 against 3). Scrapes showed the slow leases' arrivals only
     after the grace had settled them, and then in intervals a departure may have hidden them in,

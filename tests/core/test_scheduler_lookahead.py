@@ -10,6 +10,7 @@ from collections import Counter, OrderedDict
 
 import pytest
 
+from fair_sched_plugin.bench.harness.engine_sim import EngineSim
 from fair_sched_plugin.core import BackendGroup, Deployment, Lease, MetricsGate, Ticket, TierLimits
 from fair_sched_plugin.core import scheduler as scheduler_module
 from fair_sched_plugin.core.placement import Candidate, Placer
@@ -26,7 +27,6 @@ from fair_sched_plugin.testing import (
 )
 
 from .conftest import TIERS, make_scheduler
-from .engine_sim import EngineSim
 
 
 class HeldGate(ManualGate):

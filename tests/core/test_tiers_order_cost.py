@@ -1,4 +1,4 @@
-"""Issue 19 in the core: short-first inside a user, tier shares, promotion, cost fairness."""
+"""In the core: short-first inside a user, tier shares, promotion, cost fairness."""
 
 from __future__ import annotations
 

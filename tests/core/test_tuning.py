@@ -1,4 +1,4 @@
-"""`waiting_below: auto` (issue #17): the queue tuner alone, and in the gate against a scripted
+"""`waiting_below: auto`: the queue tuner alone, and in the gate against a scripted
 engine (tests/core/engine_sim.py) with the fake clock: a step change of speed, lagging scrapes,
 noisy TPOT, and the oscillation bound stated in core/tuning.py."""
 
@@ -9,11 +9,10 @@ from collections.abc import Callable
 
 import pytest
 
+from fair_sched_plugin.bench.harness.engine_sim import URL, EngineSim, Sample, mean
 from fair_sched_plugin.core import BackendGroup, Deployment, MetricsGate, TierLimits
 from fair_sched_plugin.core.tuning import QueueTuner
 from fair_sched_plugin.testing import FakeClock
-
-from .engine_sim import URL, EngineSim, Sample, mean
 
 TARGET_S = 1.0
 AUTO = TierLimits(
@@ -199,7 +198,7 @@ def test_where_newcomers_wait_for_a_slot_only_the_drain_rate_does_not_cap_the_qu
 def test_where_only_newcomers_are_measured_an_interval_without_one_keeps_the_last_latency() -> None:
     """A flood of one user's requests brings few newcomers: on the real vLLM `auto` with the
     engine's queue in user order stayed at the queue it had when the engine's first queue
-    showed (issue #17). Between newcomers the last one's latency decides: a fast one lets the
+    showed. Between newcomers the last one's latency decides: a fast one lets the
     queue grow while requests are held back, a slow one shrinks it, and after the decrease,
     with no newcomer since, it grows again once a slow one could have shown. Measuring every
     request, an interval without a first byte is still no reason to move."""
@@ -240,7 +239,7 @@ def test_where_only_newcomers_are_measured_an_interval_without_one_keeps_the_las
 def test_the_engines_finished_counter_is_the_drain_rate_where_it_has_one() -> None:
     """Behind a starved LiteLLM our ends came back in bursts seconds late while the engine
     finished 7 requests a second by its own counter; a drain ceiling from the ends cut a flood's
-    queue from 29 to 2.8 (issue #17). With the counter, the ceiling follows the engine: 3.2 s of
+    queue from 29 to 2.8. With the counter, the ceiling follows the engine: 3.2 s of
     a 4 s target at 7/s holds 21 queued, at 2/s 5.4. Without it, the ends decide as before."""
 
     def tuner() -> QueueTuner:
@@ -281,7 +280,7 @@ def test_an_engine_that_stops_counting_is_measured_by_our_ends_again() -> None:
 
 
 # ---------------------------------------------------------------- the path, not the engine
-# Issue #17's real-vLLM result behind a CPU-starved LiteLLM: requests spend about a second on the
+# The real-vLLM result behind a CPU-starved LiteLLM: requests spend about a second on the
 # way to the engine and their first bytes and ends come back a second late, so our own time to
 # first byte misses a 2 s target with the engine's queue empty and half its slots free.
 
@@ -340,7 +339,7 @@ def test_a_starved_proxy_in_front_of_the_engine_does_not_leave_its_slots_idle() 
     ends: the allowed queue is spent on requests in transit, never in the engine's queue. Before
     this rule the tuner sat at its minimum (the misses were the path's, the drain ceiling came
     from the trickle it let through) and the engine ran 2.4 of 8 slots (a fixed 3: 3.0).
-    The engine counts its finished requests, as the real vLLM of issue #17 did; the next test
+    The engine counts its finished requests, as a real vLLM does; the next test
     is the same without that counter."""
     _, samples = _run(40.0, **STARVED_PROXY, finished_counter=True)
     parked = [s for s in samples if s.at >= 5.0 and s.parked]
@@ -361,7 +360,7 @@ def test_a_starved_proxy_without_the_finished_counter_does_not_leave_its_slots_i
 
 
 # ---------------------------------------------------------------- slow start
-# Issue #17's sessions layout, as the trace of a real run showed it: the starved LiteLLM's
+# The sessions layout, as the trace of a real run showed it: the starved LiteLLM's
 # scrapes of vLLM took about a second and showed the engine half a second late, first bytes and
 # ends came back a second late, requests reached the engine in 0.1-0.2 s, and a request took
 # 0.4 s of engine time. One more a second grew the queue from 1 to 11 over a 20 s flood.
@@ -424,7 +423,7 @@ def test_slow_start_overshoots_at_most_once_and_ends_at_the_first_decrease() -> 
 
 
 # ---------------------------------------------------------------- down to no engine queue
-# `{auto: {min: 0}}`: where even a queue of one misses the target (issue #17's slow phase: a
+# `{auto: {min: 0}}`: where even a queue of one misses the target (an engine's slow phase: a
 # newcomer behind one queued request waits for two completions), the gate keeps no engine queue.
 
 
@@ -477,7 +476,7 @@ def test_at_zero_the_wait_for_a_slot_counts_at_its_95th_percentile(
     """With no engine queue a newcomer's TTFT is its wait for the next completion (first bytes
     are only the way and one step, 0.2 s here). At 2 completions/s that wait's 95th percentile,
     ln 20 / 2 = 1.5 s, leaves no room under 80% of a 2 s target: it stays at 0 (counted as one
-    mean interval, 0.5 s, it grew to 1 and then to 3 in issue #17's slow phase). At 5/s it grows."""
+    mean interval, 0.5 s, it grew to 1 and then to 3 in an engine's slow phase). At 5/s it grows."""
     tuner = QueueTuner(minimum=0, maximum=8, ttft_target_s=2.0, initial=0, smoothing=1.0)
     for second in range(1, 6):
         for _ in range(completions_per_s):
@@ -506,7 +505,7 @@ def test_at_zero_an_engine_without_a_queue_is_not_the_paths_latency() -> None:
 
 
 def test_one_scrape_catching_a_request_before_its_slot_is_not_an_engine_queue() -> None:
-    """Issue #17's traces: 2-4 s into a flood one scrape of an interval showed a request waiting
+    """Real-vLLM traces: 2-4 s into a flood one scrape of an interval showed a request waiting
     (between its arrival and its slot) while the rest showed none; read as the engine's queue,
     the path's slow first bytes then shrank the queue and ended slow start at 1.2-1.4. An
     interval whose scrapes average under half a request is the path's; one that averages more

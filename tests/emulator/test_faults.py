@@ -170,7 +170,7 @@ async def test_subprocess_emulator_serves_and_flips_faults() -> None:
 
 
 async def test_the_slow_fault_stretches_every_step() -> None:
-    """`slow` changes the engine's speed while it runs (issue #17's change of speed). A ratio of
+    """`slow` changes the engine's speed while it runs. A ratio of
     two runs on this machine, never an absolute time: 4x slower steps take at least 2x longer."""
     config = dataclasses.replace(fast_config(), base_step_ms=5.0, step_ms_per_running_seq=0.0)
     async with run_emulator(config) as emu, open_client(emu) as http:

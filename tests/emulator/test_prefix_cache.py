@@ -1,4 +1,4 @@
-"""Prefix caching and per-instance speed (issue #16), against the real emulator on 127.0.0.1."""
+"""Prefix caching and per-instance speed, against the real emulator on 127.0.0.1."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Issue 15 against the middleware and `fair-sched proxy`: no request reaches an engine
+"""The middleware and `fair-sched proxy`: no request reaches an engine
 unscheduled, no client-chosen name gets fresh capacity, no lease lasts for ever.
 
 Every test runs real servers on 127.0.0.1 (uvicorn in this loop, the emulator) and fails on the

@@ -28,6 +28,13 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from fair_sched_plugin.bench.harness.litellm_proxy import (
+    MASTER_KEY,
+    litellm_proxy,
+    model_entry,
+    proxy_config,
+)
+from fair_sched_plugin.bench.harness.litellm_proxy import open_client as open_litellm_client
 from fair_sched_plugin.proxy import build_proxy_app
 from fair_sched_plugin.service import SchedulingService
 
@@ -41,14 +48,7 @@ from ..integrations.conftest import (
     serve,
     wait_until,
 )
-from ..integrations.litellm_harness import (
-    MASTER_KEY,
-    NEEDS_LITELLM,
-    litellm_proxy,
-    model_entry,
-    proxy_config,
-)
-from ..integrations.litellm_harness import open_client as open_litellm_client
+from ..integrations.litellm_harness import NEEDS_LITELLM
 from ..state.conftest import RedisServer, require_redis_server, unique_prefix
 from .test_litellm_leases import wait_in_flight_zero
 

@@ -16,15 +16,16 @@ from typing import Any
 
 import pytest
 
-from ..integrations.conftest import chat_body, emulator
-from ..integrations.litellm_harness import (
+from fair_sched_plugin.bench.harness.litellm_proxy import (
     MASTER_KEY,
-    NEEDS_LITELLM,
     litellm_proxy,
     model_entry,
     open_client,
     proxy_config,
 )
+
+from ..integrations.conftest import chat_body, emulator
+from ..integrations.litellm_harness import NEEDS_LITELLM
 from .test_security import assert_no_engine_credential, credentialed
 
 pytestmark = [pytest.mark.litellm, NEEDS_LITELLM]

@@ -1,4 +1,4 @@
-"""Issue 15 through a real LiteLLM proxy: `max_lease_s` and `send_timeout_s` end a lease.
+"""Through a real LiteLLM proxy: `max_lease_s` and `send_timeout_s` end a lease.
 
 One `litellm` process (the plugin as callback, our custom auth) in front of two emulators: `tiny`
 generates a short word per token, `firehose` a 32 KB word per token, so a client that reads
@@ -17,10 +17,7 @@ import httpx
 import pytest
 import pytest_asyncio
 
-from fair_sched_plugin.emulator.server import RunningEmulator
-
-from ..integrations.conftest import chat_body, emulator, wait_until
-from ..integrations.litellm_harness import (
+from fair_sched_plugin.bench.harness.litellm_proxy import (
     CHAT,
     MASTER_KEY,
     ProxyProcess,
@@ -28,8 +25,11 @@ from ..integrations.litellm_harness import (
     model_entry,
     open_client,
     proxy_config,
-    shared_proxy_marks,
 )
+from fair_sched_plugin.emulator.server import RunningEmulator
+
+from ..integrations.conftest import chat_body, emulator, wait_until
+from ..integrations.litellm_harness import shared_proxy_marks
 from ..support import find_int
 from .test_bypasses import raw_request
 

@@ -1,4 +1,4 @@
-"""Issue 15 against a real LiteLLM proxy: every route that can reach an engine is scheduled.
+"""Against a real LiteLLM proxy: every route that can reach an engine is scheduled.
 
 One `litellm` process (the plugin as callback, our custom auth) in front of a recording relay in
 front of the emulator. The relay sees exactly what the engine would get. The walk is generated
@@ -27,18 +27,18 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
-from fair_sched_plugin.emulator.server import RunningEmulator
-
-from ..integrations.conftest import emulator, relay_upstream, serve, wait_until
-from ..integrations.litellm_harness import (
+from fair_sched_plugin.bench.harness.litellm_proxy import (
     MASTER_KEY,
     ProxyProcess,
     litellm_proxy,
     model_entry,
     open_client,
     proxy_config,
-    shared_proxy_marks,
 )
+from fair_sched_plugin.emulator.server import RunningEmulator
+
+from ..integrations.conftest import emulator, relay_upstream, serve, wait_until
+from ..integrations.litellm_harness import shared_proxy_marks
 from ..support import find_int
 
 pytestmark = shared_proxy_marks()

@@ -9,22 +9,20 @@ import httpx
 import pytest
 import pytest_asyncio
 
-from fair_sched_plugin.emulator.engine import EmulatorConfig
-from fair_sched_plugin.emulator.server import run_emulator
-
-from .conftest import cancel_all, wait_until
-from .litellm_harness import (
+from fair_sched_plugin.bench.harness.litellm_proxy import (
     CHAT,
     MASTER_KEY,
     litellm_proxy,
     model_entry,
     open_client,
     proxy_config,
-    shared_proxy_marks,
 )
-from .litellm_harness import (
-    EmulatedStack as Stack,
-)
+from fair_sched_plugin.bench.harness.litellm_proxy import EmulatedStack as Stack
+from fair_sched_plugin.emulator.engine import EmulatorConfig
+from fair_sched_plugin.emulator.server import run_emulator
+
+from .conftest import cancel_all, wait_until
+from .litellm_harness import shared_proxy_marks
 
 pytestmark = shared_proxy_marks(pytest.mark.litellm_range)
 

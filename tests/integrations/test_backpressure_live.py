@@ -303,7 +303,7 @@ async def test_idle_gate_with_parked_requests_burns_almost_no_cpu() -> None:
 
 @pytest.mark.timing
 async def test_two_deployments_each_hold_their_own_threshold_and_the_faster_serves_more() -> None:
-    """Issue #16 on real servers: two emulators behind one model name, one three times slower
+    """Unequal deployments on real servers: two emulators behind one model name, one three times slower
     per step, 200 parked requests. Each engine's own waiting queue stays within the threshold
     (summed, the slow one's grew past it while the fast one had room), every request goes to the
     deployment its lease is bound to, and the faster engine serves more of them."""

@@ -9,6 +9,12 @@ from pathlib import Path
 
 import pytest
 
+from fair_sched_plugin.bench.harness.litellm_proxy import (
+    MASTER_KEY,
+    litellm_proxy,
+    model_entry,
+    proxy_config,
+)
 from fair_sched_plugin.bench.open_bench import Scenario, measure
 from fair_sched_plugin.bench.processes import enter_side_by_side
 from fair_sched_plugin.bench.replay import Identity, Limits, OpenTarget, make_plan
@@ -17,7 +23,7 @@ from fair_sched_plugin.bench.trace import TraceRequest
 from fair_sched_plugin.emulator.server import run_emulator
 
 from .conftest import MODEL, emulator_config
-from .litellm_harness import MASTER_KEY, NEEDS_LITELLM, litellm_proxy, model_entry, proxy_config
+from .litellm_harness import NEEDS_LITELLM
 
 pytestmark = [pytest.mark.litellm, pytest.mark.slow, NEEDS_LITELLM]
 

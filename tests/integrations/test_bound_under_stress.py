@@ -21,20 +21,20 @@ from typing import Any
 import httpx
 import pytest
 
+from fair_sched_plugin.bench.harness.litellm_proxy import (
+    CHAT,
+    litellm_proxy,
+    model_entry,
+    open_client,
+    proxy_config,
+)
 from fair_sched_plugin.emulator.engine import EmulatorConfig
 from fair_sched_plugin.emulator.server import RunningEmulator, run_emulator
 from fair_sched_plugin.identity import Credentials
 from fair_sched_plugin.service import SchedulingService
 
 from .conftest import MODEL, cancel_all, completion_body, fair_config, wait_until
-from .litellm_harness import (
-    CHAT,
-    NEEDS_LITELLM,
-    litellm_proxy,
-    model_entry,
-    open_client,
-    proxy_config,
-)
+from .litellm_harness import NEEDS_LITELLM
 
 THRESHOLD = 3
 STEPS = {"step_ms_per_running_seq": 0.0, "prefill_ms_per_token": 0.0}
@@ -150,7 +150,7 @@ async def test_behind_a_cpu_starved_litellm_each_engines_queue_stays_bounded(
     settled those leases while they were still in it, and their arrival then settled others:
     the slow engine's queue peaked at 5-7 against 3 (with or without the finished counter).
     Before the fix 1 of 3 runs of this test failed (5 waiting), after it 3 of 18 (4, 5, 4): a
-    proxy that forwards out of order kept the grace at the quick ways there (issue #34, its
+    proxy that forwards out of order kept the grace at the quick ways there (its
     reproducer in tests/core/test_backpressure.py). With the grace at least the slowest
     round trip that waited in no engine queue, less the way back, 18 of 18 runs kept 3."""
     users = 20

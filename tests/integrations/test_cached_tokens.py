@@ -1,4 +1,4 @@
-"""Cost that knows the cache (issue #16): through the ASGI middleware to the emulator with its
+"""Cost that knows the cache: through the ASGI middleware to the emulator with its
 prefix cache on, a user who reuses a prompt prefix is charged less than one who does not."""
 
 from __future__ import annotations

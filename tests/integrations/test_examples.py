@@ -15,14 +15,7 @@ from typing import Any
 import pytest
 import yaml
 
-from fair_sched_plugin.config import FairSchedSettings, load_settings
-from fair_sched_plugin.emulator.server import RunningEmulator
-
-from ..processes import own_process_group
-from ..support import wait_healthy
-from .conftest import emulator, received_priorities, serve
-from .litellm_harness import (
-    NEEDS_LITELLM,
+from fair_sched_plugin.bench.harness.litellm_proxy import (
     free_port,
     litellm_proxy,
     open_client,
@@ -30,6 +23,13 @@ from .litellm_harness import (
     stream_chat,
     write_config,
 )
+from fair_sched_plugin.bench.harness.processes import own_process_group
+from fair_sched_plugin.config import FairSchedSettings, load_settings
+from fair_sched_plugin.emulator.server import RunningEmulator
+
+from ..support import wait_healthy
+from .conftest import emulator, received_priorities, serve
+from .litellm_harness import NEEDS_LITELLM
 
 EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
 EXAMPLE_MASTER_KEY = "sk-example-master-5d1c"  # as the example's header starts the proxy

@@ -1,4 +1,4 @@
-"""A client that resets its connection mid-stream is not written to any more (issue 18).
+"""A client that resets its connection mid-stream is not written to any more.
 
 An app relaying buffered chunks calls the server's send() in a tight loop; uvicorn's send does
 not wait while the socket takes data, so the loop never turns and the reset is not noticed:

@@ -1,4 +1,4 @@
-"""Graceful drain on SIGTERM, with real server processes (issue 18).
+"""Graceful drain on SIGTERM, with real server processes.
 
 `fair-sched proxy` and a `litellm --config` proxy, each in front of the emulator (8 slots): 8
 streams run, 12 requests are parked (the gate's in-flight cap is 8: the engine's metrics URL
@@ -23,12 +23,7 @@ from typing import Any
 import httpx
 import pytest
 
-from fair_sched_plugin.emulator.server import RunningEmulator, run_emulator
-
-from ..processes import own_process_group
-from ..support import wait_healthy
-from .conftest import MODEL, emulator_config, wait_until
-from .litellm_harness import (
+from fair_sched_plugin.bench.harness.litellm_proxy import (
     MASTER_KEY,
     ProxyProcess,
     free_port,
@@ -38,6 +33,11 @@ from .litellm_harness import (
     proxy_env,
     write_config,
 )
+from fair_sched_plugin.bench.harness.processes import own_process_group
+from fair_sched_plugin.emulator.server import RunningEmulator, run_emulator
+
+from ..support import wait_healthy
+from .conftest import MODEL, emulator_config, wait_until
 
 pytestmark = pytest.mark.slow
 

@@ -31,6 +31,14 @@ import pytest
 import pytest_asyncio
 from hypothesis import HealthCheck, event, given, settings
 
+from fair_sched_plugin.bench.harness.litellm_proxy import (
+    MASTER_KEY,
+    litellm_proxy,
+    model_entry,
+    proxy_config,
+)
+from fair_sched_plugin.bench.harness.litellm_proxy import EmulatedStack as Stack
+
 from ..support import LOOPBACK, eventually, free_port, open_client
 from .conftest import MODEL
 from .lifecycle import (
@@ -43,16 +51,7 @@ from .lifecycle import (
     plans,
     play_all,
 )
-from .litellm_harness import (
-    MASTER_KEY,
-    litellm_proxy,
-    model_entry,
-    proxy_config,
-    shared_proxy_marks,
-)
-from .litellm_harness import (
-    EmulatedStack as Stack,
-)
+from .litellm_harness import shared_proxy_marks
 
 pytestmark = shared_proxy_marks()
 

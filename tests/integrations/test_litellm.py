@@ -26,12 +26,7 @@ import httpx
 import pytest
 import pytest_asyncio
 
-from fair_sched_plugin.emulator.engine import EmulatedEngine, EmulatorConfig
-from fair_sched_plugin.emulator.server import RunningEmulator, run_emulator
-
-from ..support import cancel_all, eventually
-from .conftest import wait_until
-from .litellm_harness import (
+from fair_sched_plugin.bench.harness.litellm_proxy import (
     CHAT,
     MASTER_KEY,
     ProxyProcess,
@@ -42,9 +37,14 @@ from .litellm_harness import (
     open_client,
     proxy_config,
     run_proxy_to_exit,
-    shared_proxy_marks,
     stream_chat,
 )
+from fair_sched_plugin.emulator.engine import EmulatedEngine, EmulatorConfig
+from fair_sched_plugin.emulator.server import RunningEmulator, run_emulator
+
+from ..support import cancel_all, eventually
+from .conftest import wait_until
+from .litellm_harness import shared_proxy_marks
 
 pytestmark = shared_proxy_marks(pytest.mark.litellm_range)
 

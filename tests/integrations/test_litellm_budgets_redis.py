@@ -1,5 +1,5 @@
-"""Budgets through two real `litellm` proxy processes sharing state in a real redis-server
-(issue 19): a principal that overspends through one proxy is refused by the other, and by a
+"""Budgets through two real `litellm` proxy processes sharing state in a real redis-server:
+a principal that overspends through one proxy is refused by the other, and by a
 proxy started after both stopped (the spend survives in Redis)."""
 
 from __future__ import annotations
@@ -13,11 +13,17 @@ from typing import Any
 import httpx
 import pytest
 
+from fair_sched_plugin.bench.harness.litellm_proxy import (
+    litellm_proxy,
+    model_entry,
+    open_client,
+    proxy_config,
+)
 from fair_sched_plugin.emulator.engine import EmulatorConfig
 from fair_sched_plugin.emulator.server import run_emulator
 
 from ..state.conftest import RedisServer, unique_prefix
-from .litellm_harness import NEEDS_LITELLM, litellm_proxy, model_entry, open_client, proxy_config
+from .litellm_harness import NEEDS_LITELLM
 
 pytestmark = [
     pytest.mark.litellm,

@@ -1,6 +1,7 @@
-"""Issue 19 end to end: cost fairness, budgets (demote and reject), tier shares and promotion,
+"""End to end: cost fairness, budgets (demote and reject), tier shares and promotion,
 through real `litellm` proxy processes in front of emulators (scenarios in
-`issue19_scenarios.py`; `benchmarks/issue19.py` runs the issue's 60 s cost window)."""
+`fair_sched_plugin.bench.harness.tier_scenarios`, which the tier benchmark runs with a 60 s
+cost window)."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from .issue19_scenarios import (
+from fair_sched_plugin.bench.harness.tier_scenarios import (
     budget_stack,
     cost_fairness,
     heavy_flood_with_light_user,
@@ -18,6 +19,7 @@ from .issue19_scenarios import (
     tier_shares,
     warm,
 )
+
 from .litellm_harness import NEEDS_LITELLM
 
 pytestmark = [
@@ -64,7 +66,7 @@ async def test_budgets_demote_to_the_lower_tier_and_reject_until_the_window_ends
 
 @pytest.mark.full
 async def test_budgets_light_user_ttft_with_a_demoted_heavy_user(tmp_path: Path) -> None:
-    """Issue 19's full-size budget flood with a light user, numbers printed, never asserted."""
+    """The full-size budget flood with a light user, numbers printed, never asserted."""
     async with budget_stack(tmp_path) as (base_url, emu):
         for key in ("sk-light", "sk-heavy-free"):
             await warm(base_url, key)

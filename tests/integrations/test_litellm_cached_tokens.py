@@ -1,4 +1,4 @@
-"""Inside LiteLLM, cached prompt tokens reach the `tokens` policy (issue #16): a real `litellm`
+"""Inside LiteLLM, cached prompt tokens reach the `tokens` policy: a real `litellm`
 proxy with the plugin in front of the emulator with its prefix cache on; what each request was
 charged is read back from a token budget on the status page."""
 
@@ -10,18 +10,18 @@ from typing import Any
 
 import pytest
 
-from fair_sched_plugin.emulator.engine import EmulatorConfig
-from fair_sched_plugin.emulator.server import run_emulator
-from fair_sched_plugin.observability import STATUS_PATH
-
-from .litellm_harness import (
+from fair_sched_plugin.bench.harness.litellm_proxy import (
     MASTER_KEY,
-    NEEDS_LITELLM,
     litellm_proxy,
     model_entry,
     open_client,
     proxy_config,
 )
+from fair_sched_plugin.emulator.engine import EmulatorConfig
+from fair_sched_plugin.emulator.server import run_emulator
+from fair_sched_plugin.observability import STATUS_PATH
+
+from .litellm_harness import NEEDS_LITELLM
 
 pytestmark = [
     pytest.mark.litellm,

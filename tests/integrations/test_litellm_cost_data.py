@@ -1,5 +1,5 @@
-"""Inside LiteLLM, a model without `backends.<model>.price` is charged at LiteLLM's own prices
-(issue 19): the deployment's `model_info.input_cost_per_token` / `output_cost_per_token`, or
+"""Inside LiteLLM, a model without `backends.<model>.price` is charged at LiteLLM's own prices:
+the deployment's `model_info.input_cost_per_token` / `output_cost_per_token`, or
 LiteLLM's cost map for the deployment's model. A real `litellm` proxy in front of the emulator;
 the spend is read back from the budget on the status page."""
 
@@ -10,18 +10,18 @@ from typing import Any
 
 import pytest
 
-from fair_sched_plugin.emulator.engine import EmulatorConfig
-from fair_sched_plugin.emulator.server import run_emulator
-from fair_sched_plugin.observability import STATUS_PATH
-
-from .litellm_harness import (
+from fair_sched_plugin.bench.harness.litellm_proxy import (
     MASTER_KEY,
-    NEEDS_LITELLM,
     litellm_proxy,
     model_entry,
     open_client,
     proxy_config,
 )
+from fair_sched_plugin.emulator.engine import EmulatorConfig
+from fair_sched_plugin.emulator.server import run_emulator
+from fair_sched_plugin.observability import STATUS_PATH
+
+from .litellm_harness import NEEDS_LITELLM
 
 pytestmark = [
     pytest.mark.litellm,

@@ -1,4 +1,4 @@
-"""Several deployments behind one LiteLLM model name (#16): a real `litellm` proxy with the plugin
+"""Several deployments behind one LiteLLM model name: a real `litellm` proxy with the plugin
 sends each request exactly to the deployment the scheduler bound its lease to, also when that
 deployment fails while LiteLLM's retries, cooldowns and fallbacks are configured.
 
@@ -21,11 +21,7 @@ import httpx
 import pytest
 import pytest_asyncio
 
-from fair_sched_plugin.emulator.engine import EmulatorConfig
-from fair_sched_plugin.emulator.server import RunningEmulator, run_emulator
-from fair_sched_plugin.observability import STATUS_PATH
-
-from .litellm_harness import (
+from fair_sched_plugin.bench.harness.litellm_proxy import (
     CHAT,
     MASTER_KEY,
     ProxyProcess,
@@ -33,8 +29,12 @@ from .litellm_harness import (
     model_entry,
     open_client,
     proxy_config,
-    shared_proxy_marks,
 )
+from fair_sched_plugin.emulator.engine import EmulatorConfig
+from fair_sched_plugin.emulator.server import RunningEmulator, run_emulator
+from fair_sched_plugin.observability import STATUS_PATH
+
+from .litellm_harness import shared_proxy_marks
 
 pytestmark = shared_proxy_marks(pytest.mark.litellm_range)
 

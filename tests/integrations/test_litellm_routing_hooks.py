@@ -1,4 +1,4 @@
-"""The LiteLLM callback's routing hooks as pure logic (#16): given the running request's lease,
+"""The LiteLLM callback's routing hooks as pure logic: given the running request's lease,
 which of LiteLLM's deployments may it go to. The real proxy is in test_litellm_placement.py;
 these cover what it cannot make LiteLLM do on demand (a router that picks a deployment the
 filter did not leave it)."""

@@ -204,7 +204,12 @@ async def test_middleware_app_serves_the_endpoints_when_asked() -> None:
 @pytest.mark.slow
 @pytest.mark.skipif(importlib.util.find_spec("litellm") is None, reason="needs the litellm extra")
 async def test_litellm_proxy_serves_the_routes_to_the_master_key_only(tmp_path: Path) -> None:
-    from .litellm_harness import MASTER_KEY, litellm_proxy, model_entry, proxy_config
+    from fair_sched_plugin.bench.harness.litellm_proxy import (
+        MASTER_KEY,
+        litellm_proxy,
+        model_entry,
+        proxy_config,
+    )
 
     async with emulator() as emu:
         section = {

@@ -1,4 +1,4 @@
-"""Several deployments behind one model name (#16): each request reaches exactly the deployment
+"""Several deployments behind one model name: each request reaches exactly the deployment
 its lease is bound to, through `fair-sched proxy` and through an app behind the ASGI middleware.
 
 Two emulators on 127.0.0.1 serve model `tiny`; the engines count what they received. The

@@ -32,11 +32,11 @@ from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import Route
 
+from fair_sched_plugin.bench.harness.litellm_proxy import ProxyProcess
 from fair_sched_plugin.emulator.server import RunningEmulator
 
 from ..state.conftest import RedisServer, unique_prefix
 from .conftest import MODEL, emulator, serve
-from .litellm_harness import ProxyProcess
 from .test_graceful_drain import fair_sched_proxy
 
 pytestmark = [pytest.mark.redis, pytest.mark.slow, pytest.mark.timeout(300)]

@@ -97,7 +97,12 @@ async def page_numbers(page: Any) -> dict[str, str]:
 async def test_the_page_shows_a_flood_live_and_nothing_without_the_key(
     tmp_path: Path, browser_ready: None
 ) -> None:
-    from .litellm_harness import MASTER_KEY, litellm_proxy, model_entry, proxy_config
+    from fair_sched_plugin.bench.harness.litellm_proxy import (
+        MASTER_KEY,
+        litellm_proxy,
+        model_entry,
+        proxy_config,
+    )
 
     # Two slots and slow steps: the flood lasts long enough to be watched.
     async with emulator(max_num_seqs=2, base_step_ms=25.0) as emu:

@@ -1,4 +1,4 @@
-"""Waiting clients (issue 18): keep-alive while parked, the wait-limit header, where-do-I-stand.
+"""Waiting clients: keep-alive while parked, the wait-limit header, where-do-I-stand.
 
 Real clients (the official `openai` SDK, `litellm.acompletion`, httpx) reach the middleware and
 `fair-sched proxy` through an idle-timeout relay on 127.0.0.1 (`relay.py`): a parked stream that

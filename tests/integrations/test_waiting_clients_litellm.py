@@ -1,4 +1,4 @@
-"""Keep-alive while parked through a real `litellm --config` proxy process (issue 18).
+"""Keep-alive while parked through a real `litellm --config` proxy process.
 
 The engine (emulator, one slot) is filled by two long streams sent to it directly, so the
 proxy's gate parks what comes through it. The official `openai` SDK and `litellm.acompletion`
@@ -17,10 +17,16 @@ import httpx
 import openai
 import pytest
 
+from fair_sched_plugin.bench.harness.litellm_proxy import (
+    MASTER_KEY,
+    litellm_proxy,
+    model_entry,
+    proxy_config,
+)
 from fair_sched_plugin.emulator.server import RunningEmulator, run_emulator
 
 from .conftest import MODEL, emulator_config, wait_until
-from .litellm_harness import MASTER_KEY, NEEDS_LITELLM, litellm_proxy, model_entry, proxy_config
+from .litellm_harness import NEEDS_LITELLM
 from .relay import idle_timeout_relay
 from .test_waiting_clients import (
     KEEPALIVE_OFF,

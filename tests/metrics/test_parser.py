@@ -405,7 +405,7 @@ def test_recent_tpot_between_the_two_real_captures_is_a_reset(
 
 
 def test_midburst_capture_has_the_ttft_and_queue_time_histograms(midburst_text: str) -> None:
-    """Inputs of `waiting_below: auto` (issue #17), from the real vLLM 0.32 capture."""
+    """Inputs of `waiting_below: auto`, from the real vLLM 0.32 capture."""
     parsed = parse_metrics(midburst_text, VLLM_PROFILE, "tiny")
     assert (parsed.ttft_sum, parsed.ttft_count) == (pytest.approx(83.53219795227051), 124)
     assert (parsed.queue_time_sum, parsed.queue_time_count) == (pytest.approx(77.450443792), 116)

@@ -97,7 +97,7 @@ async def test_recent_tpot_comes_from_consecutive_scrapes(
 async def test_recent_engine_ttft_and_queue_time_come_from_consecutive_scrapes(
     watcher: MetricsWatcher, engine: FakeEngine, snapshots: Snapshots
 ) -> None:
-    """Inputs of `waiting_below: auto` (issue #17): the means over the last interval."""
+    """Inputs of `waiting_below: auto`: the means over the last interval."""
     histograms = (
         "# TYPE vllm:time_to_first_token_seconds histogram\n"
         'vllm:time_to_first_token_seconds_sum{{engine="0",model_name="tiny"}} {ttft_sum}\n'
@@ -162,9 +162,9 @@ async def test_slow_endpoint_fails_with_a_timeout(
 async def test_a_slow_but_answering_engine_gets_a_longer_deadline(
     loopback: LoopbackServer, engine: FakeEngine, snapshots: Snapshots
 ) -> None:
-    """Issue #17: vLLM's /metrics on a starved CPU took longer than the scrape timeout every
-    time, so every scrape was cut off and the gate fell back although the engine answered.
-    Answers 3x later than `timeout_s`: the deadline doubles after each timeout (up to 4x) and
+    """vLLM's /metrics on a starved CPU can take longer than the scrape timeout every
+    time; cut off at the timeout, every scrape would fail and the gate fall back although the engine
+    answers. Answers 3x later than `timeout_s`: the deadline doubles after each timeout (up to 4x) and
     the scrapes then succeed; once they come back quickly the deadline shrinks towards `timeout_s`."""
     engine.delay_s = 0.3
     async with make_watcher(loopback.url, snapshots, timeout_s=0.1) as watcher:

@@ -1,4 +1,4 @@
-"""`benchmarks/coordination.py` at a tiny size: its counts, not its speed."""
+"""The coordination measurement at a tiny size: its counts, not its speed."""
 
 from __future__ import annotations
 
@@ -26,7 +26,8 @@ def run_bench(url: str, out: pathlib.Path, *options: str) -> dict[str, Any]:
     subprocess.run(
         [
             sys.executable,
-            str(ROOT / "benchmarks" / "coordination.py"),
+            "-m",
+            "fair_sched_plugin.bench.harness.coordination",
             "--redis-url", url,
             "--followers", "1",
             "--rates", "50",

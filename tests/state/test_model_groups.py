@@ -298,7 +298,7 @@ async def test_killing_one_models_leader_mid_flood_moves_only_that_model(
     leader, `tiny`'s leader and epoch stay; the other model gets a new leader, every request is
     answered exactly once, and neither engine's queue goes past its threshold (the failed-over
     one included: its new leader's first scrape settles no adopted lease by what the engine
-    grew while it did not read it, issue #36)."""
+    grew while it did not read it)."""
     async with fleet(redis_server.url, 3) as (tiny, small, services):
         chosen = await spread_out(services)
         by_name = {s.scheduler.replica: s for s in services}
@@ -443,14 +443,13 @@ async def test_redis_stopped_mid_flood_each_engine_stays_within_its_threshold(
     thresholds (`share_with(n, models)`, per group), then all rejoin; every request is
     answered once and each engine's queue stays within its threshold.
 
-    In 1 of 16 runs (5 Dec) one engine reached 4 after the rejoin (threshold 3), in the shared
-    phase after the new leaders' holds (issue #36): each group took its whole threshold back as
-    it rejoined, and a leader's hold ends whether or not the others have rejoined, so one still
-    local spent its share beside it. A group now keeps its share until the replicas it shared
-    with are back. Before the shares were per group, one replica-wide share given back by the
-    first group to rejoin put 5 and 7 into an engine (2 of 10 runs), and the largest share of
-    any group, kept on a replica that led a group again, gave 4 in 1 of 9, 1 of 10 and 1 of
-    14."""
+    Why a group keeps its share until the replicas it shared with are back: a leader's hold
+    ends whether or not the others have rejoined, so a group that took its whole threshold back
+    as it rejoined spent it beside one still local spending its share (an engine at 4 against a
+    threshold of 3, in 1 of 16 runs). Why the shares are per group: one replica-wide share,
+    given back by the first group to rejoin, put 5 and 7 into an engine (2 of 10 runs), and the
+    largest share of any group, kept on a replica that led a group again, gave 4 in about 1 of
+    10."""
     count = 3
     async with (
         emulator(max_num_seqs=4) as tiny,

@@ -1,4 +1,4 @@
-"""Budgets with state in Redis (issue 19): two replicas on a real redis-server keep one budget
+"""Budgets with state in Redis: two replicas on a real redis-server keep one budget
 book (the leader's), and it survives every replica restarting."""
 
 from __future__ import annotations

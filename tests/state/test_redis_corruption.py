@@ -1,4 +1,4 @@
-"""Garbage in each Redis key the replicas share, on a real redis-server (issue 15).
+"""Garbage in each Redis key the replicas share, on a real redis-server.
 
 Before: a corrupt value made a replica flap between shared and local every heartbeat (an epoch
 that INCR refuses: every election failed, the next heartbeat rejoined), kill its reply listener

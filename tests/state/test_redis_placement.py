@@ -1,4 +1,4 @@
-"""Placement across replicas (#16): the leader's core binds each request to a deployment, and the
+"""Placement across replicas: the leader's core binds each request to a deployment, and the
 follower that asked holds a lease naming that deployment; a new leader adopts it there."""
 
 from __future__ import annotations

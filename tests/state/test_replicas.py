@@ -495,9 +495,9 @@ async def test_a_leader_after_redis_lost_its_data_holds_like_any_later_leader(
 async def test_back_from_an_outage_a_replica_keeps_its_share_until_the_others_are_back(
     own_redis_server: RedisServer,
 ) -> None:
-    """Issue #36: after an outage each replica took the whole threshold back as it rejoined. The
-    first leader's hold ends whether or not the others have rejoined, and one still local kept
-    spending its share beside it (the engine's queue one over the threshold). The share now
+    """After an outage each replica must not take the whole threshold back as it rejoins. The
+    first leader's hold ends whether or not the others have rejoined, and one still local keeps
+    spending its share beside it (which put the engine's queue one over the threshold). The share
     stays until each replica it shared with has sent the leader's term a message."""
     # The wait for the others: a hold (a heartbeat, 0.1 s) and a lease TTL (3 s).
     replicas = own_pair(own_redis_server, heartbeat_s=0.1, lease_ttl_s=3.0)
@@ -536,7 +536,7 @@ async def test_a_leader_back_from_a_brief_fallback_leads_a_new_epoch(cluster: Cl
     """A leader whose Redis call failed once falls back to a local term and is back before its
     lease's TTL. It led the same epoch again, which the followers already followed: they
     re-sent nothing, a ticket they had parked in its ended term waited for good, and their
-    grants on the way to the engine went uncounted (issue #36). It now resigns that lease, and
+    grants on the way to the engine went uncounted. It now resigns that lease, and
     every replica re-sends to the next epoch's leader."""
     first, second = cluster.add(), cluster.add()
     leader = await cluster.leader()
@@ -554,7 +554,7 @@ async def test_a_leader_back_from_a_brief_fallback_leads_a_new_epoch(cluster: Cl
 
 
 def _as_before_placement(message: list[Any]) -> list[Any]:
-    """A follower message as a replica of the version before placement (#16) wrote it: tickets
+    """A follower message as a replica of the version before placement wrote it: tickets
     without `prefix`, adopted leases without their deployment."""
     if message[0] == "s":
         return message[:10]

@@ -8,57 +8,45 @@ One engine runs at a time (two would fight over two cores): `engines.get("priori
 engine of the other policy first. Every engine runs in its own process group, killed in the
 session's teardown and, should that not run, at interpreter exit.
 
-`FAIR_SCHED_VLLM_LAYOUT` picks the process layout (issue #17): `shared` (the default, and CI's)
+`FAIR_SCHED_VLLM_LAYOUT` picks the process layout: `shared` (the default, and CI's)
 keeps the engine and the LiteLLM proxy in the test run's session; `sessions` starts each in a
 session of its own, so engine, LiteLLM proxy and client (this process) are three autogroup CPU
-scheduling groups, as when the proxy is CPU-starved by other work (`tests/processes.py`).
+scheduling groups, as when the proxy is CPU-starved by other work. The engine itself is
+started by `fair_sched_plugin.bench.harness.vllm_stage`, which the benchmarks share.
 """
 
 from __future__ import annotations
 
-import atexit
-import contextlib
-import ctypes
 import hashlib
 import math
 import os
-import signal
 import statistics
 import subprocess
 import sys
 import time
 from collections.abc import Iterator
-from dataclasses import dataclass
 from pathlib import Path
 
-import httpx
 import pytest
 
-from ..processes import group_cpu_seconds, own_process_group
-from ..support import free_port, in_ci
+from fair_sched_plugin.bench.harness.vllm_stage import (
+    VLLM_VERSION,
+    Engines,
+    VllmEngine,
+    cache_dir,
+    engine_environment,
+    layout,
+)
 
-VLLM_VERSION = "0.32.0"  # keep in step with scripts/vllm_env.sh
-LAYOUTS = ("shared", "sessions")
-LOOPBACK = "127.0.0.1"
-SERVED_MODEL = "tiny"
+from ..support import in_ci
+
 ROOT = Path(__file__).resolve().parents[2]
 BUILDER = Path(__file__).with_name("tiny_model.py")
 MODEL_BUILD_TIMEOUT_S = 300.0
-# ~35-55 s on an idle 2-core machine; much longer while other processes compete for the cores.
-ENGINE_START_TIMEOUT_S = 300.0
-ENGINE_STOP_TIMEOUT_S = 15.0
-
-
-def layout() -> str:
-    """`FAIR_SCHED_VLLM_LAYOUT`: `shared` (default) or `sessions` (see the module docstring)."""
-    name = os.environ.get("FAIR_SCHED_VLLM_LAYOUT", "").strip().lower() or LAYOUTS[0]
-    if name not in LAYOUTS:
-        raise pytest.UsageError(f"FAIR_SCHED_VLLM_LAYOUT must be one of {LAYOUTS}, not {name!r}")
-    return name
 
 
 def flood_size() -> tuple[int, int]:
-    """(power requests, tokens each) of the floods: `FAIR_SCHED_VLLM_FLOOD` as `NxT` (issue #17's
+    """(power requests, tokens each) of the floods: `FAIR_SCHED_VLLM_FLOOD` as `NxT` (the larger
     flood is `100x128`), else CI's 56 x 48."""
     value = os.environ.get("FAIR_SCHED_VLLM_FLOOD", "").strip().lower()
     if not value:
@@ -67,16 +55,6 @@ def flood_size() -> tuple[int, int]:
     if not (requests.isdigit() and tokens.isdigit() and int(requests) >= 8 and int(tokens) >= 1):
         raise pytest.UsageError(f"FAIR_SCHED_VLLM_FLOOD must be NxT with N >= 8, not {value!r}")
     return int(requests), int(tokens)
-
-
-def own_sessions() -> bool:
-    """Engine and LiteLLM proxy each in a session of their own (`FAIR_SCHED_VLLM_LAYOUT`)."""
-    return layout() == "sessions"
-
-
-def cache_dir() -> Path:
-    root = os.environ.get("FAIR_SCHED_CACHE") or str(Path.home() / ".cache" / "fair-sched")
-    return Path(root).expanduser()
 
 
 def unavailable(reason: str) -> None:
@@ -171,7 +149,7 @@ THROUGHPUT_RATIOS = (
     (FAIR_PROXY_FLOOD, DIRECT_FLOOD),
     (PLAIN_LITELLM_FLOOD, DIRECT_FLOOD),
     (PLUGIN_LITELLM_FLOOD, PLAIN_LITELLM_FLOOD),
-    # Issue #17: >= 0.90 is the goal, in both process layouts (docs/real-vllm.md).
+    # >= 0.90 is the goal, in both process layouts (docs/real-vllm.md).
     (AUTO_LITELLM_FLOOD, PLAIN_LITELLM_FLOOD),
     (AUTO_LITELLM_FLOOD, PLUGIN_LITELLM_FLOOD),
     (FAIR_QUEUE_LITELLM_FLOOD, PLAIN_LITELLM_FLOOD),
@@ -197,38 +175,6 @@ def vllm_python() -> Path:
             "(scripts/test does), or set FAIR_SCHED_SKIP_VLLM=1"
         )
     return python
-
-
-def engine_environment(vllm_python: Path, scratch: Path) -> dict[str, str]:
-    env = {
-        name: value
-        for name, value in os.environ.items()
-        # The dev venv must not leak into the engine's interpreter.
-        if name not in {"VIRTUAL_ENV", "PYTHONPATH", "PYTHONHOME"}
-    }
-    env["PATH"] = f"{vllm_python.parent}{os.pathsep}{env.get('PATH', '')}"
-    env.update(
-        HF_HUB_OFFLINE="1",
-        TRANSFORMERS_OFFLINE="1",
-        VLLM_CPU_KVCACHE_SPACE="1",
-        VLLM_NO_USAGE_STATS="1",
-        DO_NOT_TRACK="1",
-        VLLM_CACHE_ROOT=str(scratch / "vllm-cache"),
-        HF_HOME=str(scratch / "hf-home"),
-        TMPDIR=str(scratch / "tmp"),
-        NO_PROXY="127.0.0.1,localhost",
-        PYTHONUNBUFFERED="1",
-        # vLLM closes a keep-alive connection idle for 5 s (uvicorn's timer). LiteLLM's aiohttp
-        # pool then sometimes sends a request on a connection vLLM is closing at that instant
-        # and answers 500 ("Server disconnected", no retry with num_retries 0): seen on a loaded
-        # machine, where parked requests leave pooled connections idle for seconds. The
-        # measurement is of scheduling, not of that race, so idle connections live longer.
-        VLLM_HTTP_TIMEOUT_KEEP_ALIVE="120",
-    )
-    for name in ("HTTP_PROXY", "HTTPS_PROXY", "http_proxy", "https_proxy", "ALL_PROXY"):
-        env.pop(name, None)
-    (scratch / "tmp").mkdir(parents=True, exist_ok=True)
-    return env
 
 
 @pytest.fixture(scope="session")
@@ -265,142 +211,6 @@ def tiny_model(vllm_python: Path, vllm_scratch: Path) -> Path:
 
 
 # ----------------------------------------------------------------------------- engines
-
-
-def _die_with_parent() -> None:
-    """In the child before exec: SIGTERM when pytest dies, also by SIGKILL or an unhandled
-    SIGTERM, which skip both fixture teardown and atexit. vLLM's API server stops its engine
-    processes on SIGTERM."""
-    pr_set_pdeathsig = 1
-    ctypes.CDLL(None, use_errno=True).prctl(pr_set_pdeathsig, signal.SIGTERM)
-
-
-def _kill_group(process: subprocess.Popen[bytes]) -> None:
-    if process.poll() is None:
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(process.pid, signal.SIGTERM)
-        with contextlib.suppress(subprocess.TimeoutExpired):
-            process.wait(ENGINE_STOP_TIMEOUT_S)
-    # The API server's engine-core and worker processes are in the same group.
-    with contextlib.suppress(ProcessLookupError, PermissionError):
-        os.killpg(process.pid, signal.SIGKILL)
-    with contextlib.suppress(subprocess.TimeoutExpired):
-        process.wait(ENGINE_STOP_TIMEOUT_S)
-
-
-@dataclass
-class VllmEngine:
-    """A running `vllm.entrypoints.openai.api_server`; `base_url` has no `/v1`."""
-
-    policy: str
-    base_url: str
-    process: subprocess.Popen[bytes]
-    log_path: Path
-    start_s: float
-
-    @property
-    def api_base(self) -> str:
-        return f"{self.base_url}/v1"
-
-    @property
-    def metrics_url(self) -> str:
-        return f"{self.base_url}/metrics"
-
-    def log_tail(self, characters: int = 6000) -> str:
-        return self.log_path.read_text(encoding="utf-8", errors="replace")[-characters:]
-
-    def cpu_seconds(self) -> float:
-        """User + system CPU time so far of every live process in the engine's process group:
-        the API server, its engine core and workers (issue #17: on this CPU build a token made
-        in a small batch costs the engine several times the CPU of one made in a full batch)."""
-        return group_cpu_seconds(self.process.pid)
-
-    def stop(self) -> None:
-        _kill_group(self.process)
-
-
-def start_engine(vllm_python: Path, model_dir: Path, scratch: Path, policy: str) -> VllmEngine:
-    port = free_port()
-    argv = [str(vllm_python), "-m", "vllm.entrypoints.openai.api_server"]
-    argv += ["--model", str(model_dir), "--served-model-name", SERVED_MODEL]
-    argv += ["--host", LOOPBACK, "--port", str(port), "--enforce-eager"]
-    argv += ["--max-num-seqs", "8", "--max-model-len", "512", "--dtype", "float32"]
-    # Issue #16: prefix caching (vLLM 0.32's default, named so it cannot change under us) and
-    # the cached prompt tokens in `usage.prompt_tokens_details`, which the `tokens` policy uses.
-    argv += ["--enable-prefix-caching", "--enable-prompt-tokens-details"]
-    if policy == "priority":
-        argv += ["--scheduling-policy", "priority"]
-    log_path = scratch / f"engine-{policy}.log"
-    started = time.monotonic()
-    with log_path.open("wb") as log:
-        process = subprocess.Popen(
-            argv,
-            stdin=subprocess.DEVNULL,
-            stdout=log,
-            stderr=subprocess.STDOUT,
-            env=engine_environment(vllm_python, scratch),
-            cwd=str(scratch),
-            # Killed as a whole; a session of its own in the `sessions` layout.
-            **own_process_group(_die_with_parent, new_session=own_sessions()),
-        )
-    atexit.register(_kill_group, process)
-    engine = VllmEngine(policy, f"http://{LOOPBACK}:{port}", process, log_path, 0.0)
-    try:
-        _wait_healthy(engine)
-    except BaseException:
-        engine.stop()
-        raise
-    engine.start_s = time.monotonic() - started
-    print(f"\n[vllm] engine ({policy}) started in {engine.start_s:.1f} s on port {port}")
-    return engine
-
-
-def _wait_healthy(engine: VllmEngine) -> None:
-    give_up_at = time.monotonic() + ENGINE_START_TIMEOUT_S
-    with httpx.Client(timeout=2.0, trust_env=False) as client:
-        while True:
-            code = engine.process.poll()
-            if code is not None:
-                pytest.fail(
-                    f"vLLM ({engine.policy}) exited with {code} while starting:\n"
-                    f"{engine.log_tail()}",
-                    pytrace=False,
-                )
-            with contextlib.suppress(httpx.HTTPError):
-                if client.get(f"{engine.base_url}/health").status_code == 200:
-                    return
-            if time.monotonic() > give_up_at:
-                pytest.fail(
-                    f"vLLM ({engine.policy}) did not answer /health within "
-                    f"{ENGINE_START_TIMEOUT_S:.0f} s:\n{engine.log_tail()}",
-                    pytrace=False,
-                )
-            time.sleep(0.5)
-
-
-class Engines:
-    """At most one engine at a time, started on demand with the scheduling policy asked for."""
-
-    def __init__(self, vllm_python: Path, model_dir: Path, scratch: Path) -> None:
-        self._python = vllm_python
-        self._model_dir = model_dir
-        self._scratch = scratch
-        self._current: VllmEngine | None = None
-        self.start_times: dict[str, float] = {}
-
-    def get(self, policy: str) -> VllmEngine:
-        current = self._current
-        if current is not None and current.policy == policy and current.process.poll() is None:
-            return current
-        self.close()
-        self._current = start_engine(self._python, self._model_dir, self._scratch, policy)
-        self.start_times[policy] = self._current.start_s
-        return self._current
-
-    def close(self) -> None:
-        current, self._current = self._current, None
-        if current is not None:
-            current.stop()
 
 
 @pytest.fixture(scope="session")

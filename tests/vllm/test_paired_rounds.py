@@ -1,4 +1,4 @@
-"""Issue #17's throughput ratio measured in paired rounds, on demand (never in CI).
+"""The throughput ratio measured in paired rounds, on demand (never in CI).
 
 One flood's tokens/s on this kind of machine moves by more than the differences asked about
 (LiteLLM alone read 611-1214 tokens/s for the same flood on one machine within an hour), so a
@@ -23,7 +23,9 @@ from pathlib import Path
 
 import pytest
 
-from .conftest import PAIRED_ROUNDS, VllmEngine
+from fair_sched_plugin.bench.harness.vllm_stage import VllmEngine
+
+from .conftest import PAIRED_ROUNDS
 from .test_real_engine import litellm_flood
 
 

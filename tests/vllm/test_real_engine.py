@@ -9,7 +9,7 @@ Orderings only, never absolute times (a 2-core machine varies ±40% run to run):
 - tiers: an interactive request overtakes a running batch flood, with the tiers' priorities in
   the bodies the engine receives;
 - an engine without priority scheduling receives no `priority` and answers every request;
-- prefix caching (issue #16): the watcher reads vLLM's prefix-cache counters and the cached
+- prefix caching: the watcher reads vLLM's prefix-cache counters and the cached
   prompt tokens reach the `tokens` policy.
 The flood numbers are printed at the end of the session (`pytest_terminal_summary`).
 """
@@ -35,6 +35,7 @@ from starlette.responses import Response
 from starlette.routing import Route
 
 from fair_sched_plugin._http import sse_lines
+from fair_sched_plugin.bench.harness.vllm_stage import SERVED_MODEL, VllmEngine, own_sessions
 from fair_sched_plugin.core import BackendSnapshot
 from fair_sched_plugin.metrics.profiles import VLLM_PROFILE, engine_profile, filtered_metrics_url
 from fair_sched_plugin.metrics.watcher import MetricsWatcher
@@ -50,10 +51,7 @@ from .conftest import (
     FLOOD_REPORT,
     PLAIN_LITELLM_FLOOD,
     PLUGIN_LITELLM_FLOOD,
-    SERVED_MODEL,
-    VllmEngine,
     flood_size,
-    own_sessions,
 )
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow, pytest.mark.timeout(600)]
@@ -61,7 +59,7 @@ pytestmark = [pytest.mark.vllm, pytest.mark.slow, pytest.mark.timeout(600)]
 # Equal lengths make vLLM run the flood in waves of `--max-num-seqs 8`: 56 requests are 7 waves,
 # so the power user's median request ends with the 4th, and a light user who comes during the
 # 1st has 1-2 waves of margin whether the machine is fast or slowed down by other work.
-# `FAIR_SCHED_VLLM_FLOOD=100x128` for issue #17's flood (conftest.flood_size).
+# `FAIR_SCHED_VLLM_FLOOD=100x128` for the larger flood (conftest.flood_size).
 POWER_REQUESTS, MAX_TOKENS = flood_size()
 WATCHED_BURST_TOKENS = 256
 REQUEST_TIMEOUT_S = 180.0
@@ -98,7 +96,7 @@ def fair_section(
     if os.environ.get("FAIR_SCHED_VLLM_TELL_SLOTS", "1") != "0":
         # The engine's slots, as docs/configuration.md asks. Without them the gate learns the
         # slots it sees used, and behind a lagging LiteLLM (sessions layout) it saw 3 of 8 and
-        # kept to them: `FAIR_SCHED_VLLM_TELL_SLOTS=0` measures that (issue #17).
+        # kept to them: `FAIR_SCHED_VLLM_TELL_SLOTS=0` measures that.
         backend["max_num_seqs"] = MAX_NUM_SEQS
     if api_base is not None:
         backend["api_base"] = api_base
@@ -109,7 +107,7 @@ def fair_section(
         "waiting_below": waiting_below,
         "vllm_priority": INTERACTIVE_PRIORITY,
     }
-    if auto:  # issue #17: the queue tuned to a TTFT target instead of a fixed 3
+    if auto:  # the queue tuned to a TTFT target instead of a fixed 3
         interactive.update(waiting_below="auto", ttft_target_ms=AUTO_TTFT_TARGET_MS)
     return {
         "tiers": [
@@ -290,16 +288,16 @@ class Flood:
             ),
             "makespan_s": makespan,
             "tokens_per_s": tokens / makespan,
-            # Issue #17: does the scheduler keep the engine full while work waits?
+            # Does the scheduler keep the engine full while work waits?
             "engine_running_mean": _mean_or_nan(running for _, running in self.engine_load),
             "engine_waiting_mean": _mean_or_nan(waiting for waiting, _ in self.engine_load),
             # What relaying costs the proxy per token (the plugin's own share shows here).
             "proxy_cpu_ms_per_token": 1000 * self.proxy_cpu_s / tokens,
             # Much of the CPU build's cost is per step, whatever the batch: a flood it runs in
-            # small batches costs it more CPU per token (issue #17's sessions layout).
+            # small batches costs it more CPU per token (the sessions layout).
             "engine_cpu_ms_per_token": 1000 * self.engine_cpu_s / tokens,
             # Per second of the flood: how long LiteLLM, the relay, waited for a CPU (in the
-            # sessions layout the engine's processes took it whenever they ran: issue #17).
+            # sessions layout the engine's processes took it whenever they ran).
             "proxy_cpu_wait_per_s": self.proxy_cpu_wait_s / makespan,
         }
 
@@ -561,7 +559,7 @@ async def litellm_flood(
     """The power-user flood through a LiteLLM proxy subprocess, with or without the plugin
     (the interactive tier's `waiting_below` fixed, or `auto`). Without the plugin every caller
     uses LiteLLM's master key (no custom auth); with it, the principals' own keys."""
-    from ..integrations.litellm_harness import (
+    from fair_sched_plugin.bench.harness.litellm_proxy import (
         MASTER_KEY,
         litellm_proxy,
         model_entry,
@@ -621,7 +619,7 @@ async def trace_gate(base_url: str, *, enabled: bool) -> AsyncIterator[None]:
     if not enabled:
         yield
         return
-    from ..integrations.litellm_harness import MASTER_KEY
+    from fair_sched_plugin.bench.harness.litellm_proxy import MASTER_KEY
 
     lines: list[str] = []
 
@@ -692,7 +690,7 @@ async def test_litellm_proxy_with_plugin_light_users_finish_before_power_median(
 async def test_litellm_proxy_with_plugin_auto_light_users_finish_before_power_median(
     priority_engine: VllmEngine, tmp_path: Path
 ) -> None:
-    """Issue #17: the same flood with `waiting_below: auto`. Light users still before the power
+    """The same flood with `waiting_below: auto`. Light users still before the power
     user's median; its throughput against LiteLLM without the plugin (goal >= 0.90) and against
     the fixed default is printed in the session summary (a ratio of two runs, never asserted on
     a shared 2-core machine)."""
@@ -709,7 +707,7 @@ async def test_litellm_proxy_with_plugin_auto_light_users_finish_before_power_me
 async def test_litellm_proxy_with_auto_and_the_engine_queue_in_user_order(
     priority_engine: VllmEngine, tmp_path: Path
 ) -> None:
-    """Issue #17 with `fair_engine_queue`: vLLM's own queue serves users in turn (the priority
+    """With `fair_engine_queue`: vLLM's own queue serves users in turn (the priority
     counts each user's requests not yet streaming), so `auto` may let a deeper queue form.
     Light users still before the power user's median; the throughput ratio is printed."""
     flood = await litellm_flood(
@@ -811,7 +809,7 @@ async def shared_prefix_text(engine: VllmEngine) -> str:
 async def test_prefix_caching_reaches_the_watcher_and_the_tokens_policy(
     priority_engine: VllmEngine,
 ) -> None:
-    """Issue #16, on vLLM started with `--enable-prefix-caching --enable-prompt-tokens-details`:
+    """On vLLM started with `--enable-prefix-caching --enable-prompt-tokens-details`:
     repeated prompts that share a 400-token prefix, through the fair proxy with `fairness:
     tokens`. The service's watcher reads vLLM's prefix-cache counters (a hit rate above 0), and
     the engine's `cached_tokens` reaches the `tokens` policy: every repeat's lease is charged its

@@ -1,6 +1,7 @@
-"""Issue 19's numbers through real `litellm` proxies and emulators, with the issue's windows.
+"""Cost fairness, tier shares and promotion through real `litellm` proxies and emulators.
 
-    PYTHONPATH=. .venv/bin/python benchmarks/issue19.py [--window 60] [--parts cost,promotion]
+    PYTHONPATH=. .venv/bin/python benchmarks/tier_shares_and_costs.py \
+        [--window 60] [--parts cost,promotion]
 
 Prints: the money delivered to two teams weighted 3:1 under `fairness: cost` while both are
 backlogged for `--window` seconds (target 3:1 within +-10%); the request shares of two tiers
@@ -21,15 +22,11 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 os.environ.setdefault("LITELLM_LOCAL_MODEL_COST_MAP", "True")
 
-from tests.integrations.issue19_scenarios import (
-    cost_fairness,
-    promotion,
-    tier_shares,
-)
+from fair_sched_plugin.bench.harness.tier_scenarios import cost_fairness, promotion, tier_shares
 
 
 async def main(window_s: float, parts: set[str]) -> None:
-    with tempfile.TemporaryDirectory(prefix="fair-sched-issue19-") as directory:
+    with tempfile.TemporaryDirectory(prefix="fair-sched-tiers-") as directory:
         path = Path(directory)
         if "cost" in parts:
             await measure_cost(path, window_s)

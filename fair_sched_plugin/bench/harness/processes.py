@@ -6,7 +6,7 @@ scheduling group that is given as much CPU as everything else together: a busy v
 session starved the proxy under test, whose event loop then lagged about 100 ms per wake-up, and
 a flood through it ran at a third of the direct throughput (`tests/vllm`).
 
-The real-vLLM stage measures that other layout too (issue #17): `new_session=True` puts a child
+The real-vLLM stage measures that other layout too: `new_session=True` puts a child
 in a session of its own (`setsid`, also its own process group), as a server started by hand or
 by a service manager would be.
 """

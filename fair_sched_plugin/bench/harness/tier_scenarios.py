@@ -1,9 +1,10 @@
-"""Issue 19's scenarios through real `litellm` proxy processes in front of emulators.
+"""Cost fairness, budgets, tier shares and promotion through real `litellm` proxy processes in
+front of emulators.
 
-Shared by `test_litellm_budgets_shares.py` (short windows) and `benchmarks/issue19.py` (the
-issue's 60 s window, numbers printed). What was delivered is read from the emulators' own logs of
-received requests (in release order), so the measure is what the scheduler let through, not
-what the clients happened to finish.
+Shared by `test_litellm_budgets_shares.py` (short windows) and
+`benchmarks/tier_shares_and_costs.py` (a 60 s window, numbers printed). What was delivered is
+read from the emulators' own logs of received requests (in release order), so the measure is
+what the scheduler let through, not what the clients happened to finish.
 """
 
 from __future__ import annotations
@@ -23,8 +24,7 @@ import httpx
 from fair_sched_plugin.emulator.engine import EmulatorConfig
 from fair_sched_plugin.emulator.server import RunningEmulator, run_emulator
 
-from ..support import eventually
-from .litellm_harness import (
+from .litellm_proxy import (
     MASTER_KEY,
     litellm_proxy,
     model_entry,
@@ -32,6 +32,7 @@ from .litellm_harness import (
     proxy_config,
     stream_chat,
 )
+from .loopback import eventually
 
 # Slow enough that the engines, not the proxy's CPU, are the bottleneck: the plugin's queues
 # must hold the backlog for fairness to decide anything.

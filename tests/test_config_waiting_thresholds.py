@@ -1,4 +1,4 @@
-"""Settings of issue #17: `waiting_below: auto` in its three forms, `ttft_target_ms`, and the
+"""Settings of the self-tuning threshold: `waiting_below: auto` in its three forms, `ttft_target_ms`, and the
 backend keys `max_num_seqs` and `metrics_lag_ms`; what the service makes of them."""
 
 from __future__ import annotations
