@@ -58,9 +58,11 @@ def parse_request_body(raw: bytes, *, max_bytes: int = MAX_BODY_BYTES) -> Reques
         raise BodyTooLarge(f"the request body is larger than {max_bytes} bytes")
     check_body_shape(raw)
     try:
-        body = json.loads(raw) if raw else None
+        # UTF-8 only, as JSON over HTTP is (RFC 8259): `json.loads` would also take UTF-16 and
+        # UTF-32 bytes, which the forwarded bytes' priority splice cannot extend.
+        body = json.loads(raw.decode("utf-8")) if raw else None
     except (ValueError, RecursionError):
-        raise InvalidRequest("the request body is not valid JSON") from None
+        raise InvalidRequest("the request body is not valid UTF-8 JSON") from None
     if not isinstance(body, dict):
         raise InvalidRequest("the request body must be a JSON object")
     check_element_counts(body)

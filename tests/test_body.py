@@ -139,3 +139,12 @@ def test_an_adapters_own_body_has_its_list_lengths_bounded_without_a_walk() -> N
     with pytest.raises(InvalidRequest) as raised:
         request_size({"model": "m", "messages": [{}] * (MAX_MESSAGES + 1)})
     assert raised.value.param == "messages"
+
+
+@pytest.mark.parametrize("encoding", ["utf-16", "utf-32"])
+def test_a_body_not_in_utf8_is_a_400(encoding: str) -> None:
+    """Forwarded bytes are extended in place (the engine priority), which only UTF-8 allows."""
+    raw = json.dumps({"model": "m", "messages": []}).encode(encoding)
+    assert json.loads(raw)["model"] == "m"  # what the decoder alone would take
+    with pytest.raises(InvalidRequest, match="UTF-8"):
+        parse_request_body(raw)
