@@ -65,6 +65,10 @@ from .state import ReplicaScheduler, open_state
 
 logger = logging.getLogger("fair_sched")
 
+# How long after a client's own limit the service ends a wait the core has not ended (a follower
+# replica's leader does not know the limit).
+_LIMIT_BACKSTOP_S = 0.05
+
 __all__ = [
     "UNKNOWN_MODELS",
     "Admission",
@@ -401,6 +405,9 @@ class SchedulingService:
         if not self._started:
             self.start()
         ticket = self.ticket_for(principal, scheduled_as, body)
+        if max_wait_s is not None:
+            # The core orders the user's queue by it and refuses early what cannot make it.
+            ticket = ticket._replace(max_wait_s=max_wait_s)
         try:
             if ticket.user in self._budgeted:
                 ticket = self._apply_budget(ticket)
@@ -494,8 +501,11 @@ class SchedulingService:
                         )
                     )
 
-            # On the service's clock, like every other time it reads.
-            stops.append(self.clock.call_at(self.clock.now() + max_wait_s, expired).cancel)
+            # On the service's clock, like every other time it reads. The local core ends the
+            # wait at the limit itself (and counts it); this backstop, a moment later, is for a
+            # follower replica, whose leader does not hear of the client's limit.
+            due = self.clock.now() + max_wait_s + _LIMIT_BACKSTOP_S
+            stops.append(self.clock.call_at(due, expired).cancel)
         try:
             # `driver.granted`, inline: each frame of an await chain runs again on resuming.
             if future.done():
@@ -642,6 +652,7 @@ def _tier_limits(settings: FairSchedSettings) -> tuple[TierLimits, ...]:
             kv_usage_below=tier.kv_usage_below,
             share=tier.share,
             promote_after_s=tier.promote_after_s,
+            max_wait_s=tier.max_wait_s,
         )
         for tier in settings.tiers
     )

@@ -249,6 +249,7 @@ async def test_rejections_are_counted_by_reason() -> None:
     assert service.observability.status()["totals"]["rejected"] == {
         "queue_full_user": 1,
         "queue_full_total": 1,
+        "deadline_unreachable": 0,
         "timeout": 2,
         "closed": 0,
     }

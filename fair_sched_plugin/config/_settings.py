@@ -76,6 +76,9 @@ class TierSettings(Frozen):
     share: Annotated[float, Field(gt=0)] | None = None
     # A request parked this long in this tier moves one tier up (not on the first tier).
     promote_after_s: Annotated[float, Field(gt=0)] | None = None
+    # How long this tier's requests wait for their turn at most (None: `queue.max_wait_s`, which
+    # it may only shorten); a request that cannot start in time is refused at once.
+    max_wait_s: Annotated[float, Field(gt=0, le=86_400)] | None = None
 
     @model_validator(mode="before")
     @classmethod
@@ -377,6 +380,12 @@ class FairSchedSettings(Frozen):
         tier_names = {tier.name for tier in self.tiers}
         if self.tiers[0].promote_after_s is not None:
             raise ValueError("tiers[0].promote_after_s: the first tier has no tier above it")
+        for index, tier in enumerate(self.tiers):
+            if tier.max_wait_s is not None and tier.max_wait_s > self.queue.max_wait_s:
+                raise ValueError(
+                    f"tiers[{index}].max_wait_s: at most queue.max_wait_s "
+                    f"({self.queue.max_wait_s:g}) (got {tier.max_wait_s:g})"
+                )
         priced = any(backend.price is not None for backend in self.backends.values())
         # Inside LiteLLM every deployment may have a price in LiteLLM's own cost data.
         priced = priced or bool((info.context or {}).get(PRICES_FROM_ADAPTER))

@@ -15,7 +15,7 @@ from .budget import BudgetAction, BudgetBook, BudgetRule, BudgetUnit, BudgetVerd
 from .clock import Clock, MonotonicClock
 from .fairness import FairnessPolicy
 from .gate import AdmissionGate, InflightLimitGate
-from .reads import SchedulerStatistics, UserBacklog
+from .reads import DeadlineOutcomes, SchedulerStatistics, UserBacklog
 from .scheduler import Decision, QueueOrder, SchedulerCore
 from .snapshot import BackendSnapshot
 from .ticket import (
@@ -43,6 +43,7 @@ __all__ = [
     "BudgetUnit",
     "BudgetVerdict",
     "Clock",
+    "DeadlineOutcomes",
     "Decision",
     "Deployment",
     "DeploymentStatus",

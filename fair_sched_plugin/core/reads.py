@@ -20,6 +20,15 @@ class UserBacklog(NamedTuple):
     virtual_time: float
 
 
+class DeadlineOutcomes(NamedTuple):
+    """Of one tier's requests with a limit shorter than the queue's (their tier's or their
+    client's): started in time, waited their limit out, refused at once as out of reach."""
+
+    met: int
+    missed: int
+    refused: int
+
+
 class SchedulerStatistics(NamedTuple):
     queued: int
     in_flight: int
@@ -31,6 +40,9 @@ class SchedulerStatistics(NamedTuple):
     timed_out_total: int
     queued_by_model_tier: Mapping[tuple[str, str], int]
     in_flight_by_model: Mapping[str, int]
+    # Refused at once: their predicted start was past their deadline (`DeadlineUnreachable`).
+    unreachable_total: int = 0
+    deadlines_by_tier: Mapping[str, DeadlineOutcomes] = {}
 
 
 class SchedulerReads:
@@ -45,6 +57,8 @@ class SchedulerReads:
     _abandoned_total: int
     _rejected_full_total: int
     _timed_out_total: int
+    _unreachable_total: int
+    _deadline_outcomes: dict[str, list[int]]
 
     def statistics(self) -> SchedulerStatistics:
         by_tier = {
@@ -66,6 +80,10 @@ class SchedulerReads:
             timed_out_total=self._timed_out_total,
             queued_by_model_tier=by_tier,
             in_flight_by_model=by_model,
+            unreachable_total=self._unreachable_total,
+            deadlines_by_tier={
+                tier: DeadlineOutcomes(*counts) for tier, counts in self._deadline_outcomes.items()
+            },
         )
 
     def backlog(self, model: str | None = None) -> list[UserBacklog]:
