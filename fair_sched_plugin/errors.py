@@ -79,9 +79,14 @@ class QueueFull(Rejected):
 class DeadlineUnreachable(Rejected):
     """The request cannot start before its deadline (`queue.max_wait_s`, its tier's or its
     client's limit): its place in the queue and the measured drain rate say so, so it is refused
-    at once rather than at the deadline (and LiteLLM may send it to a fallback group)."""
+    at once rather than at the deadline (and LiteLLM may send it to a fallback group).
+    `waited_s`: how long it had waited (0 when refused on arrival)."""
 
     reason = "deadline_unreachable"
+
+    def __init__(self, message: str, *, retry_after_s: float = 1.0, waited_s: float = 0.0) -> None:
+        super().__init__(message, retry_after_s=retry_after_s)
+        self.waited_s = waited_s
 
 
 class QueueTimeout(Rejected):

@@ -15,10 +15,11 @@ DRAIN_GAPS = 32
 MIN_DRAIN_GAPS = 8
 # No release from the backlog for this long: the rate measured before is no longer evidence.
 DRAIN_STALE_S = 30.0
-# The prediction assumes the backlog drains this much faster than measured: refusing a request
-# that would have made it is the worse error (it could have been served); one admitted that
-# then misses its deadline is still answered at the deadline.
-RATE_OPTIMISM = 1.25
+# How much faster than measured the prediction assumes the backlog drains (1: as measured). It
+# errs early already: the next release is counted as starting now, and a backlog's release rate
+# is what the engine manages at its busiest. Refusing a request that would have made it loses a
+# request that could have been served; one admitted that then misses is answered at its deadline.
+RATE_OPTIMISM = 1.0
 
 
 class DrainRate:

@@ -273,7 +273,7 @@ class SchedulerCore(SchedulerReads):
                     self._unreachable_total += 1
                     if limited:
                         self._count_deadline(limits.name, REFUSED)
-                    raise self._unreachable(ticket, position, rate, deadline - now)
+                    raise self._unreachable(ticket, position, rate, deadline - now, 0.0)
         if user_queue is None:
             user_queue = tier.user_queue(ticket.user)
         waiter = Parked(ticket, now, user_queue, claimant, deadline, limited=limited)
@@ -760,7 +760,10 @@ class SchedulerCore(SchedulerReads):
                 self._count_deadline(tier.limits.name, REFUSED)
             if not tail.gone():
                 self._decided(
-                    tail, self._unreachable(tail.ticket, position, rate, tail.deadline - now)
+                    tail,
+                    self._unreachable(
+                        tail.ticket, position, rate, tail.deadline - now, now - tail.enqueued_at
+                    ),
                 )
 
     def _position(self, tier: TierQueue, user_queue: UserQueue | None, own_index: int) -> int:
@@ -779,7 +782,7 @@ class SchedulerCore(SchedulerReads):
         return ahead + own_index
 
     def _unreachable(
-        self, ticket: Ticket, position: int, rate: float, left_s: float
+        self, ticket: Ticket, position: int, rate: float, left_s: float, waited_s: float
     ) -> DeadlineUnreachable:
         expected_s = start_after_s(position, rate)
         return DeadlineUnreachable(
@@ -787,6 +790,7 @@ class SchedulerCore(SchedulerReads):
             f"released no later than it, about {expected_s:.1f} s at the measured rate, "
             f"{max(0.0, left_s):.1f} s left",
             retry_after_s=min(60.0, max(1.0, expected_s - left_s)),
+            waited_s=waited_s,
         )
 
     def _count_deadline(self, tier: str, outcome: int) -> None:
