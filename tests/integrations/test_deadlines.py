@@ -17,7 +17,15 @@ import pytest
 
 from fair_sched_plugin.proxy import build_proxy_app
 
-from .conftest import chat_body, emulator, fair_config, gate_sees_metrics, open_client, serve
+from .conftest import (
+    chat_body,
+    emulator,
+    fair_config,
+    gate_sees_metrics,
+    open_client,
+    serve,
+    wait_until,
+)
 from .test_waiting_clients import middleware_app, service_of
 
 BENCHMARK = pathlib.Path(__file__).parents[2] / "benchmarks" / "deadlines.py"
@@ -44,8 +52,9 @@ async def test_a_request_that_cannot_start_in_time_is_refused_at_once(kind: str)
             await gate_sees_metrics(service)
             # Alice's backlog drains through the one slot (4 ms a token): the rate is measured.
             backlog = [asyncio.ensure_future(_send(alice, 20)) for _ in range(30)]
-            while service.scheduler.statistics().released_total < 14:
-                await asyncio.sleep(0.01)
+            await wait_until(
+                lambda: service.scheduler.statistics().released_total >= 14, timeout_s=60
+            )
             # Bob sends six at once with 0.3 s each: turns alternate with alice's, so his k-th
             # is about the (2k-1)-th released, and his last ones cannot start in 0.3 s.
             answers = await asyncio.gather(*(_send(bob, 4, limit_s=0.3) for _ in range(6)))
