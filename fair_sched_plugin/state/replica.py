@@ -39,7 +39,7 @@ from ..core.reads import SchedulerStatistics, UserBacklog
 from ..core.standing import BacklogIndex
 from ..core.ticket import Lease, Ticket, TierLimits, notify_end_listeners
 from ..driver import Admissions, FairScheduler, Waiter, abandon_if_granted, granted
-from ..errors import QueueFull, SchedulerClosed
+from ..errors import DeadlineUnreachable, QueueFull, SchedulerClosed
 from .budgets import SharedBudgets
 from .term import Term
 from .wire import (
@@ -191,7 +191,7 @@ class ReplicaScheduler:
 
     def enqueue(self, ticket: Ticket) -> Waiter:
         """Park `ticket` among every replica's tickets; its `future` resolves to the lease.
-        Raises `QueueFull` at once when a cap is reached."""
+        Raises `QueueFull` (or, where this replica leads, `DeadlineUnreachable`) at once."""
         self._check_open()
         self._check_tier(ticket.tier)
         loop = asyncio.get_running_loop()
@@ -341,7 +341,7 @@ class ReplicaScheduler:
         if term is not None:
             try:
                 term.submit((self.replica, self._session, parked.tid), parked.ticket)
-            except QueueFull as exc:
+            except (QueueFull, DeadlineUnreachable) as exc:
                 self._unpark(parked.tid)
                 if raise_full:
                     raise
