@@ -256,7 +256,7 @@ async def test_a_replica_leaves_out_usage_out_of_range_and_still_ends_the_lease(
 
 def test_a_deadline_refusal_reaches_the_follower_as_one() -> None:
     refusal = DeadlineUnreachable("cannot start within its limit", retry_after_s=3.0)
-    reply = wire.rejection(7, ("replica", "session", 12), refusal)
+    reply = wire.rejection(7, ("replica", 2, 12), refusal)
     error = wire.error_from(parse_reply(json.dumps(list(reply))))
     assert isinstance(error, DeadlineUnreachable) and error.retry_after_s == 3.0
     assert str(error) == "cannot start within its limit"
