@@ -31,6 +31,7 @@ from fair_sched_plugin.asgi import FairSchedulerMiddleware
 from fair_sched_plugin.config import load_settings, safe_url
 from fair_sched_plugin.core import (
     BackendSnapshot,
+    DeadlineOutcomes,
     GateTransition,
     GroupStatus,
     SchedulerStatistics,
@@ -667,6 +668,9 @@ class StaticView:
             in_flight_by_model={"big": 2},
         )
 
+    def deadline_outcomes(self) -> dict[str, DeadlineOutcomes]:
+        return {"interactive": DeadlineOutcomes(met=3, missed=1, refused=2)}
+
     def backlog(self) -> list[UserBacklog]:
         return [UserBacklog("big", "interactive", "alice", 4, 0.0, 0.0)]
 
@@ -734,6 +738,9 @@ def test_observability_reads_only_the_service_view() -> None:
     assert deployment["last_snapshot"]["running"] == 8
     assert value(text, "fair_sched_budget_over_principals", unit="usd") == 1
     assert metrics.status()["budgets"][0]["user"] == "alice"
+    tiers = {tier["name"]: tier["deadlines"] for tier in metrics.status()["tiers"]}
+    assert tiers["interactive"] == {"met": 3, "missed": 1, "refused": 2}
+    assert tiers["batch"] == {"met": 0, "missed": 0, "refused": 0}
 
 
 # ----------------------------------------------------------------------------- issue 19

@@ -40,9 +40,6 @@ class SchedulerStatistics(NamedTuple):
     timed_out_total: int
     queued_by_model_tier: Mapping[tuple[str, str], int]
     in_flight_by_model: Mapping[str, int]
-    # Refused at once: their predicted start was past their deadline (`DeadlineUnreachable`).
-    unreachable_total: int = 0
-    deadlines_by_tier: Mapping[str, DeadlineOutcomes] = {}
 
 
 class SchedulerReads:
@@ -57,7 +54,6 @@ class SchedulerReads:
     _abandoned_total: int
     _rejected_full_total: int
     _timed_out_total: int
-    _unreachable_total: int
     _deadline_outcomes: dict[str, list[int]]
 
     def statistics(self) -> SchedulerStatistics:
@@ -80,11 +76,11 @@ class SchedulerReads:
             timed_out_total=self._timed_out_total,
             queued_by_model_tier=by_tier,
             in_flight_by_model=by_model,
-            unreachable_total=self._unreachable_total,
-            deadlines_by_tier={
-                tier: DeadlineOutcomes(*counts) for tier, counts in self._deadline_outcomes.items()
-            },
         )
+
+    def deadline_outcomes(self) -> dict[str, DeadlineOutcomes]:
+        """Per tier, what became of the requests with a limit of their own (O(tiers))."""
+        return {tier: DeadlineOutcomes(*counts) for tier, counts in self._deadline_outcomes.items()}
 
     def backlog(self, model: str | None = None) -> list[UserBacklog]:
         """Every backlogged user with depth and oldest arrival (for status pages; O(users))."""

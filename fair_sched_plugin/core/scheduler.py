@@ -140,7 +140,6 @@ class SchedulerCore(SchedulerReads):
         self._abandoned_total = 0
         self._rejected_full_total = 0
         self._timed_out_total = 0
-        self._unreachable_total = 0
         # Per tier, of the requests with a limit shorter than the queue's (their tier's or their
         # client's): [started in time, waited it out, refused at once as out of reach].
         self._deadline_outcomes: dict[str, list[int]] = {}
@@ -270,7 +269,6 @@ class SchedulerCore(SchedulerReads):
             if rate is not None and now + start_after_s(queues.queued + 1, rate) > deadline:
                 position = self._position(tier, user_queue, own_index)
                 if now + start_after_s(position, rate) > deadline:
-                    self._unreachable_total += 1
                     if limited:
                         self._count_deadline(limits.name, REFUSED)
                     raise self._unreachable(ticket, position, rate, deadline - now, 0.0)
@@ -755,7 +753,6 @@ class SchedulerCore(SchedulerReads):
             if now + start_after_s(position, rate) <= tail.deadline:
                 return
             self._remove_waiter(tail, UNREACHABLE)
-            self._unreachable_total += 1
             if tail.limited:
                 self._count_deadline(tier.limits.name, REFUSED)
             if not tail.gone():

@@ -154,9 +154,7 @@ class StatusDocument:
                     "released": released_by_tier.get(tier.name, 0),
                     # Of its requests with a limit shorter than the queue's (the tier's or the
                     # client's): started in time, waited it out, refused at once.
-                    "deadlines": dict(
-                        stats.deadlines_by_tier.get(tier.name, _NO_DEADLINES)._asdict()
-                    ),
+                    "deadlines": dict(state.deadlines.get(tier.name, _NO_DEADLINES)._asdict()),
                     "delivered_share": (
                         round(released_by_tier.get(tier.name, 0) / released_all, 4)
                         if released_all

@@ -15,6 +15,7 @@ from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, NamedTuple, Protocol
 
 from ..core import (
+    DeadlineOutcomes,
     GateTransition,
     GroupStatus,
     Lease,
@@ -73,6 +74,10 @@ class ServiceView(Protocol):
     def settings(self) -> FairSchedSettings: ...
 
     def scheduler_statistics(self) -> SchedulerStatistics: ...
+
+    def deadline_outcomes(self) -> Mapping[str, DeadlineOutcomes]:
+        """Per tier, the requests with a limit of their own: met, missed, refused at once."""
+        ...
 
     def backlog(self) -> list[UserBacklog]:
         """Every backlogged (model, tier, user) with its depth and oldest arrival."""
@@ -144,6 +149,7 @@ class Reading(NamedTuple):
     shared: bool
     now: float | None  # the loop's clock, for ages; None outside a loop
     budgets: list[BudgetStanding] = []
+    deadlines: Mapping[str, DeadlineOutcomes] = {}
 
 
 class ViewReader:
@@ -179,6 +185,7 @@ class ViewReader:
             shared=view.shares_state(),
             now=asyncio.get_running_loop().time() if on_loop else None,
             budgets=view.budget_standings(),
+            deadlines=view.deadline_outcomes(),
         )
 
     def read(self) -> Reading:

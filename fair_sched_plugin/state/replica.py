@@ -35,7 +35,7 @@ from typing import Any, Literal, NamedTuple
 from ..core.backpressure import GroupStatus, MetricsGate
 from ..core.budget import BudgetBook
 from ..core.gate import AdmissionGate
-from ..core.reads import SchedulerStatistics, UserBacklog
+from ..core.reads import DeadlineOutcomes, SchedulerStatistics, UserBacklog
 from ..core.standing import BacklogIndex
 from ..core.ticket import Lease, Ticket, TierLimits, notify_end_listeners
 from ..driver import Admissions, FairScheduler, Waiter, abandon_if_granted, granted
@@ -164,6 +164,10 @@ class ReplicaScheduler:
     @property
     def core(self) -> FairScheduler:
         return self._core
+
+    def deadline_outcomes(self) -> dict[str, DeadlineOutcomes]:
+        """This process's core's: a follower's requests are counted by its leader's core."""
+        return self._core.deadline_outcomes()
 
     @property
     def mode(self) -> StateMode:

@@ -183,7 +183,7 @@ def test_a_tiers_max_wait_ends_the_wait_and_counts_as_missed() -> None:
     (decision,) = core.take_decisions()
     assert decision.parked is parked and isinstance(decision.outcome, QueueTimeout)
     assert batch.state == 0  # still queued: the batch tier has no limit of its own
-    outcomes = core.statistics().deadlines_by_tier
+    outcomes = core.deadline_outcomes()
     assert outcomes["interactive"] == DeadlineOutcomes(met=1, missed=1, refused=0)
     assert "batch" not in outcomes
 
@@ -195,9 +195,7 @@ def test_deadline_outcomes_count_met_missed_and_refused_per_tier() -> None:
         with contextlib.suppress(DeadlineUnreachable):
             core.submit(_limited("batch", 4))
     _drain_steadily(core, running, clock, 6)
-    stats = core.statistics()
-    assert stats.deadlines_by_tier["interactive"] == DeadlineOutcomes(met=2, missed=1, refused=7)
-    assert stats.unreachable_total == 7
+    assert core.deadline_outcomes() == {"interactive": DeadlineOutcomes(met=2, missed=1, refused=7)}
 
 
 def test_a_later_arrival_with_a_shorter_limit_expires_first() -> None:
