@@ -15,6 +15,7 @@ _EXPORTS = {
     "FairSchedSettings": "fair_sched_plugin.config",
     "load_settings": "fair_sched_plugin.config",
     "ConfigError": "fair_sched_plugin.errors",
+    "DeadlineUnreachable": "fair_sched_plugin.errors",
     "FairSchedError": "fair_sched_plugin.errors",
     "QueueFull": "fair_sched_plugin.errors",
     "QueueTimeout": "fair_sched_plugin.errors",

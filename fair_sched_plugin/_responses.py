@@ -12,8 +12,10 @@ from typing import Any, NamedTuple
 
 from starlette.types import Send
 
-from .errors import ClientDisconnected, InvalidRequest, Rejected
+from .errors import ClientDisconnected, DeadlineUnreachable, InvalidRequest, Rejected
 
+# How long a request refused for its deadline had waited (the header a granted one carries).
+WAITED_HEADER = "x-fair-sched-queued-s"
 # nginx's "client closed request": logged, never read by anyone.
 CLIENT_CLOSED_STATUS = 499
 
@@ -75,4 +77,7 @@ def error_response(exc: Rejected | ClientDisconnected) -> ErrorResponse:
         # A full queue, a wait given up, an engine or a server away: say when to come back
         # (the service estimates it from the measured drain rate).
         headers["Retry-After"] = exc.retry_after_header
+    if isinstance(exc, DeadlineUnreachable):
+        # Whether it was refused on arrival or after waiting (the prediction changed).
+        headers[WAITED_HEADER] = f"{exc.waited_s:.3f}"
     return error(exc.status_code, str(exc), code=exc.error_code, param=param, headers=headers)

@@ -184,6 +184,10 @@ class Reservation:
             abandon_if_granted(self.future)
 
 
+# How long after a client's own limit a wait ends that the core has not ended.
+LIMIT_BACKSTOP_S = 0.05
+
+
 async def granted(
     waiter: Waiter,
     disconnected: asyncio.Event | None = None,
@@ -239,7 +243,10 @@ async def granted(
                     ),
                 )
 
-        stops.append(clock.call_at(clock.now() + max_wait_s, expired).cancel)
+        # The local core ends the wait at the limit itself (and counts it); this backstop, a
+        # moment later, is for a follower replica, whose leader does not hear of the limit.
+        due = clock.now() + max_wait_s + LIMIT_BACKSTOP_S
+        stops.append(clock.call_at(due, expired).cancel)
     try:
         if future.done():
             await asyncio.sleep(0)  # after the waiters decided before it

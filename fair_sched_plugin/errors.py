@@ -4,6 +4,7 @@
     ├── ConfigError                   invalid `fair_sched` settings (names the key path and value)
     ├── Rejected                      a request the scheduler will not run; carries `retry_after_s`
     │   ├── QueueFull                 per-user or total queue cap reached       -> HTTP 429
+    │   ├── DeadlineUnreachable       its predicted start is past its deadline  -> HTTP 429
     │   ├── QueueTimeout              waited longer than `queue.max_wait_s` (or
     │   │                             its `x-fair-sched-max-wait-s`)            -> HTTP 504
     │   ├── BudgetExceeded            the principal spent its budget (reject)   -> HTTP 429
@@ -20,9 +21,10 @@
 
 Integrations translate these into HTTP responses with one function
 (`fair_sched_plugin._responses.error_response`); nothing third-party leaks through the API.
-The four refusals a waiting client meets are told apart by status and error `code`: queue full
-(429 `queue_full`), wait exceeded (504 `timeout`), engine unavailable (502
-`upstream_unavailable`) and shutting down (503 `shutting_down`), each with `Retry-After`.
+The refusals a waiting client meets are told apart by status and error `code`: queue full
+(429 `queue_full`), deadline out of reach (429 `deadline_unreachable`), wait exceeded (504
+`timeout`), engine unavailable (502 `upstream_unavailable`) and shutting down (503
+`shutting_down`), each with `Retry-After`.
 """
 
 from __future__ import annotations
@@ -73,6 +75,19 @@ class QueueFull(Rejected):
     def __init__(self, message: str, *, retry_after_s: float = 1.0, scope: str = "user") -> None:
         super().__init__(message, retry_after_s=retry_after_s)
         self.scope = scope  # "user" or "total"
+
+
+class DeadlineUnreachable(Rejected):
+    """The request cannot start before its deadline (`queue.max_wait_s`, its tier's or its
+    client's limit): its place in the queue and the measured drain rate say so, so it is refused
+    at once rather than at the deadline (and LiteLLM may send it to a fallback group).
+    `waited_s`: how long it had waited (0 when refused on arrival)."""
+
+    reason = "deadline_unreachable"
+
+    def __init__(self, message: str, *, retry_after_s: float = 1.0, waited_s: float = 0.0) -> None:
+        super().__init__(message, retry_after_s=retry_after_s)
+        self.waited_s = waited_s
 
 
 class QueueTimeout(Rejected):

@@ -418,6 +418,9 @@ class SchedulingService:
         ticket = self.ticket_for(principal, scheduled_as, body)
         # A parked request keeps its ticket, not the body (which may be megabytes of objects).
         del body
+        if max_wait_s is not None:
+            # The core orders the user's queue by it and refuses early what cannot make it.
+            ticket = ticket._replace(max_wait_s=max_wait_s)
         try:
             if ticket.user in self._budgeted:
                 ticket = self._apply_budget(ticket)
@@ -594,6 +597,7 @@ def _tier_limits(settings: FairSchedSettings) -> tuple[TierLimits, ...]:
             share=tier.share,
             promote_after_s=tier.promote_after_s,
             reserve_slots=tier.reserve_slots,
+            max_wait_s=tier.max_wait_s,
         )
         for tier in settings.tiers
     )

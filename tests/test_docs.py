@@ -78,7 +78,7 @@ def test_every_status_and_code_named_in_the_docs_is_what_the_code_answers() -> N
 def test_the_refusal_table_of_waiting_clients_matches_the_responses() -> None:
     text = (ROOT / "docs" / "waiting-clients.md").read_text(encoding="utf-8")
     rows = re.findall(r"^\| [^|]+ \| (\d{3}) \| `(\w+)` \| `(\w+)` \|$", text, re.MULTILINE)
-    assert len(rows) == 4
+    assert len(rows) == 5
     table = statuses_by_code()
     for status, kind, code in rows:
         assert int(status) in table[code], (status, code)

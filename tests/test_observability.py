@@ -31,6 +31,7 @@ from fair_sched_plugin.asgi import FairSchedulerMiddleware
 from fair_sched_plugin.config import load_settings, safe_url
 from fair_sched_plugin.core import (
     BackendSnapshot,
+    DeadlineOutcomes,
     FairnessReading,
     GateTransition,
     GroupStatus,
@@ -250,6 +251,7 @@ async def test_rejections_are_counted_by_reason() -> None:
     assert service.observability.status()["totals"]["rejected"] == {
         "queue_full_user": 1,
         "queue_full_total": 1,
+        "deadline_unreachable": 0,
         "timeout": 2,
         "closed": 0,
     }
@@ -667,6 +669,9 @@ class StaticView:
             in_flight_by_model={"big": 2},
         )
 
+    def deadline_outcomes(self) -> dict[str, DeadlineOutcomes]:
+        return {"interactive": DeadlineOutcomes(met=3, missed=1, refused=2)}
+
     def backlog(self) -> list[UserBacklog]:
         return [UserBacklog("big", "interactive", "alice", 4, 0.0, 0.0)]
 
@@ -756,6 +761,9 @@ def test_observability_reads_only_the_service_view() -> None:
     assert deployment["last_snapshot"]["running"] == 8
     assert value(text, "fair_sched_budget_over_principals", unit="usd") == 1
     assert metrics.status()["budgets"][0]["user"] == "alice"
+    tiers = {tier["name"]: tier["deadlines"] for tier in metrics.status()["tiers"]}
+    assert tiers["interactive"] == {"met": 3, "missed": 1, "refused": 2}
+    assert tiers["batch"] == {"met": 0, "missed": 0, "refused": 0}
 
 
 # ------------------------------------------------------------------ tiers, budgets and costs

@@ -14,6 +14,7 @@ PUBLIC = {
     "__version__",
     "ClientDisconnected",
     "ConfigError",
+    "DeadlineUnreachable",
     "FairSchedError",
     "FairSchedSettings",
     "FairScheduler",

@@ -80,6 +80,9 @@ class TierSettings(Frozen):
     # Running slots that this tier's users who already hold one leave free (tiers below keep
     # them too), so the next user starts at once; needs every backend's max_num_seqs.
     reserve_slots: Annotated[int, Field(ge=0, le=10_000)] = 0
+    # How long this tier's requests wait for their turn at most (None: `queue.max_wait_s`, which
+    # it may only shorten); a request that cannot start in time is refused at once.
+    max_wait_s: Annotated[float, Field(gt=0, le=86_400)] | None = None
 
     @model_validator(mode="before")
     @classmethod
@@ -393,6 +396,12 @@ class FairSchedSettings(Frozen):
         if self.tiers[0].promote_after_s is not None:
             raise ValueError("tiers[0].promote_after_s: the first tier has no tier above it")
         self._check_reservations()
+        for index, tier in enumerate(self.tiers):
+            if tier.max_wait_s is not None and tier.max_wait_s > self.queue.max_wait_s:
+                raise ValueError(
+                    f"tiers[{index}].max_wait_s: at most queue.max_wait_s "
+                    f"({self.queue.max_wait_s:g}) (got {tier.max_wait_s:g})"
+                )
         priced = any(backend.price is not None for backend in self.backends.values())
         # Inside LiteLLM every deployment may have a price in LiteLLM's own cost data.
         priced = priced or bool((info.context or {}).get(PRICES_FROM_ADAPTER))

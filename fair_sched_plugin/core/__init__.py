@@ -16,7 +16,7 @@ from .clock import Clock, MonotonicClock
 from .fairness import FairnessPolicy
 from .fairness_window import DEFAULT_FAIRNESS_WINDOW_S, FairnessReading, FairnessWindow
 from .gate import AdmissionGate, InflightLimitGate
-from .reads import SchedulerStatistics, UserBacklog
+from .reads import DeadlineOutcomes, SchedulerStatistics, UserBacklog
 from .scheduler import Decision, QueueOrder, SchedulerCore
 from .snapshot import BackendSnapshot
 from .ticket import (
@@ -45,6 +45,7 @@ __all__ = [
     "BudgetUnit",
     "BudgetVerdict",
     "Clock",
+    "DeadlineOutcomes",
     "Decision",
     "Deployment",
     "DeploymentStatus",

@@ -13,6 +13,7 @@ import heapq
 from collections import OrderedDict, deque
 from collections.abc import Iterable, Iterator
 
+from .drain import DrainRate
 from .standing import DepthIndex
 from .ticket import Ticket, TierLimits
 
@@ -21,7 +22,7 @@ from .ticket import Ticket, TierLimits
 # memory cannot grow with the number of distinct callers (rotating keys, claimed names).
 MAX_IDLE_USERS_REMEMBERED = 10_000
 
-QUEUED, GRANTED, CANCELLED, EXPIRED, CLOSED = range(5)
+QUEUED, GRANTED, CANCELLED, EXPIRED, CLOSED, UNREACHABLE = range(6)
 
 
 class Parked:
@@ -29,7 +30,9 @@ class Parked:
     data the core never reads (the driver finds its waiter by it when `_decided` runs)."""
 
     __slots__ = (
+        "deadline",
         "enqueued_at",
+        "limited",
         "passed_over",
         "ref",
         "state",
@@ -39,10 +42,21 @@ class Parked:
     )
 
     def __init__(
-        self, ticket: Ticket, now: float, user_queue: UserQueue, ref: object = None
+        self,
+        ticket: Ticket,
+        now: float,
+        user_queue: UserQueue,
+        ref: object = None,
+        deadline: float = float("inf"),
+        *,
+        limited: bool = False,
     ) -> None:
         self.ticket = ticket
         self.enqueued_at = now
+        # When its wait ends (`queue.max_wait_s`, or a shorter limit of its tier or its client:
+        # `limited`, counted as met, missed or refused for its deadline).
+        self.deadline = deadline
+        self.limited = limited
         self.tier_since = now  # when it entered its current tier (promotion counts from here)
         self.state = QUEUED
         self.user_queue = user_queue
@@ -291,7 +305,7 @@ class TierQueue:
         self, parked: Parked, now: float, arrivals: Iterator[int], *, shortest_first: bool
     ) -> TierQueue:
         """Move a waiter that waited `promote_after_s` into the same user's queue one tier up,
-        in arrival order there (O(depth) of that user's queues, bounded by `max_per_user`);
+        in deadline order there (O(depth) of that user's queues, bounded by `max_per_user`);
         the tier it is in now."""
         old_queue = parked.user_queue
         if shortest_first:
@@ -315,7 +329,7 @@ class TierQueue:
         else:
             waiters = new_queue.waiters
             index = len(waiters)
-            while index and waiters[index - 1].enqueued_at > parked.enqueued_at:
+            while index and waiters[index - 1].deadline > parked.deadline:
                 index -= 1
             waiters.insert(index, parked)
         new_queue.depth += 1
@@ -345,6 +359,7 @@ class TierQueue:
 class ModelQueues:
     __slots__ = (
         "dispatching",
+        "drain",
         "in_flight",
         "model",
         "orders_engine_queue",
@@ -367,3 +382,5 @@ class ModelQueues:
         self.redispatch = False
         # `AdmissionGate.orders_engine_queue(model)`, asked once (`SchedulerCore._model_queues`).
         self.orders_engine_queue = False
+        # How fast its backlog drains (what a deadline's prediction divides by).
+        self.drain = DrainRate()

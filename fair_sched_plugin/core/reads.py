@@ -22,6 +22,15 @@ class UserBacklog(NamedTuple):
     virtual_time: float
 
 
+class DeadlineOutcomes(NamedTuple):
+    """Of one tier's requests with a limit shorter than the queue's (their tier's or their
+    client's): started in time, waited their limit out, refused at once as out of reach."""
+
+    met: int
+    missed: int
+    refused: int
+
+
 class SchedulerStatistics(NamedTuple):
     queued: int
     in_flight: int
@@ -49,6 +58,7 @@ class SchedulerReads:
     _timed_out_total: int
     _clock: Clock
     _fairness_window: FairnessWindow
+    _deadline_outcomes: dict[str, list[int]]
 
     def statistics(self) -> SchedulerStatistics:
         by_tier = {
@@ -71,6 +81,10 @@ class SchedulerReads:
             queued_by_model_tier=by_tier,
             in_flight_by_model=by_model,
         )
+
+    def deadline_outcomes(self) -> dict[str, DeadlineOutcomes]:
+        """Per tier, what became of the requests with a limit of their own (O(tiers))."""
+        return {tier: DeadlineOutcomes(*counts) for tier, counts in self._deadline_outcomes.items()}
 
     def backlog(self, model: str | None = None) -> list[UserBacklog]:
         """Every backlogged user with depth and oldest arrival (for status pages; O(users))."""

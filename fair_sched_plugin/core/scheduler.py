@@ -27,9 +27,10 @@ from collections import deque
 from collections.abc import Callable, Iterable
 from typing import Literal, NamedTuple
 
-from ..errors import QueueFull, QueueTimeout, Rejected, SchedulerClosed
+from ..errors import DeadlineUnreachable, QueueFull, QueueTimeout, Rejected, SchedulerClosed
 from .clock import Clock, MonotonicClock
 from .deadlines import Deadlines
+from .drain import start_after_s
 from .fairness import POLICIES, FairnessPolicy
 from .fairness_window import DEFAULT_FAIRNESS_WINDOW_S, FairnessWindow
 from .gate import AdmissionGate
@@ -39,6 +40,7 @@ from .queues import (
     EXPIRED,
     GRANTED,
     QUEUED,
+    UNREACHABLE,
     HeapEntry,
     ModelQueues,
     Parked,
@@ -64,9 +66,11 @@ LOOKAHEAD = 5
 # the head moves to the deployment that frees a slot first and the homes rebalance.
 MAX_PASSED_OVER = 8
 
-# The wake-up for the deadlines (all tiers' waiters share one max wait): `_wakeups` entries name
-# a tier for its promotions, or this for the deadlines.
+# The wake-up for the deadlines (one for the earliest): `_wakeups` entries name a tier for its
+# promotions, or this for the deadlines.
 _DEADLINES = None
+# A limited request's outcome for its deadline (`SchedulerCore._deadline_outcomes`).
+MET, MISSED, REFUSED = range(3)
 
 
 class Decision(NamedTuple):
@@ -107,6 +111,9 @@ class SchedulerCore(SchedulerReads):
         if order not in ("fifo", "shortest_first"):
             raise ValueError(f"unknown queue order {order!r}")
         self._shortest_first = order == "shortest_first"
+        # Round robin takes turns whatever the weights: each other backlogged user then goes
+        # about once per own release, which a deadline's prediction counts on.
+        self._takes_turns = fairness == "round_robin"
         self._shares = TierShares(self._tiers)
         self._shared_tiers = self._shares.shared
         self._policy = POLICIES[fairness]
@@ -120,9 +127,8 @@ class SchedulerCore(SchedulerReads):
         self._arrivals = itertools.count()
         self._lease_ids = itertools.count(1)
         self._queued_total = 0
-        # Every waiter gets the same max wait, so deadlines are in arrival order: one deque and
-        # one wake-up for its head instead of one per waiter.
-        self._deadlines = Deadlines(max_wait_s)
+        # One wake-up for the earliest deadline instead of one per waiter.
+        self._deadlines = Deadlines()
         # When `tick` must run: (due, order, the tier to promote in or `_DEADLINES`). An entry
         # whose due no longer matches its tier's (or the deadlines') is stale and skipped.
         self._wakeups: list[tuple[float, int, TierQueue | None]] = []
@@ -135,6 +141,9 @@ class SchedulerCore(SchedulerReads):
         self._abandoned_total = 0
         self._rejected_full_total = 0
         self._timed_out_total = 0
+        # Per tier, of the requests with a limit shorter than the queue's (their tier's or their
+        # client's): [started in time, waited it out, refused at once as out of reach].
+        self._deadline_outcomes: dict[str, list[int]] = {}
         self._end_listeners: list[Callable[[Lease, bool], object]] = []
         self._fairness_window = FairnessWindow(fairness_window_s, fairness)
         gate.set_listener(self._on_capacity)
@@ -190,6 +199,8 @@ class SchedulerCore(SchedulerReads):
             user_queue.lift()
         now = self._clock.now()
         deployment = gate.place(ticket, limits)
+        if ticket.max_wait_s is not None or limits.max_wait_s is not None:
+            self._count_deadline(limits.name, MET)
         return self._make_lease(queues, user_queue, ticket, now, deployment, released_at=now)
 
     def _may_go_as_newcomer(
@@ -219,7 +230,9 @@ class SchedulerCore(SchedulerReads):
     def submit(self, ticket: Ticket, ref: object = None) -> Parked:
         """Park `ticket` and run the release decision (which may decide it at once: see
         `_decided`). `ref` is the caller's, kept on the `Parked` unread. Raises `QueueFull`
-        at once when a cap is reached, `SchedulerClosed` once closed."""
+        at once when a cap is reached, `DeadlineUnreachable` when its place in the queue and the
+        measured drain rate say it cannot start before its deadline, `SchedulerClosed` once
+        closed."""
         if self._closed:
             self._check_open()
         # One method from the ticket to the decision: this runs for every admission.
@@ -244,10 +257,40 @@ class SchedulerCore(SchedulerReads):
                 retry_after_s=self._retry_hint(queues),
                 scope="total",
             )
+        now = self._clock.now()
+        limits = tier.limits
+        wait = self._max_wait_s
+        limited = ticket.max_wait_s is not None or limits.max_wait_s is not None
+        if limited:
+            wait = min(wait, ticket.max_wait_s or wait, limits.max_wait_s or wait)
+        deadline = now + wait
+        depth = user_queue.depth if user_queue is not None else 0
+        # Earliest deadline first inside the user's own queue: almost always behind its tail
+        # (the same limit, a later arrival); an earlier deadline walks back past the later ones.
+        own_index = depth + 1
+        insert_at = None
+        if not self._shortest_first and depth:
+            waiters = user_queue.waiters  # type: ignore[union-attr]
+            if waiters[-1].deadline > deadline:
+                insert_at = len(waiters)
+                while insert_at and waiters[insert_at - 1].deadline > deadline:
+                    insert_at -= 1
+                # Left entries walked past count too: an index no later than its own.
+                own_index = max(1, own_index - (len(waiters) - insert_at))
+        elif self._shortest_first:
+            own_index = 1  # its place among its own depends on sizes: assume the best
+        if queues.queued:
+            # Someone is ahead: refuse now what cannot start in time (never without a rate).
+            rate = queues.drain.rate(now)
+            if rate is not None and now + start_after_s(queues.queued + 1, rate) > deadline:
+                position = self._position(tier, user_queue, own_index)
+                if now + start_after_s(position, rate) > deadline:
+                    if limited:
+                        self._count_deadline(limits.name, REFUSED)
+                    raise self._unreachable(ticket, position, rate, deadline - now, 0.0)
         if user_queue is None:
             user_queue = tier.user_queue(ticket.user)
-        waiter = Parked(ticket, self._clock.now(), user_queue, ref)
-        depth = user_queue.depth
+        waiter = Parked(ticket, now, user_queue, ref, deadline, limited=limited)
         if not depth:
             if user_queue.virtual_time < tier.virtual_time:
                 user_queue.lift()
@@ -259,13 +302,17 @@ class SchedulerCore(SchedulerReads):
             tier.push(user_queue, arrival)
         if self._shortest_first:
             heapq.heappush(user_queue.sized, (ticket.cost, next(self._arrivals), waiter))
-        else:
+        elif insert_at is None:
             user_queue.waiters.append(waiter)
+        else:
+            user_queue.waiters.insert(insert_at, waiter)
         user_queue.depth = depth = depth + 1
         tier.depths.deeper(depth)
         if tier.promotes:
             self._track_promotion(tier, waiter)
         tier.queued += 1
+        if not queues.queued:
+            queues.drain.backlog_since = now
         queues.queued += 1
         self._queued_total += 1
         due = self._deadlines.add(waiter, self._queued_total)
@@ -288,7 +335,7 @@ class SchedulerCore(SchedulerReads):
 
     def tick(self, now: float) -> None:
         """Act on what is due by `now`: promote waiters that waited `promote_after_s`, refuse
-        those past `max_wait_s` (`QueueTimeout`). Run it at `next_due()`."""
+        those past their deadline (`QueueTimeout`). Run it at `next_due()`."""
         wakeups = self._wakeups
         while wakeups and wakeups[0][0] <= now:
             due, _, tier = heapq.heappop(wakeups)
@@ -521,13 +568,19 @@ class SchedulerCore(SchedulerReads):
                 tier.forget_if_idle(user_queue)
             return True
         waiter.state = GRANTED
+        now = self._clock.now()
+        queues.drain.released(now)
+        if waiter.limited:
+            self._count_deadline(tier.limits.name, MET if now <= waiter.deadline else MISSED)
         # The tier's time must not pass a backlogged user's, or a correction (`_correct`) or a
         # newcomer's lift would cost the users the look-ahead passed over their place.
         if start_tag > tier.virtual_time:
             tier.virtual_time = start_tag
         ticket = waiter.ticket
         deployment = self._gate.place(ticket, tier.limits)
-        lease = self._make_lease(queues, user_queue, ticket, waiter.enqueued_at, deployment, charge)
+        lease = self._make_lease(
+            queues, user_queue, ticket, waiter.enqueued_at, deployment, charge, now
+        )
         if off_heap_entry is not None:
             if depth:
                 tier.push(user_queue, next(self._arrivals))
@@ -536,6 +589,10 @@ class SchedulerCore(SchedulerReads):
         else:
             tier.pop_top(user_queue)
         self._decided(waiter, lease)
+        if depth and not self._shortest_first:
+            # The user's turn came: a look at its most-at-risk request (once per turn, so each
+            # backlogged user's tail is looked at once per round, never a scan of every queue).
+            self._refuse_unreachable_tail(tier, user_queue, now)
         return True
 
     def _look_ahead(self, tier: TierQueue) -> tuple[UserQueue, HeapEntry] | None:
@@ -697,11 +754,17 @@ class SchedulerCore(SchedulerReads):
         for waiter in self._deadlines.overdue(now):
             self._remove_waiter(waiter, EXPIRED)
             self._timed_out_total += 1
+            if waiter.limited:
+                self._count_deadline(waiter.user_queue.tier_queue.limits.name, MISSED)
             if not self._gone(waiter):
+                waited = waiter.deadline - waiter.enqueued_at
+                limit = f"{waited:g} s"
+                if waiter.ticket.max_wait_s == waited:
+                    limit = f"its client's limit of {limit} (x-fair-sched-max-wait-s)"
                 self._decided(
                     waiter,
                     QueueTimeout(
-                        f"waited {self._max_wait_s:g} s without being scheduled on model "
+                        f"waited {limit} without being scheduled on model "
                         f"{waiter.ticket.model!r}; the engine is saturated",
                         retry_after_s=self._retry_hint(self._models[waiter.ticket.model]),
                     ),
@@ -709,6 +772,66 @@ class SchedulerCore(SchedulerReads):
         due = self._deadlines.arm()
         if due is not None:
             self._wake_at(due, _DEADLINES)
+
+    def _refuse_unreachable_tail(self, tier: TierQueue, user_queue: UserQueue, now: float) -> None:
+        """Refuse, from the back of the user's queue, the requests that can no longer start
+        before their deadline (the latest there has the most ahead of it and, in deadline
+        order, no earlier deadline than those before it); stop at the first that can."""
+        rate = tier.model_queues.drain.rate(now)
+        if rate is None:
+            return
+        waiters = user_queue.waiters
+        while user_queue.depth:
+            tail = waiters[-1]
+            if tail.state != QUEUED:
+                waiters.pop()  # left already: nothing counts it
+                continue
+            position = self._position(tier, user_queue, user_queue.depth)
+            if now + start_after_s(position, rate) <= tail.deadline:
+                return
+            self._remove_waiter(tail, UNREACHABLE)
+            if tail.limited:
+                self._count_deadline(tier.limits.name, REFUSED)
+            if not self._gone(tail):
+                self._decided(
+                    tail,
+                    self._unreachable(
+                        tail.ticket, position, rate, tail.deadline - now, now - tail.enqueued_at
+                    ),
+                )
+
+    def _position(self, tier: TierQueue, user_queue: UserQueue | None, own_index: int) -> int:
+        """How many releases of the model, it included, come no later than the `own_index`-th
+        of the user's requests in `tier`: a lower bound, so a prediction from it errs early.
+        Strict tiers: all queued above. Round robin: each other backlogged user about once per
+        own release, counted as one fewer (the tier's next turn may be ours). O(tiers + log n)."""
+        ahead = 0
+        if not self._shared_tiers:
+            for upper in tier.model_queues.tiers[: tier.position]:
+                ahead += upper.depths.total
+        if self._takes_turns and own_index > 1:
+            own_depth = user_queue.depth if user_queue is not None else 0
+            turns = own_index - 1
+            ahead += tier.depths.capped_total(turns) - min(own_depth, turns)
+        return ahead + own_index
+
+    def _unreachable(
+        self, ticket: Ticket, position: int, rate: float, left_s: float, waited_s: float
+    ) -> DeadlineUnreachable:
+        expected_s = start_after_s(position, rate)
+        return DeadlineUnreachable(
+            f"cannot start within its limit on model {ticket.model!r}: {position} requests are "
+            f"released no later than it, about {expected_s:.1f} s at the measured rate, "
+            f"{max(0.0, left_s):.1f} s left",
+            retry_after_s=min(60.0, max(1.0, expected_s - left_s)),
+            waited_s=waited_s,
+        )
+
+    def _count_deadline(self, tier: str, outcome: int) -> None:
+        counts = self._deadline_outcomes.get(tier)
+        if counts is None:
+            counts = self._deadline_outcomes[tier] = [0, 0, 0]
+        counts[outcome] += 1
 
     # ------------------------------------------------------------------ helpers
 

@@ -20,6 +20,8 @@ MAX_REQUEST_COST = 1_000_000.0
 # Weights are configured (and carried between replicas): bounded so 1/weight stays finite.
 MIN_WEIGHT = 1e-6
 MAX_WEIGHT = 1e6
+# The longest wait a request may ask for (what `queue.max_wait_s` allows at most).
+MAX_WAIT_S = 86_400.0
 
 
 def _left_out(field: str, value: object) -> None:
@@ -71,6 +73,8 @@ class TierLimits(NamedTuple):
     # Running slots of an engine with known slots (`max_num_seqs`) that this tier's users who
     # already hold a request in flight leave free: a user who holds none starts at once.
     reserve_slots: int = 0
+    # The longest a request of this tier waits for its turn (None: the queue's limit).
+    max_wait_s: float | None = None
 
 
 class _TicketFields(NamedTuple):
@@ -81,6 +85,7 @@ class _TicketFields(NamedTuple):
     cost: int = 1
     price: float = 0.0
     prefix: tuple[int, ...] = ()
+    max_wait_s: float | None = None
 
 
 class Ticket(_TicketFields):
@@ -90,9 +95,10 @@ class Ticket(_TicketFields):
     it at release and corrects it with the actual count when the lease ends, and
     `queue.order: shortest_first` releases a user's smallest first. `price` is the estimated
     money cost (`fairness: cost` charges it, corrected by `Lease.release(cost_used=...)`).
-    `prefix` identifies the prompt's leading blocks (`fair_sched_plugin.prefix`): a gate
-    that places requests on several deployments sends requests that start alike where that
-    start went recently, so the engine's prefix cache has it.
+    `prefix` identifies the prompt's leading blocks (`fair_sched_plugin.prefix`): a gate that
+    places requests on several deployments sends requests that start alike where that start went
+    recently, so the engine's prefix cache has it. `max_wait_s` is how long the client will wait
+    for its turn (None: its tier's or the queue's limit; a longer one never raises those).
 
     A named tuple rather than a frozen dataclass: one is built per request on the hot path, and
     a frozen dataclass's `__init__` costs twice as much.
@@ -109,6 +115,7 @@ class Ticket(_TicketFields):
         cost: int = 1,
         price: float = 0.0,
         prefix: tuple[int, ...] = (),
+        max_wait_s: float | None = None,
     ) -> Ticket:
         if not (
             isinstance(weight, (int, float)) and MIN_WEIGHT <= weight <= MAX_WEIGHT
@@ -123,7 +130,11 @@ class Ticket(_TicketFields):
             type(price) is float and 0.0 <= price <= MAX_REQUEST_COST
         ) and not request_cost_in_range(price):
             raise ValueError(f"price must be in [0, {MAX_REQUEST_COST:g}] (got {price!r:.40})")
-        return tuple.__new__(cls, (model, user, tier, weight, cost, price, prefix))
+        if max_wait_s is not None and not (
+            isinstance(max_wait_s, (int, float)) and 0 < max_wait_s <= MAX_WAIT_S
+        ):
+            raise ValueError(f"max_wait_s must be in (0, {MAX_WAIT_S:g}] (got {max_wait_s!r:.40})")
+        return tuple.__new__(cls, (model, user, tier, weight, cost, price, prefix, max_wait_s))
 
 
 class LeaseOwner(Protocol):

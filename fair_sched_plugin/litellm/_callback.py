@@ -24,21 +24,22 @@ lease, so no other request can end it.
 from __future__ import annotations
 
 import logging
+import weakref
 from collections.abc import AsyncGenerator, Callable, Mapping, MutableMapping
-from typing import Any
+from typing import Any, NamedTuple
 
 from fastapi import HTTPException
-from litellm.exceptions import ServiceUnavailableError, Timeout
+from litellm.exceptions import RateLimitError, ServiceUnavailableError, Timeout
 from litellm.integrations.custom_logger import CustomLogger
 
 from .._body import OUTPUT_TOKEN_FIELDS, rewrite_priority
 from .._gc import freeze_startup_heap
-from .._request import current_request, ensure_current_request
+from .._request import RequestWatch, current_request, ensure_current_request
 from .._responses import error_response
 from .._usage import read_usage
 from ..config import PriceSettings, deployment_key, safe_url
 from ..core import Lease
-from ..errors import ClientDisconnected, InvalidRequest, Rejected
+from ..errors import ClientDisconnected, DeadlineUnreachable, InvalidRequest, Rejected
 from ..identity import Credentials, Principal
 from ..service import UNKNOWN_MODELS, SchedulingService
 from ._proxy import running_proxy
@@ -174,6 +175,23 @@ class FairSchedCallback(CustomLogger):
                 waiting=request,
                 max_wait_s=request.max_wait_s(service.settings.queue.max_wait_s),
             )
+        except DeadlineUnreachable as exc:
+            if not _has_fallbacks(model, data):
+                request.refuse(exc)
+                error = error_response(exc)
+                raise HTTPException(
+                    status_code=error.status, detail=error.body, headers=error.headers
+                ) from None
+            # LiteLLM's fallbacks run in its router, after this hook: the refusal is raised
+            # there (`async_filter_deployments`), and the fallback group schedules it anew.
+            _SPILLS[request] = _Spill(
+                str(model),
+                principal,
+                _as_sent(data) if via_extra_body else data,
+                request.max_wait_s(service.settings.queue.max_wait_s),
+                exc,
+            )
+            return data
         except (Rejected, ClientDisconnected) as exc:
             # LiteLLM re-renders the HTTPException's body; the request's watch sends ours.
             request.refuse(exc)
@@ -230,6 +248,10 @@ class FairSchedCallback(CustomLogger):
         request_kwargs: dict[str, Any] | None = None,
         parent_otel_span: Any = None,
     ) -> list[dict[str, Any]]:
+        request = current_request()
+        spill = _SPILLS.get(request) if request is not None else None
+        if spill is not None and request is not None and request.lease is None:
+            await self._spill_over(request, spill, model, request_kwargs)
         lease = _bound_lease(self._service)
         if lease is None:
             return healthy_deployments
@@ -242,6 +264,39 @@ class FairSchedCallback(CustomLogger):
                 lease, f"LiteLLM has no healthy deployment at {shown} (cooldown?)", self._service
             )
         return bound
+
+    async def _spill_over(
+        self,
+        request: RequestWatch,
+        spill: _Spill,
+        model: str,
+        request_kwargs: dict[str, Any] | None,
+    ) -> None:
+        """A request refused for its deadline in its own model group, now in LiteLLM's router:
+        in that group the refusal is raised as LiteLLM's rate-limit error (which its fallbacks
+        act on, at once: no retries); in a fallback group it is scheduled as that group's
+        request, or refused the same way for the next fallback."""
+        service = self.service
+        if model == spill.refused_in:
+            raise _fallback_trigger(spill.refusal, model)
+        try:
+            admission = await service.admit(
+                spill.principal,
+                model,
+                spill.body,
+                disconnected=request.watch(),
+                waiting=request,
+                max_wait_s=spill.max_wait_s,
+            )
+        except (Rejected, ClientDisconnected) as exc:
+            raise _fallback_trigger(exc, model) from None
+        del _SPILLS[request]
+        request.hold(admission.lease)
+        request.admitted(admission, name_principal=service.names_principals)
+        request.forwarded()
+        request.interrupted_tokens = service.charges.interrupted_tokens
+        if request_kwargs is not None:
+            rewrite_priority(request_kwargs, admission.engine_priority, via_extra_body=True)
 
     async def async_pre_call_check(
         self, deployment: dict[str, Any], parent_otel_span: Any
@@ -344,6 +399,44 @@ def _alias_target(aliases: Any, model: str) -> str | None:
     if isinstance(item, Mapping):
         item = item.get("model")
     return item if isinstance(item, str) else None
+
+
+class _Spill(NamedTuple):
+    """A request refused for its deadline in `refused_in`, whose fallbacks LiteLLM's router
+    will try: what scheduling it in a fallback group needs."""
+
+    refused_in: str
+    principal: Principal
+    body: Mapping[str, Any]
+    max_wait_s: float | None
+    refusal: DeadlineUnreachable
+
+
+# Per running request (its watch), while its fallbacks are tried; gone with the request.
+_SPILLS: weakref.WeakKeyDictionary[RequestWatch, _Spill] = weakref.WeakKeyDictionary()
+
+
+def _has_fallbacks(model: object, data: Mapping[str, Any]) -> bool:
+    """Whether LiteLLM's router has fallbacks for the model group `model` (its own `fallbacks`,
+    a `*` default, or the request's own `fallbacks`)."""
+    if data.get("fallbacks"):
+        return True
+    router = getattr(running_proxy(), "llm_router", None)
+    fallbacks = getattr(router, "fallbacks", None)
+    if not isinstance(model, str) or not isinstance(fallbacks, list):
+        return False
+    return any(
+        isinstance(entry, Mapping) and bool(entry.get(model) or entry.get("*"))
+        for entry in fallbacks
+    )
+
+
+def _fallback_trigger(refusal: Rejected | ClientDisconnected, model: str) -> Exception:
+    """LiteLLM's rate-limit error for a refusal in `model`'s group: its router then tries the
+    group's fallbacks, and with `num_retries=0` it does so without retrying here first."""
+    return RateLimitError(
+        f"fair_sched: {refusal}", llm_provider="fair_sched", model=model, num_retries=0
+    )
 
 
 def router_model_group(model: Any, groups: frozenset[str]) -> Any:

@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING, Protocol
 
 from ..core import (
     BudgetBook,
+    DeadlineOutcomes,
     FairnessReading,
     GateTransition,
     GroupStatus,
@@ -44,6 +45,8 @@ class SchedulerReadings(Protocol):
     def coordinated(self) -> bool: ...
 
     def statistics(self) -> SchedulerStatistics: ...
+
+    def deadline_outcomes(self) -> Mapping[str, DeadlineOutcomes]: ...
 
     def backlog(self) -> list[UserBacklog]: ...
 
@@ -91,6 +94,9 @@ class ServiceReadModel:
 
     def scheduler_statistics(self) -> SchedulerStatistics:
         return self._scheduler.statistics()
+
+    def deadline_outcomes(self) -> Mapping[str, DeadlineOutcomes]:
+        return self._scheduler.deadline_outcomes()
 
     def backlog(self) -> list[UserBacklog]:
         return self._scheduler.backlog()

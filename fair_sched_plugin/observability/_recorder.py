@@ -22,13 +22,20 @@ if TYPE_CHECKING:
     from ..identity import Principal
 
 OTHER = "other"
-REJECTION_REASONS = ("queue_full_user", "queue_full_total", "timeout", "closed")
+REJECTION_REASONS = (
+    "queue_full_user",
+    "queue_full_total",
+    "deadline_unreachable",
+    "timeout",
+    "closed",
+)
 # Rejections remembered for the status document (newest first there).
 RECENT_REJECTIONS = 50
 
 
 def rejection_reason(exc: Rejected) -> str:
-    """A short label for a rejection: queue_full_user, queue_full_total, timeout or closed."""
+    """A short label for a rejection: queue_full_user, queue_full_total, deadline_unreachable,
+    timeout or closed (or another `Rejected.reason`)."""
     if isinstance(exc, QueueFull):
         return f"queue_full_{exc.scope}"
     return exc.reason

@@ -11,13 +11,16 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 from ..config import FairSchedSettings
-from ..core import GroupStatus, UserBacklog
+from ..core import DeadlineOutcomes, GroupStatus, UserBacklog
 from ._recorder import REJECTION_REASONS, RequestRecorder
 from ._view import DeploymentReading, Reading, ServiceView, ViewReader
 
 # Transitions and rejections kept in the status document.
 STATUS_TRANSITIONS = 20
 STATUS_REJECTIONS = 20
+
+
+_NO_DEADLINES = DeadlineOutcomes(0, 0, 0)
 
 
 def _round(value: float | None, digits: int = 3) -> float | None:
@@ -159,7 +162,11 @@ class StatusDocument:
                     "share": tier.share,
                     "promote_after_s": tier.promote_after_s,
                     "reserve_slots": tier.reserve_slots,
+                    "max_wait_s": tier.max_wait_s,
                     "released": released_by_tier.get(tier.name, 0),
+                    # Of its requests with a limit shorter than the queue's (the tier's or the
+                    # client's): started in time, waited it out, refused at once.
+                    "deadlines": dict(state.deadlines.get(tier.name, _NO_DEADLINES)._asdict()),
                     "delivered_share": (
                         round(released_by_tier.get(tier.name, 0) / released_all, 4)
                         if released_all

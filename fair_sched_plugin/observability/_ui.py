@@ -353,6 +353,24 @@ function tiersCard(status) {
           t.promote_after_s == null ? DASH : num(t.promote_after_s, 0) + " s"))))));
 }
 
+function deadlinesCard(status) {
+  const tiers = (status.tiers || []).filter((t) => t.deadlines &&
+    (t.max_wait_s != null || t.deadlines.met + t.deadlines.missed + t.deadlines.refused > 0));
+  if (!tiers.length) return null;
+  return h("section", { class: "card", id: "deadlines" },
+    h("h2", {}, "Deadlines"),
+    h("table", {},
+      h("thead", {}, h("tr", {}, h("th", {}, "tier"), h("th", { class: "num" }, "max wait"),
+        h("th", { class: "num" }, "met"), h("th", { class: "num" }, "missed"),
+        h("th", { class: "num" }, "refused at once"))),
+      h("tbody", {}, tiers.map((t) => h("tr", { "data-tier": t.name },
+        h("td", {}, t.name),
+        h("td", { class: "num" }, t.max_wait_s == null ? DASH : num(t.max_wait_s, 1) + " s"),
+        h("td", { class: "num met" }, t.deadlines.met),
+        h("td", { class: "num missed" }, t.deadlines.missed),
+        h("td", { class: "num refused" }, t.deadlines.refused))))));
+}
+
 function budgetsCard(status) {
   const budgets = status.budgets || [];
   if (!budgets.length) return null;
@@ -383,7 +401,8 @@ function render(status) {
   const reserved = (status.tiers || []).filter((t) => t.reserve_slots > 0);
   const models = Object.entries(status.models || {}).map(
     ([name, doc]) => modelCard(name, doc, reserved));
-  const cards = [totals, tiersCard(status), ...models, budgetsCard(status), rejectionsCard(status)];
+  const cards = [totals, tiersCard(status), deadlinesCard(status), ...models,
+    budgetsCard(status), rejectionsCard(status)];
   $("dashboard").replaceChildren(...cards.filter((card) => card !== null));
 }
 

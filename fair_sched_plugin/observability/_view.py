@@ -15,6 +15,7 @@ from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, NamedTuple, Protocol
 
 from ..core import (
+    DeadlineOutcomes,
     FairnessReading,
     GateTransition,
     GroupStatus,
@@ -74,6 +75,10 @@ class ServiceView(Protocol):
     def settings(self) -> FairSchedSettings: ...
 
     def scheduler_statistics(self) -> SchedulerStatistics: ...
+
+    def deadline_outcomes(self) -> Mapping[str, DeadlineOutcomes]:
+        """Per tier, the requests with a limit of their own: met, missed, refused at once."""
+        ...
 
     def backlog(self) -> list[UserBacklog]:
         """Every backlogged (model, tier, user) with its depth and oldest arrival."""
@@ -152,6 +157,7 @@ class Reading(NamedTuple):
     now: float | None  # the loop's clock, for ages; None outside a loop
     budgets: list[BudgetStanding] = []
     fairness: list[FairnessReading] = []
+    deadlines: Mapping[str, DeadlineOutcomes] = {}
 
 
 class ViewReader:
@@ -188,6 +194,7 @@ class ViewReader:
             now=asyncio.get_running_loop().time() if on_loop else None,
             budgets=view.budget_standings(),
             fairness=view.fairness() if on_loop else [],
+            deadlines=view.deadline_outcomes(),
         )
 
     def read(self) -> Reading:

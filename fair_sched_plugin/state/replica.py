@@ -36,7 +36,7 @@ from ..core.backpressure import GroupStatus, MetricsGate
 from ..core.budget import BudgetBook
 from ..core.fairness_window import FairnessReading
 from ..core.gate import AdmissionGate
-from ..core.reads import SchedulerStatistics, UserBacklog
+from ..core.reads import DeadlineOutcomes, SchedulerStatistics, UserBacklog
 from ..core.standing import BacklogIndex
 from ..core.ticket import Lease, Ticket, TierLimits, notify_end_listeners
 from ..driver import (
@@ -49,7 +49,7 @@ from ..driver import (
     new_wait,
     refuse,
 )
-from ..errors import QueueFull, SchedulerClosed
+from ..errors import DeadlineUnreachable, QueueFull, SchedulerClosed
 from .budgets import SharedBudgets
 from .term import Term
 from .wire import (
@@ -175,6 +175,10 @@ class ReplicaScheduler:
     def core(self) -> FairScheduler:
         return self._core
 
+    def deadline_outcomes(self) -> dict[str, DeadlineOutcomes]:
+        """This process's core's: a follower's requests are counted by its leader's core."""
+        return self._core.deadline_outcomes()
+
     @property
     def mode(self) -> StateMode:
         return self._mode
@@ -201,7 +205,7 @@ class ReplicaScheduler:
 
     def enqueue(self, ticket: Ticket) -> Waiter:
         """Park `ticket` among every replica's tickets; its `future` resolves to the lease.
-        Raises `QueueFull` at once when a cap is reached."""
+        Raises `QueueFull` (or, where this replica leads, `DeadlineUnreachable`) at once."""
         self._check_open()
         self._check_tier(ticket.tier)
         now = self._core.clock.now()  # the service's time base, as the core's own leases
@@ -356,7 +360,7 @@ class ReplicaScheduler:
         if term is not None:
             try:
                 term.submit((self.replica, self._session, parked.tid), parked.ticket)
-            except QueueFull as exc:
+            except (QueueFull, DeadlineUnreachable) as exc:
                 self._unpark(parked.tid)
                 if raise_full:
                     raise

@@ -12,7 +12,7 @@ from collections.abc import Callable
 from ..core.reads import SchedulerStatistics
 from ..core.ticket import Lease, Ticket
 from ..driver import FairScheduler, Reservation
-from ..errors import QueueFull, Rejected
+from ..errors import DeadlineUnreachable, QueueFull, Rejected
 from .wire import Inbound, Key, Reply, grant, rejection, shown, usage_in_range
 
 logger = logging.getLogger("fair_sched")
@@ -92,7 +92,8 @@ class Term:
         return session == known
 
     def submit(self, key: Key, ticket: Ticket) -> None:
-        """Queue a ticket (raises `QueueFull`); a ticket already known is not queued again."""
+        """Queue a ticket (raises `QueueFull` or `DeadlineUnreachable`); a ticket already known
+        is not queued again."""
         if key in self.reservations or key in self.leases:
             return
         if self.holding:
@@ -109,10 +110,11 @@ class Term:
         reservation.future.add_done_callback(lambda future: self._on_done(key, future))
 
     def queue(self, key: Key, ticket: Ticket) -> None:
-        """`submit`, with a full queue answered to the ticket's replica."""
+        """`submit`, with a full queue (or a deadline out of reach) answered to the ticket's
+        replica."""
         try:
             self.submit(key, ticket)
-        except QueueFull as exc:
+        except (QueueFull, DeadlineUnreachable) as exc:
             self._reply(key[0], rejection(self.epoch, key, exc))
 
     def statistics(self) -> SchedulerStatistics:

@@ -4,8 +4,8 @@
   id, ...]`; "s" a ticket, "c" its cancel, "b" a lease's first byte, "e" a lease's end with its
   usage, "a" a running lease for a new leader to adopt, "p" a barrier, "$" a spend.
 - **A reply** on a replica's own list: JSON `[kind, epoch, session, ...]`; "g" a grant, "f"/"t"/
-  "x" a rejection (queue full, timed out, closed), "p" a barrier's answer, "h" a new leader's
-  hello.
+  "d"/"x" a rejection (queue full, timed out, deadline out of reach, closed), "p" a barrier's
+  answer, "h" a new leader's hello.
 - **The leader's statistics document** (`stats`) and **its lease** (`leader`).
 
 Every field is checked to its documented range where it is read (`OutOfRange` names the first
@@ -36,7 +36,7 @@ from ..core.ticket import (
     request_cost_in_range,
     request_tokens_in_range,
 )
-from ..errors import QueueFull, QueueTimeout, Rejected, SchedulerClosed
+from ..errors import DeadlineUnreachable, QueueFull, QueueTimeout, Rejected, SchedulerClosed
 
 logger = logging.getLogger("fair_sched")
 
@@ -320,7 +320,15 @@ def grant(epoch: int, key: Key, lease: Lease) -> Reply:
 
 
 def rejection(epoch: int, key: Key, error: Rejected) -> Reply:
-    kind = "f" if isinstance(error, QueueFull) else "t" if isinstance(error, QueueTimeout) else "x"
+    kind = (
+        "f"
+        if isinstance(error, QueueFull)
+        else "t"
+        if isinstance(error, QueueTimeout)
+        else "d"
+        if isinstance(error, DeadlineUnreachable)
+        else "x"
+    )
     scope = error.scope if isinstance(error, QueueFull) else ""
     return (kind, epoch, key[1], key[2], str(error), error.retry_after_s, scope)
 
@@ -332,6 +340,8 @@ def error_from(reply: Reply) -> Rejected:
         return QueueFull(message, retry_after_s=retry_after_s, scope=scope)
     if kind == "t":
         return QueueTimeout(message, retry_after_s=retry_after_s)
+    if kind == "d":
+        return DeadlineUnreachable(message, retry_after_s=retry_after_s)
     return SchedulerClosed(message, retry_after_s=retry_after_s)
 
 
@@ -352,7 +362,7 @@ _REPLY_SHAPES: dict[str, tuple[tuple[str, Callable[[Any], bool]], ...]] = {
             ("retry after", _retry_after),
             ("scope", lambda scope: isinstance(scope, str)),
         )
-        for kind in "ftx"
+        for kind in "ftdx"
     },
 }
 

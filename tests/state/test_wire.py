@@ -14,7 +14,8 @@ import pytest
 
 from fair_sched_plugin.core import InflightLimitGate, Lease, TierLimits
 from fair_sched_plugin.driver import FairScheduler
-from fair_sched_plugin.state import open_state
+from fair_sched_plugin.errors import DeadlineUnreachable
+from fair_sched_plugin.state import open_state, wire
 from fair_sched_plugin.state.term import Term
 from fair_sched_plugin.state.wire import OutOfRange, parse_reply, read_message, read_published
 from fair_sched_plugin.testing import make_ticket, settle
@@ -251,3 +252,11 @@ async def test_a_replica_leaves_out_usage_out_of_range_and_still_ends_the_lease(
     assert "tokens used" in logged and "cost used" in logged
     assert "9" * 100 not in logged
     await replica.aclose()
+
+
+def test_a_deadline_refusal_reaches_the_follower_as_one() -> None:
+    refusal = DeadlineUnreachable("cannot start within its limit", retry_after_s=3.0)
+    reply = wire.rejection(7, ("replica", 2, 12), refusal)
+    error = wire.error_from(parse_reply(json.dumps(list(reply))))
+    assert isinstance(error, DeadlineUnreachable) and error.retry_after_s == 3.0
+    assert str(error) == "cannot start within its limit"
