@@ -33,7 +33,7 @@ from fair_sched_plugin.core import (
     Ticket,
     TierLimits,
 )
-from fair_sched_plugin.driver import FairScheduler
+from fair_sched_plugin.runtime.driver import FairScheduler
 from fair_sched_plugin.testing import FakeClock
 
 # Wall time by default; `--cpu-time` counts this process's CPU time instead, for a machine that

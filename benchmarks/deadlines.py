@@ -33,7 +33,7 @@ from typing import Any
 
 import httpx
 
-from fair_sched_plugin.bench.processes import (
+from fair_sched_plugin.lab.loadtest.processes import (
     MASTER_KEY,
     EmulatorSettings,
     emulator_process,

@@ -19,8 +19,8 @@ import statistics
 import tempfile
 from pathlib import Path
 
-from fair_sched_plugin.bench.flood import DEMO_ENGINE, DEMO_SIZE, Variant, run_flood
-from fair_sched_plugin.bench.processes import kill_leftover_groups
+from fair_sched_plugin.lab.loadtest.flood import DEMO_ENGINE, DEMO_SIZE, Variant, run_flood
+from fair_sched_plugin.lab.loadtest.processes import kill_leftover_groups
 
 TARGET_MS = 2000.0
 VARIANTS = [

@@ -22,7 +22,7 @@ from pathlib import Path
 
 import httpx
 
-from fair_sched_plugin.emulator import EmulatorConfig, run_emulator_subprocess
+from fair_sched_plugin.lab.emulator import EmulatorConfig, run_emulator_subprocess
 
 TARGET_TOKENS_PER_S = 2_000
 

@@ -25,10 +25,10 @@ import gc
 import time
 from typing import Any
 
-from fair_sched_plugin._request import RequestWatch
 from fair_sched_plugin.errors import QueueTimeout
-from fair_sched_plugin.identity import Credentials
-from fair_sched_plugin.service import UNKNOWN_MODELS, SchedulingService
+from fair_sched_plugin.request.identity import Credentials
+from fair_sched_plugin.request.watch import RequestWatch
+from fair_sched_plugin.runtime.service import UNKNOWN_MODELS, SchedulingService
 
 BODY = {"model": "m", "messages": [{"role": "user", "content": "hi"}], "stream": True}
 INTERVAL_S = 1.0

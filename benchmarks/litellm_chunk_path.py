@@ -38,9 +38,9 @@ from litellm.proxy.common_utils.user_api_key_cache import UserApiKeyCache
 from litellm.proxy.utils import ProxyLogging
 from litellm.types.utils import Delta, ModelResponseStream, StreamingChoices, Usage
 
-from fair_sched_plugin._request import RequestWatch, ensure_current_request
 from fair_sched_plugin.core import Lease
 from fair_sched_plugin.litellm import scheduler
+from fair_sched_plugin.request.watch import RequestWatch, ensure_current_request
 from fair_sched_plugin.testing import GateLeaseOwner, ManualGate, make_ticket
 
 SEND_TIMEOUT_S = 60.0  # the default `send_timeout_s`

@@ -52,7 +52,8 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 os.environ.setdefault("LITELLM_LOCAL_MODEL_COST_MAP", "True")
 
-from fair_sched_plugin.bench.harness.litellm_proxy import (
+from fair_sched_plugin.lab.emulator import EmulatorConfig, run_emulator_subprocess
+from fair_sched_plugin.lab.harness.litellm_proxy import (
     MASTER_KEY,
     ProxyProcess,
     litellm_proxy,
@@ -61,8 +62,7 @@ from fair_sched_plugin.bench.harness.litellm_proxy import (
     proxy_config,
     stream_chat,
 )
-from fair_sched_plugin.bench.harness.processes import group_cpu_seconds, process_cpu_seconds
-from fair_sched_plugin.emulator import EmulatorConfig, run_emulator_subprocess
+from fair_sched_plugin.lab.harness.processes import group_cpu_seconds, process_cpu_seconds
 
 CHAT = "/v1/chat/completions"
 MODEL = "tiny"

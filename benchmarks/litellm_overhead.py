@@ -40,7 +40,8 @@ import httpx
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 os.environ.setdefault("LITELLM_LOCAL_MODEL_COST_MAP", "True")
 
-from fair_sched_plugin.bench.harness.litellm_proxy import (
+from fair_sched_plugin.lab.emulator import EmulatorConfig, run_emulator_subprocess
+from fair_sched_plugin.lab.harness.litellm_proxy import (
     MASTER_KEY,
     ProxyProcess,
     StreamResult,
@@ -50,7 +51,6 @@ from fair_sched_plugin.bench.harness.litellm_proxy import (
     proxy_config,
     stream_chat,
 )
-from fair_sched_plugin.emulator import EmulatorConfig, run_emulator_subprocess
 
 CHAT = "/v1/chat/completions"
 WAITING_BELOW = 3

@@ -22,8 +22,8 @@ from prometheus_client.parser import text_string_to_metric_families
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from fair_sched_plugin.metrics.parser import parse_metrics
-from fair_sched_plugin.metrics.profiles import VLLM_PROFILE
+from fair_sched_plugin.engine_metrics.parser import parse_metrics
+from fair_sched_plugin.engine_metrics.profiles import VLLM_PROFILE
 
 FIXTURES = Path(__file__).resolve().parents[1] / "tests" / "fixtures"
 POLLS_PER_SECOND = 10  # metrics_poll_ms: 100

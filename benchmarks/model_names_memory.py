@@ -8,8 +8,8 @@ from __future__ import annotations
 import asyncio
 import tracemalloc
 
-from fair_sched_plugin.identity import Credentials
-from fair_sched_plugin.service import SchedulingService
+from fair_sched_plugin.request.identity import Credentials
+from fair_sched_plugin.runtime.service import SchedulingService
 
 
 async def main() -> None:

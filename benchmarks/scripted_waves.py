@@ -14,8 +14,8 @@ in about 100 / 8 x 1.2 s + the way there, 15.3 s. Fake clock: a second of CPU, n
 
 from __future__ import annotations
 
-from fair_sched_plugin.bench.harness.engine_sim import URL, EngineSim, mean
 from fair_sched_plugin.core import BackendGroup, Deployment, MetricsGate, TierLimits
+from fair_sched_plugin.lab.harness.engine_sim import URL, EngineSim, mean
 from fair_sched_plugin.testing import FakeClock
 
 REQUESTS = 100

@@ -37,10 +37,10 @@ from typing import Any
 import httpx
 import uvicorn
 
-from fair_sched_plugin.emulator.engine import EmulatorConfig
-from fair_sched_plugin.emulator.server import run_emulator_subprocess
+from fair_sched_plugin.lab.emulator.engine import EmulatorConfig
+from fair_sched_plugin.lab.emulator.server import run_emulator_subprocess
 from fair_sched_plugin.proxy import build_proxy_app
-from fair_sched_plugin.service import SchedulingService
+from fair_sched_plugin.runtime.service import SchedulingService
 
 LOOPBACK = "127.0.0.1"
 MODEL = "soak"

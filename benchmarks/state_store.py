@@ -21,9 +21,9 @@ import asyncio
 import time
 from collections.abc import Callable
 
-from fair_sched_plugin.bench.harness.redis_store import TIERS, percentile, redis_server
 from fair_sched_plugin.core import InflightLimitGate, Ticket
-from fair_sched_plugin.driver import FairScheduler
+from fair_sched_plugin.lab.harness.redis_store import TIERS, percentile, redis_server
+from fair_sched_plugin.runtime.driver import FairScheduler
 from fair_sched_plugin.state import ReplicaScheduler, open_state
 
 

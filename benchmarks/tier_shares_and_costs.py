@@ -22,7 +22,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 os.environ.setdefault("LITELLM_LOCAL_MODEL_COST_MAP", "True")
 
-from fair_sched_plugin.bench.harness.tier_scenarios import cost_fairness, promotion, tier_shares
+from fair_sched_plugin.lab.harness.tier_scenarios import cost_fairness, promotion, tier_shares
 
 
 async def main(window_s: float, parts: set[str]) -> None:

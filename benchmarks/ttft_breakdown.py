@@ -35,13 +35,19 @@ import time
 from pathlib import Path
 from typing import Any, NamedTuple
 
-from fair_sched_plugin._http import sse_lines
-from fair_sched_plugin.bench.client import PROMPT, Caller, completion_body, make_client, stream_one
-from fair_sched_plugin.bench.client import _has_content as has_content
-from fair_sched_plugin.bench.flood import LIGHT_KEYS, POWER_KEY, Variant, fair_sched_section
-from fair_sched_plugin.bench.processes import litellm_config, litellm_proxy
-from fair_sched_plugin.emulator.engine import EmulatorConfig
-from fair_sched_plugin.emulator.server import run_emulator
+from fair_sched_plugin.lab.emulator.engine import EmulatorConfig
+from fair_sched_plugin.lab.emulator.server import run_emulator
+from fair_sched_plugin.lab.loadtest.client import (
+    PROMPT,
+    Caller,
+    completion_body,
+    make_client,
+    stream_one,
+)
+from fair_sched_plugin.lab.loadtest.client import _has_content as has_content
+from fair_sched_plugin.lab.loadtest.flood import LIGHT_KEYS, POWER_KEY, Variant, fair_sched_section
+from fair_sched_plugin.lab.loadtest.processes import litellm_config, litellm_proxy
+from fair_sched_plugin.runtime.engine_http import sse_lines
 
 LIGHT_PROMPT = PROMPT + " Keep it very short, please."
 MAX_TOKENS = 64

@@ -19,9 +19,9 @@ import time
 
 import httpx
 
-from fair_sched_plugin.bench.harness import vllm_stage
-from fair_sched_plugin.bench.processes import group_cpu_seconds
-from fair_sched_plugin.metrics.profiles import VLLM_PROFILE, filtered_metrics_url
+from fair_sched_plugin.engine_metrics.profiles import VLLM_PROFILE, filtered_metrics_url
+from fair_sched_plugin.lab.harness import vllm_stage
+from fair_sched_plugin.lab.loadtest.processes import group_cpu_seconds
 
 
 def _measure(

@@ -22,11 +22,11 @@ _EXPORTS = {
     "Rejected": "fair_sched_plugin.errors",
     "SchedulerClosed": "fair_sched_plugin.errors",
     "StateStoreError": "fair_sched_plugin.errors",
-    "FairScheduler": "fair_sched_plugin.driver",
+    "FairScheduler": "fair_sched_plugin.runtime.driver",
     "Lease": "fair_sched_plugin.core",
     "Ticket": "fair_sched_plugin.core",
     "FairSchedulerMiddleware": "fair_sched_plugin.asgi",
-    "SchedulingService": "fair_sched_plugin.service",
+    "SchedulingService": "fair_sched_plugin.runtime.service",
     "ClientDisconnected": "fair_sched_plugin.errors",
     "build_proxy_app": "fair_sched_plugin.proxy",
 }

@@ -48,16 +48,17 @@ from typing import Any, Literal
 from starlette.datastructures import Headers
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from . import _responses, observability
-from ._body import MAX_BODY_BYTES, parse_request_body, rewrite_priority
-from ._request import DEPLOYMENT_HEADER, MAX_WAIT_HEADER, RequestWatch
-from ._shutdown import install_sigterm_drain
-from ._usage import JsonUsageFinder, Usage, read_usage
+from . import observability
 from .config import FairSchedSettings
 from .core import Lease
 from .errors import BodyTooLarge, ClientDisconnected, ConfigError, Rejected
-from .identity import Credentials
-from .service import SchedulingService, UnknownModels
+from .request import responses as _responses
+from .request.body import MAX_BODY_BYTES, parse_request_body, rewrite_priority
+from .request.identity import Credentials
+from .request.usage import JsonUsageFinder, Usage, read_usage
+from .request.watch import DEPLOYMENT_HEADER, MAX_WAIT_HEADER, RequestWatch
+from .runtime.service import SchedulingService, UnknownModels
+from .runtime.shutdown import install_sigterm_drain
 
 UserResolver = Callable[[Scope, Mapping[str, Any]], str | None]
 

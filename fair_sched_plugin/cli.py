@@ -8,9 +8,9 @@ from collections.abc import Sequence
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from .bench.trace import add_make_trace_parser
-    from .demo import add_demo_parsers
-    from .emulator.server import add_emulate_parser
+    from .lab.demo import add_demo_parsers
+    from .lab.emulator.server import add_emulate_parser
+    from .lab.loadtest.trace import add_make_trace_parser
     from .proxy import add_proxy_parser
 
     parser = argparse.ArgumentParser(

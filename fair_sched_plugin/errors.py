@@ -20,7 +20,7 @@
                                       LiteLLM adapter hooks into (raised at start-up)
 
 Integrations translate these into HTTP responses with one function
-(`fair_sched_plugin._responses.error_response`); nothing third-party leaks through the API.
+(`fair_sched_plugin.request.responses.error_response`); nothing third-party leaks through the API.
 The refusals a waiting client meets are told apart by status and error `code`: queue full
 (429 `queue_full`), deadline out of reach (429 `deadline_unreachable`), wait exceeded (504
 `timeout`), engine unavailable (502 `upstream_unavailable`) and shutting down (503

@@ -38,14 +38,14 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 from starlette.types import Receive, Scope, Send
 
-from . import _responses
-from ._http import KEEPALIVE_EXPIRY_S
-from ._request import current_request
 from .asgi import DEPLOYMENT_STATE, MODEL_STATE, FairSchedulerMiddleware
 from .config import FairSchedSettings, load_settings
 from .errors import ConfigError, EngineUnavailable
 from .observability import METRICS_PATH, STATUS_PATH, endpoints
-from .service import SchedulingService
+from .request import responses as _responses
+from .request.watch import current_request
+from .runtime.engine_http import KEEPALIVE_EXPIRY_S
+from .runtime.service import SchedulingService
 
 if TYPE_CHECKING:
     import uvicorn
@@ -403,7 +403,7 @@ def proxy_server_config(
     and the read deadlines of its settings, counted in its metrics."""
     import uvicorn
 
-    from ._read_deadlines import read_deadline_protocol
+    from .request.read_deadlines import read_deadline_protocol
 
     service: SchedulingService = app.state.fair_sched
     settings = service.settings

@@ -16,7 +16,7 @@ from typing import Any, Protocol
 from .core.gate import CapacityListener
 from .core.snapshot import BackendSnapshot
 from .core.ticket import Lease, Ticket, TierLimits
-from .driver import FairScheduler, TimerHandle
+from .runtime.driver import FairScheduler, TimerHandle
 
 __all__ = [
     "FakeClock",

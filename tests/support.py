@@ -19,7 +19,7 @@ from typing import Any
 import httpx
 import pytest
 
-from fair_sched_plugin.bench.harness.loopback import (
+from fair_sched_plugin.lab.harness.loopback import (
     CLIENT_LIMITS,
     LOOPBACK,
     POLL_INTERVAL_S,
@@ -27,7 +27,7 @@ from fair_sched_plugin.bench.harness.loopback import (
     free_port,
     open_client,
 )
-from fair_sched_plugin.service import SchedulingService
+from fair_sched_plugin.runtime.service import SchedulingService
 
 __all__ = ["CLIENT_LIMITS", "LOOPBACK", "POLL_INTERVAL_S", "eventually", "free_port", "open_client"]
 

@@ -14,8 +14,8 @@ from pydantic_core import PydanticUndefined
 
 import fair_sched_plugin
 from fair_sched_plugin import errors
-from fair_sched_plugin._responses import CLIENT_CLOSED_STATUS, error
 from fair_sched_plugin.config import FairSchedSettings
+from fair_sched_plugin.request.responses import CLIENT_CLOSED_STATUS, error
 
 ROOT = Path(__file__).resolve().parents[1]
 DOCS = [*sorted((ROOT / "docs").glob("*.md")), ROOT / "README.md"]

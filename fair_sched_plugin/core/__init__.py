@@ -1,5 +1,5 @@
 """The pure core: fair queues, fairness policies, admission gates. Sans-I/O: no event loop, no
-I/O, time from an injected clock; `fair_sched_plugin.driver` runs it on asyncio."""
+I/O, time from an injected clock; `fair_sched_plugin.runtime.driver` runs it on asyncio."""
 
 from __future__ import annotations
 

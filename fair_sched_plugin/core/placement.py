@@ -3,7 +3,7 @@
 The gate knows which deployments have room; this policy chooses among them:
 
 1. **Prefix affinity.** A ticket's `prefix` is its prompt's chained block hashes
-   (`fair_sched_plugin.prefix`): two prompts share their first k hashes exactly when
+   (`fair_sched_plugin.request.prefix`): two prompts share their first k hashes exactly when
    their first k blocks are the same text. The deployment where the longest leading run of
    these blocks was placed most recently probably still has them in its prefix cache, so the
    request goes there.

@@ -13,7 +13,7 @@ import heapq
 from collections import OrderedDict, deque
 from collections.abc import Iterable, Iterator
 
-from .drain import DrainRate
+from .release_rate import DrainRate
 from .standing import DepthIndex
 from .ticket import Ticket, TierLimits
 

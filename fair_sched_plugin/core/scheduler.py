@@ -7,7 +7,7 @@ loop, time read from an injected clock; events in, decisions out.
   gate's capacity changes (a scrape; `kick`), `tick(now)` for deadlines and promotions.
 - **Decisions**: `_decided(parked, outcome)`, called once per parked ticket with its `Lease` or
   the `Rejected` error that ends its wait (a timeout, a close). The async driver
-  (`fair_sched_plugin.driver.FairScheduler`) overrides it to resolve the caller's future; a
+  (`fair_sched_plugin.runtime.driver.FairScheduler`) overrides it to resolve the caller's future; a
   test collects them. `next_due()` says when `tick` must next run: deadlines and promotions are
   data the next tick acts on, not timers.
 
@@ -30,7 +30,6 @@ from typing import Literal, NamedTuple
 from ..errors import DeadlineUnreachable, QueueFull, QueueTimeout, Rejected, SchedulerClosed
 from .clock import Clock, MonotonicClock
 from .deadlines import Deadlines
-from .drain import start_after_s
 from .fairness import POLICIES, FairnessPolicy
 from .fairness_window import DEFAULT_FAIRNESS_WINDOW_S, FairnessWindow
 from .gate import AdmissionGate
@@ -48,6 +47,7 @@ from .queues import (
     UserQueue,
 )
 from .reads import SchedulerReads
+from .release_rate import start_after_s
 from .shares import TierShares
 from .ticket import Lease, Ticket, TierLimits
 

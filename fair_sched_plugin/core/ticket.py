@@ -95,10 +95,10 @@ class Ticket(_TicketFields):
     it at release and corrects it with the actual count when the lease ends, and
     `queue.order: shortest_first` releases a user's smallest first. `price` is the estimated
     money cost (`fairness: cost` charges it, corrected by `Lease.release(cost_used=...)`).
-    `prefix` identifies the prompt's leading blocks (`fair_sched_plugin.prefix`): a gate that
-    places requests on several deployments sends requests that start alike where that start went
-    recently, so the engine's prefix cache has it. `max_wait_s` is how long the client will wait
-    for its turn (None: its tier's or the queue's limit; a longer one never raises those).
+    `prefix` identifies the prompt's leading blocks (`fair_sched_plugin.request.prefix`): a gate
+    that places requests on several deployments sends requests that start alike where that start
+    went recently, so the engine's prefix cache has it. `max_wait_s` is how long the client will
+    wait for its turn (None: its tier's or the queue's limit; a longer one never raises those).
 
     A named tuple rather than a frozen dataclass: one is built per request on the hot path, and
     a frozen dataclass's `__init__` costs twice as much.

@@ -32,16 +32,16 @@ from fastapi import HTTPException
 from litellm.exceptions import RateLimitError, ServiceUnavailableError, Timeout
 from litellm.integrations.custom_logger import CustomLogger
 
-from .._body import OUTPUT_TOKEN_FIELDS, rewrite_priority
-from .._gc import freeze_startup_heap
-from .._request import RequestWatch, current_request, ensure_current_request
-from .._responses import error_response
-from .._usage import read_usage
 from ..config import PriceSettings, deployment_key, safe_url
 from ..core import Lease
 from ..errors import ClientDisconnected, DeadlineUnreachable, InvalidRequest, Rejected
-from ..identity import Credentials, Principal
-from ..service import UNKNOWN_MODELS, SchedulingService
+from ..request.body import OUTPUT_TOKEN_FIELDS, rewrite_priority
+from ..request.identity import Credentials, Principal
+from ..request.responses import error_response
+from ..request.usage import read_usage
+from ..request.watch import RequestWatch, current_request, ensure_current_request
+from ..runtime.service import UNKNOWN_MODELS, SchedulingService
+from ..runtime.startup_heap import freeze_startup_heap
 from ._proxy import running_proxy
 
 logger = logging.getLogger("fair_sched")

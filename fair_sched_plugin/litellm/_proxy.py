@@ -21,11 +21,11 @@ from typing import Any
 import yaml
 from starlette.types import ASGIApp
 
-from .._shutdown import install_sigterm_drain
 from ..asgi import FairSchedulerMiddleware, RouteMode
 from ..config import FairSchedSettings, load_settings
 from ..errors import ConfigError
-from ..service import SchedulingService
+from ..runtime.service import SchedulingService
+from ..runtime.shutdown import install_sigterm_drain
 
 logger = logging.getLogger("fair_sched")
 

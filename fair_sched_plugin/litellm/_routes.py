@@ -31,7 +31,7 @@ from ..observability._endpoints import (
     unauthorized,
 )
 from ..observability._ui import LITELLM_KEY_HINT, ui_response
-from ..service import SchedulingService
+from ..runtime.service import SchedulingService
 
 logger = logging.getLogger("fair_sched")
 

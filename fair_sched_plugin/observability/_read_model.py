@@ -26,9 +26,9 @@ from ..core import (
 from ._view import BudgetStanding, DeploymentReading
 
 if TYPE_CHECKING:
-    from .._names import DeploymentNames
     from ..config import FairSchedSettings
-    from ..metrics.watcher import MetricsWatcher
+    from ..engine_metrics.watcher import MetricsWatcher
+    from ..runtime.deployment_names import DeploymentNames
     from ..state import StateStatistics
 
 # Gate transitions kept (the status document shows the latest of them).

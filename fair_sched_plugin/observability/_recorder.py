@@ -19,7 +19,7 @@ from ..errors import QueueFull, Rejected
 from ._view import Admitted
 
 if TYPE_CHECKING:
-    from ..identity import Principal
+    from ..request.identity import Principal
 
 OTHER = "other"
 REJECTION_REASONS = (

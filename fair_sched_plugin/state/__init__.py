@@ -12,7 +12,7 @@ import uuid
 from collections.abc import Sequence
 
 from ..core.backpressure import MetricsGate
-from ..driver import FairScheduler
+from ..runtime.driver import FairScheduler
 from .replica import LocalScheduler, ReplicaScheduler, StateMode, StateStatistics
 
 __all__ = ["LocalScheduler", "ReplicaScheduler", "StateMode", "StateStatistics", "open_state"]

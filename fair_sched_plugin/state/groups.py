@@ -34,7 +34,7 @@ from ..core.budget import BudgetBook
 from ..core.fairness_window import FairnessReading
 from ..core.reads import SchedulerStatistics, UserBacklog
 from ..core.ticket import Lease, Ticket
-from ..driver import FairScheduler, Waiter
+from ..runtime.driver import FairScheduler, Waiter
 from .redis_replica import RedisReplica
 from .replica import ReplicaScheduler, StateMode, StateStatistics
 

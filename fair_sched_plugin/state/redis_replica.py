@@ -21,8 +21,8 @@ import logging
 from typing import TYPE_CHECKING, Any, Protocol
 
 from ..core.backpressure import MetricsGate
-from ..driver import FairScheduler
 from ..errors import StateStoreError
+from ..runtime.driver import FairScheduler
 from .replica import LOCAL_EPOCH, NO_EPOCH, ReplicaScheduler
 from .term import Term
 from .wire import (

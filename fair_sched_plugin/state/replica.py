@@ -39,7 +39,8 @@ from ..core.gate import AdmissionGate
 from ..core.reads import DeadlineOutcomes, SchedulerStatistics, UserBacklog
 from ..core.standing import BacklogIndex
 from ..core.ticket import Lease, Ticket, TierLimits, notify_end_listeners
-from ..driver import (
+from ..errors import DeadlineUnreachable, QueueFull, SchedulerClosed
+from ..runtime.driver import (
     Admissions,
     FairScheduler,
     Waiter,
@@ -49,7 +50,6 @@ from ..driver import (
     new_wait,
     refuse,
 )
-from ..errors import DeadlineUnreachable, QueueFull, SchedulerClosed
 from .budgets import SharedBudgets
 from .term import Term
 from .wire import (

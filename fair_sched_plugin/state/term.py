@@ -11,8 +11,8 @@ from collections.abc import Callable
 
 from ..core.reads import SchedulerStatistics
 from ..core.ticket import Lease, Ticket
-from ..driver import FairScheduler, Reservation
 from ..errors import DeadlineUnreachable, QueueFull, Rejected
+from ..runtime.driver import FairScheduler, Reservation
 from .wire import Inbound, Key, Reply, grant, rejection, shown, usage_in_range
 
 logger = logging.getLogger("fair_sched")

@@ -5,7 +5,7 @@ from collections.abc import Iterable
 import pytest
 
 from fair_sched_plugin.core import TierLimits
-from fair_sched_plugin.driver import FairScheduler
+from fair_sched_plugin.runtime.driver import FairScheduler
 from fair_sched_plugin.testing import FakeClock, ManualGate, drain, make_ticket, settle
 
 # The helpers live in `fair_sched_plugin.testing`; these names stay for tests that import them

@@ -8,7 +8,6 @@ from typing import NamedTuple
 
 import pytest
 
-from fair_sched_plugin.bench.harness.engine_sim import EngineSim, mean, run_deployments
 from fair_sched_plugin.core import (
     BackendGroup,
     BackendSnapshot,
@@ -21,7 +20,8 @@ from fair_sched_plugin.core import (
     Ticket,
     TierLimits,
 )
-from fair_sched_plugin.driver import FairScheduler
+from fair_sched_plugin.lab.harness.engine_sim import EngineSim, mean, run_deployments
+from fair_sched_plugin.runtime.driver import FairScheduler
 from fair_sched_plugin.testing import FakeClock, GateLeaseOwner, ManualGate, snapshot
 
 from .conftest import drain, settle, ticket

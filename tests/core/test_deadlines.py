@@ -17,7 +17,7 @@ from fair_sched_plugin.core import (
     Ticket,
     TierLimits,
 )
-from fair_sched_plugin.core.drain import DrainRate
+from fair_sched_plugin.core.release_rate import DrainRate
 from fair_sched_plugin.errors import DeadlineUnreachable, QueueTimeout
 from fair_sched_plugin.testing import FakeClock, make_ticket
 

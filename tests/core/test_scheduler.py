@@ -7,8 +7,8 @@ from collections import Counter
 import pytest
 
 from fair_sched_plugin.core import InflightLimitGate, TierLimits
-from fair_sched_plugin.driver import FairScheduler
 from fair_sched_plugin.errors import QueueFull, QueueTimeout, SchedulerClosed
+from fair_sched_plugin.runtime.driver import FairScheduler
 from fair_sched_plugin.testing import (
     FakeClock,
     ManualGate,

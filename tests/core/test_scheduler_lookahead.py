@@ -10,12 +10,12 @@ from collections import Counter, OrderedDict
 
 import pytest
 
-from fair_sched_plugin.bench.harness.engine_sim import EngineSim
 from fair_sched_plugin.core import BackendGroup, Deployment, Lease, MetricsGate, Ticket, TierLimits
 from fair_sched_plugin.core import scheduler as scheduler_module
 from fair_sched_plugin.core.placement import Candidate, Placer
 from fair_sched_plugin.core.scheduler import LOOKAHEAD, MAX_PASSED_OVER
-from fair_sched_plugin.driver import FairScheduler
+from fair_sched_plugin.lab.harness.engine_sim import EngineSim
+from fair_sched_plugin.runtime.driver import FairScheduler
 from fair_sched_plugin.testing import (
     FakeClock,
     ManualGate,

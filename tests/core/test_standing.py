@@ -18,7 +18,7 @@ from fair_sched_plugin.core import (
     estimate_position,
 )
 from fair_sched_plugin.core.standing import ArrivalRanks, BacklogIndex, DepthIndex
-from fair_sched_plugin.driver import FairScheduler
+from fair_sched_plugin.runtime.driver import FairScheduler
 from fair_sched_plugin.testing import FakeClock, make_ticket
 
 TIER_NAMES = ("interactive", "batch", "background")

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from fair_sched_plugin.core import MAX_REQUEST_COST, MAX_REQUEST_TOKENS, TierLimits
-from fair_sched_plugin.driver import FairScheduler
+from fair_sched_plugin.runtime.driver import FairScheduler
 from fair_sched_plugin.testing import FakeClock, ManualGate, make_ticket
 
 

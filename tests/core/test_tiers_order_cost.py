@@ -6,7 +6,7 @@ import random
 from collections import Counter
 
 from fair_sched_plugin.core import Ticket, TierLimits
-from fair_sched_plugin.driver import FairScheduler, Reservation
+from fair_sched_plugin.runtime.driver import FairScheduler, Reservation
 from fair_sched_plugin.testing import FakeClock, ManualGate
 
 from .conftest import make_scheduler

@@ -9,9 +9,9 @@ from collections.abc import Callable
 
 import pytest
 
-from fair_sched_plugin.bench.harness.engine_sim import URL, EngineSim, Sample, mean
 from fair_sched_plugin.core import BackendGroup, Deployment, MetricsGate, TierLimits
 from fair_sched_plugin.core.tuning import QueueTuner
+from fair_sched_plugin.lab.harness.engine_sim import URL, EngineSim, Sample, mean
 from fair_sched_plugin.testing import FakeClock
 
 TARGET_S = 1.0

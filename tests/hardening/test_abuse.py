@@ -21,9 +21,9 @@ import httpx
 
 from fair_sched_plugin.core.queues import MAX_IDLE_USERS_REMEMBERED
 from fair_sched_plugin.errors import QueueFull
-from fair_sched_plugin.identity import Credentials
 from fair_sched_plugin.proxy import build_proxy_app
-from fair_sched_plugin.service import ClientDisconnected, SchedulingService
+from fair_sched_plugin.request.identity import Credentials
+from fair_sched_plugin.runtime.service import ClientDisconnected, SchedulingService
 from fair_sched_plugin.state import ReplicaScheduler
 from fair_sched_plugin.testing import settle
 

@@ -23,9 +23,9 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
 from fair_sched_plugin.asgi import FairSchedulerMiddleware
-from fair_sched_plugin.emulator.server import RunningEmulator
+from fair_sched_plugin.lab.emulator.server import RunningEmulator
 from fair_sched_plugin.proxy import build_proxy_app
-from fair_sched_plugin.service import SchedulingService
+from fair_sched_plugin.runtime.service import SchedulingService
 
 from ..integrations.conftest import (
     MODEL,

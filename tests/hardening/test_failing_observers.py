@@ -15,8 +15,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from fair_sched_plugin.core import Lease
-from fair_sched_plugin.identity import Credentials
-from fair_sched_plugin.service import Admission, SchedulingService
+from fair_sched_plugin.request.identity import Credentials
+from fair_sched_plugin.runtime.service import Admission, SchedulingService
 
 CONFIG: dict[str, Any] = {
     "tiers": [{"name": "interactive"}, {"name": "batch"}],

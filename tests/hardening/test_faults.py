@@ -16,7 +16,7 @@ import httpx
 import pytest
 import uvicorn
 
-from fair_sched_plugin.emulator.server import run_emulator_subprocess
+from fair_sched_plugin.lab.emulator.server import run_emulator_subprocess
 from fair_sched_plugin.proxy import build_proxy_app
 
 from ..integrations.conftest import (

@@ -28,15 +28,15 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from fair_sched_plugin.bench.harness.litellm_proxy import (
+from fair_sched_plugin.lab.harness.litellm_proxy import (
     MASTER_KEY,
     litellm_proxy,
     model_entry,
     proxy_config,
 )
-from fair_sched_plugin.bench.harness.litellm_proxy import open_client as open_litellm_client
+from fair_sched_plugin.lab.harness.litellm_proxy import open_client as open_litellm_client
 from fair_sched_plugin.proxy import build_proxy_app
-from fair_sched_plugin.service import SchedulingService
+from fair_sched_plugin.runtime.service import SchedulingService
 
 from ..integrations.conftest import (
     MODEL,

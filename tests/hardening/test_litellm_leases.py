@@ -17,7 +17,8 @@ import httpx
 import pytest
 import pytest_asyncio
 
-from fair_sched_plugin.bench.harness.litellm_proxy import (
+from fair_sched_plugin.lab.emulator.server import RunningEmulator
+from fair_sched_plugin.lab.harness.litellm_proxy import (
     CHAT,
     MASTER_KEY,
     ProxyProcess,
@@ -26,7 +27,6 @@ from fair_sched_plugin.bench.harness.litellm_proxy import (
     open_client,
     proxy_config,
 )
-from fair_sched_plugin.emulator.server import RunningEmulator
 
 from ..integrations.conftest import chat_body, emulator, wait_until
 from ..integrations.litellm_harness import shared_proxy_marks

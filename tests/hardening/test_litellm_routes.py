@@ -27,7 +27,8 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
-from fair_sched_plugin.bench.harness.litellm_proxy import (
+from fair_sched_plugin.lab.emulator.server import RunningEmulator
+from fair_sched_plugin.lab.harness.litellm_proxy import (
     MASTER_KEY,
     ProxyProcess,
     litellm_proxy,
@@ -35,7 +36,6 @@ from fair_sched_plugin.bench.harness.litellm_proxy import (
     open_client,
     proxy_config,
 )
-from fair_sched_plugin.emulator.server import RunningEmulator
 
 from ..integrations.conftest import emulator, relay_upstream, serve, wait_until
 from ..integrations.litellm_harness import shared_proxy_marks

@@ -18,9 +18,9 @@ import httpx
 import pytest
 import uvicorn
 
-from fair_sched_plugin._body import MAX_BODY_BYTES, MAX_BODY_CONTAINERS
 from fair_sched_plugin.proxy import build_proxy_app, proxy_server_config
-from fair_sched_plugin.service import SchedulingService
+from fair_sched_plugin.request.body import MAX_BODY_BYTES, MAX_BODY_CONTAINERS
+from fair_sched_plugin.runtime.service import SchedulingService
 
 from ..integrations.conftest import (
     MODEL,

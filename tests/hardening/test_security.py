@@ -25,12 +25,13 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
-from fair_sched_plugin import identity, observability
+from fair_sched_plugin import observability
 from fair_sched_plugin.asgi import FairSchedulerMiddleware
 from fair_sched_plugin.config import parse_settings
-from fair_sched_plugin.identity import Credentials, PrincipalDirectory
 from fair_sched_plugin.proxy import build_proxy_app
-from fair_sched_plugin.service import SchedulingService
+from fair_sched_plugin.request import identity
+from fair_sched_plugin.request.identity import Credentials, PrincipalDirectory
+from fair_sched_plugin.runtime.service import SchedulingService
 
 from ..integrations.conftest import (
     MODEL,

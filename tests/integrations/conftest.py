@@ -16,10 +16,10 @@ from starlette.requests import Request
 from starlette.responses import Response, StreamingResponse
 
 from fair_sched_plugin.asgi import FairSchedulerMiddleware
-from fair_sched_plugin.emulator.engine import EmulatorConfig
-from fair_sched_plugin.emulator.server import RunningEmulator, run_emulator
+from fair_sched_plugin.lab.emulator.engine import EmulatorConfig
+from fair_sched_plugin.lab.emulator.server import RunningEmulator, run_emulator
 from fair_sched_plugin.proxy import CLIENT_KEEP_ALIVE_S
-from fair_sched_plugin.service import SchedulingService
+from fair_sched_plugin.runtime.service import SchedulingService
 
 from ..support import LOOPBACK, cancel_all, eventually, open_client
 

@@ -20,8 +20,8 @@ from typing import Any, Literal
 import httpx
 from hypothesis import strategies as st
 
-from fair_sched_plugin.emulator.engine import FaultSwitches
-from fair_sched_plugin.emulator.server import RunningEmulator
+from fair_sched_plugin.lab.emulator.engine import FaultSwitches
+from fair_sched_plugin.lab.emulator.server import RunningEmulator
 
 from ..support import eventually, open_client
 from .conftest import MODEL, emulator

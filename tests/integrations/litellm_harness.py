@@ -1,5 +1,5 @@
 """The LiteLLM tests' marks; their proxy, configs and clients are the harness's
-(`fair_sched_plugin.bench.harness.litellm_proxy`), which the benchmarks share."""
+(`fair_sched_plugin.lab.harness.litellm_proxy`), which the benchmarks share."""
 
 from __future__ import annotations
 

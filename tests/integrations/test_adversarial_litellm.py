@@ -9,7 +9,9 @@ import httpx
 import pytest
 import pytest_asyncio
 
-from fair_sched_plugin.bench.harness.litellm_proxy import (
+from fair_sched_plugin.lab.emulator.engine import EmulatorConfig
+from fair_sched_plugin.lab.emulator.server import run_emulator
+from fair_sched_plugin.lab.harness.litellm_proxy import (
     CHAT,
     MASTER_KEY,
     litellm_proxy,
@@ -17,9 +19,7 @@ from fair_sched_plugin.bench.harness.litellm_proxy import (
     open_client,
     proxy_config,
 )
-from fair_sched_plugin.bench.harness.litellm_proxy import EmulatedStack as Stack
-from fair_sched_plugin.emulator.engine import EmulatorConfig
-from fair_sched_plugin.emulator.server import run_emulator
+from fair_sched_plugin.lab.harness.litellm_proxy import EmulatedStack as Stack
 
 from .conftest import cancel_all, wait_until
 from .litellm_harness import shared_proxy_marks
@@ -74,9 +74,9 @@ async def test_max_tokens_in_extra_body_is_what_the_request_is_estimated_at() ->
     charge at its grant, and all it is charged if the client leaves mid-stream) must say so."""
     import types
 
-    from fair_sched_plugin._request import ensure_current_request
     from fair_sched_plugin.litellm._callback import FairSchedCallback
-    from fair_sched_plugin.service import SchedulingService
+    from fair_sched_plugin.request.watch import ensure_current_request
+    from fair_sched_plugin.runtime.service import SchedulingService
 
     async with SchedulingService({"unknown_model_max_inflight": 4}) as service:
         callback = FairSchedCallback(lambda: service)

@@ -18,8 +18,8 @@ from starlette.routing import Route
 
 from fair_sched_plugin.asgi import FairSchedulerMiddleware
 from fair_sched_plugin.core import Lease
-from fair_sched_plugin.emulator.server import RunningEmulator
-from fair_sched_plugin.service import SchedulingService
+from fair_sched_plugin.lab.emulator.server import RunningEmulator
+from fair_sched_plugin.runtime.service import SchedulingService
 
 from .conftest import (
     assert_idle,

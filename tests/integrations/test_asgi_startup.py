@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from fair_sched_plugin.bench.harness.processes import own_process_group
+from fair_sched_plugin.lab.harness.processes import own_process_group
 
 # uvicorn's exit status when the application's start-up failed.
 UVICORN_STARTUP_FAILURE = 3

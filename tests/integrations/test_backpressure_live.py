@@ -11,11 +11,11 @@ import httpx
 import pytest
 
 from fair_sched_plugin.core import BackendSnapshot
-from fair_sched_plugin.emulator.server import RunningEmulator, run_emulator
-from fair_sched_plugin.identity import Credentials
-from fair_sched_plugin.metrics.profiles import engine_profile
-from fair_sched_plugin.metrics.watcher import MetricsWatcher
-from fair_sched_plugin.service import SchedulingService
+from fair_sched_plugin.engine_metrics.profiles import engine_profile
+from fair_sched_plugin.engine_metrics.watcher import MetricsWatcher
+from fair_sched_plugin.lab.emulator.server import RunningEmulator, run_emulator
+from fair_sched_plugin.request.identity import Credentials
+from fair_sched_plugin.runtime.service import SchedulingService
 
 from .conftest import (
     MODEL,
@@ -107,7 +107,7 @@ async def test_an_engine_without_the_filtered_page_is_read_whole_at_once(
         emu.engine.faults.update({"metrics_filter": False})
         seen: list[BackendSnapshot] = []
         watcher = _fast_watcher(emu, seen)
-        with caplog.at_level(logging.INFO, logger="fair_sched_plugin.metrics.watcher"):
+        with caplog.at_level(logging.INFO, logger="fair_sched_plugin.engine_metrics.watcher"):
             async with watcher:
                 assert watcher.filtering
                 await wait_until(lambda: len(seen) >= 5)

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from fair_sched_plugin.cli import main
-from fair_sched_plugin.emulator.server import run_emulator
+from fair_sched_plugin.lab.emulator.server import run_emulator
 
 from .conftest import MODEL, emulator_config
 

@@ -13,12 +13,12 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
-from fair_sched_plugin.bench.open_bench import Scenario, measure, write_report
-from fair_sched_plugin.bench.processes import fair_proxy
-from fair_sched_plugin.bench.replay import Identity, Limits, OpenTarget, make_plan, replay
-from fair_sched_plugin.bench.report import Progress
-from fair_sched_plugin.bench.trace import TraceRequest, TraceShape, make_trace
-from fair_sched_plugin.emulator.server import run_emulator
+from fair_sched_plugin.lab.emulator.server import run_emulator
+from fair_sched_plugin.lab.loadtest.open_bench import Scenario, measure, write_report
+from fair_sched_plugin.lab.loadtest.processes import fair_proxy
+from fair_sched_plugin.lab.loadtest.replay import Identity, Limits, OpenTarget, make_plan, replay
+from fair_sched_plugin.lab.loadtest.report import Progress
+from fair_sched_plugin.lab.loadtest.trace import TraceRequest, TraceShape, make_trace
 
 from .conftest import MODEL, emulator_config, serve
 

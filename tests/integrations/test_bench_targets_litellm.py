@@ -9,18 +9,18 @@ from pathlib import Path
 
 import pytest
 
-from fair_sched_plugin.bench.harness.litellm_proxy import (
+from fair_sched_plugin.lab.emulator.server import run_emulator
+from fair_sched_plugin.lab.harness.litellm_proxy import (
     MASTER_KEY,
     litellm_proxy,
     model_entry,
     proxy_config,
 )
-from fair_sched_plugin.bench.open_bench import Scenario, measure
-from fair_sched_plugin.bench.processes import enter_side_by_side
-from fair_sched_plugin.bench.replay import Identity, Limits, OpenTarget, make_plan
-from fair_sched_plugin.bench.report import Progress
-from fair_sched_plugin.bench.trace import TraceRequest
-from fair_sched_plugin.emulator.server import run_emulator
+from fair_sched_plugin.lab.loadtest.open_bench import Scenario, measure
+from fair_sched_plugin.lab.loadtest.processes import enter_side_by_side
+from fair_sched_plugin.lab.loadtest.replay import Identity, Limits, OpenTarget, make_plan
+from fair_sched_plugin.lab.loadtest.report import Progress
+from fair_sched_plugin.lab.loadtest.trace import TraceRequest
 
 from .conftest import MODEL, emulator_config
 from .litellm_harness import NEEDS_LITELLM

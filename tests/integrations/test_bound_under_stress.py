@@ -21,17 +21,17 @@ from typing import Any
 import httpx
 import pytest
 
-from fair_sched_plugin.bench.harness.litellm_proxy import (
+from fair_sched_plugin.lab.emulator.engine import EmulatorConfig
+from fair_sched_plugin.lab.emulator.server import RunningEmulator, run_emulator
+from fair_sched_plugin.lab.harness.litellm_proxy import (
     CHAT,
     litellm_proxy,
     model_entry,
     open_client,
     proxy_config,
 )
-from fair_sched_plugin.emulator.engine import EmulatorConfig
-from fair_sched_plugin.emulator.server import RunningEmulator, run_emulator
-from fair_sched_plugin.identity import Credentials
-from fair_sched_plugin.service import SchedulingService
+from fair_sched_plugin.request.identity import Credentials
+from fair_sched_plugin.runtime.service import SchedulingService
 
 from .conftest import MODEL, cancel_all, completion_body, fair_config, wait_until
 from .litellm_harness import NEEDS_LITELLM

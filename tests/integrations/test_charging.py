@@ -21,7 +21,7 @@ from starlette.routing import Route
 
 from fair_sched_plugin.core import Lease
 from fair_sched_plugin.proxy import build_proxy_app
-from fair_sched_plugin.service import SchedulingService
+from fair_sched_plugin.runtime.service import SchedulingService
 
 from ..hardening.test_bypasses import CHAT, middleware_app, middleware_service
 from .conftest import MODEL, assert_idle, emulator, fair_config, open_client, serve

@@ -15,7 +15,9 @@ from typing import Any
 import pytest
 import yaml
 
-from fair_sched_plugin.bench.harness.litellm_proxy import (
+from fair_sched_plugin.config import FairSchedSettings, load_settings
+from fair_sched_plugin.lab.emulator.server import RunningEmulator
+from fair_sched_plugin.lab.harness.litellm_proxy import (
     free_port,
     litellm_proxy,
     open_client,
@@ -23,9 +25,7 @@ from fair_sched_plugin.bench.harness.litellm_proxy import (
     stream_chat,
     write_config,
 )
-from fair_sched_plugin.bench.harness.processes import own_process_group
-from fair_sched_plugin.config import FairSchedSettings, load_settings
-from fair_sched_plugin.emulator.server import RunningEmulator
+from fair_sched_plugin.lab.harness.processes import own_process_group
 
 from ..support import wait_healthy
 from .conftest import emulator, received_priorities, serve

@@ -23,7 +23,8 @@ from typing import Any
 import httpx
 import pytest
 
-from fair_sched_plugin.bench.harness.litellm_proxy import (
+from fair_sched_plugin.lab.emulator.server import RunningEmulator, run_emulator
+from fair_sched_plugin.lab.harness.litellm_proxy import (
     MASTER_KEY,
     ProxyProcess,
     free_port,
@@ -33,8 +34,7 @@ from fair_sched_plugin.bench.harness.litellm_proxy import (
     proxy_env,
     write_config,
 )
-from fair_sched_plugin.bench.harness.processes import own_process_group
-from fair_sched_plugin.emulator.server import RunningEmulator, run_emulator
+from fair_sched_plugin.lab.harness.processes import own_process_group
 
 from ..support import wait_healthy
 from .conftest import MODEL, emulator_config, wait_until

@@ -40,10 +40,10 @@ from starlette.routing import Route
 
 from fair_sched_plugin.asgi import FairSchedulerMiddleware
 from fair_sched_plugin.core import Lease
-from fair_sched_plugin.emulator.server import RunningEmulator
-from fair_sched_plugin.identity import Credentials
+from fair_sched_plugin.lab.emulator.server import RunningEmulator
 from fair_sched_plugin.proxy import build_proxy_app
-from fair_sched_plugin.service import Admission, SchedulingService
+from fair_sched_plugin.request.identity import Credentials
+from fair_sched_plugin.runtime.service import Admission, SchedulingService
 
 from ..support import LOOPBACK, eventually, free_port
 from .conftest import MODEL, relay_upstream, serve

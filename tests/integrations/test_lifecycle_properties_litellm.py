@@ -31,13 +31,13 @@ import pytest
 import pytest_asyncio
 from hypothesis import HealthCheck, event, given, settings
 
-from fair_sched_plugin.bench.harness.litellm_proxy import (
+from fair_sched_plugin.lab.harness.litellm_proxy import (
     MASTER_KEY,
     litellm_proxy,
     model_entry,
     proxy_config,
 )
-from fair_sched_plugin.bench.harness.litellm_proxy import EmulatedStack as Stack
+from fair_sched_plugin.lab.harness.litellm_proxy import EmulatedStack as Stack
 
 from ..support import LOOPBACK, eventually, free_port, open_client
 from .conftest import MODEL

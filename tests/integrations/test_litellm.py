@@ -26,7 +26,9 @@ import httpx
 import pytest
 import pytest_asyncio
 
-from fair_sched_plugin.bench.harness.litellm_proxy import (
+from fair_sched_plugin.lab.emulator.engine import EmulatedEngine, EmulatorConfig
+from fair_sched_plugin.lab.emulator.server import RunningEmulator, run_emulator
+from fair_sched_plugin.lab.harness.litellm_proxy import (
     CHAT,
     MASTER_KEY,
     ProxyProcess,
@@ -39,8 +41,6 @@ from fair_sched_plugin.bench.harness.litellm_proxy import (
     run_proxy_to_exit,
     stream_chat,
 )
-from fair_sched_plugin.emulator.engine import EmulatedEngine, EmulatorConfig
-from fair_sched_plugin.emulator.server import RunningEmulator, run_emulator
 
 from ..support import cancel_all, eventually
 from .conftest import wait_until

@@ -13,14 +13,14 @@ from typing import Any
 import httpx
 import pytest
 
-from fair_sched_plugin.bench.harness.litellm_proxy import (
+from fair_sched_plugin.lab.emulator.engine import EmulatorConfig
+from fair_sched_plugin.lab.emulator.server import run_emulator
+from fair_sched_plugin.lab.harness.litellm_proxy import (
     litellm_proxy,
     model_entry,
     open_client,
     proxy_config,
 )
-from fair_sched_plugin.emulator.engine import EmulatorConfig
-from fair_sched_plugin.emulator.server import run_emulator
 
 from ..state.conftest import RedisServer, unique_prefix
 from .litellm_harness import NEEDS_LITELLM

@@ -1,6 +1,6 @@
 """End to end: cost fairness, budgets (demote and reject), tier shares and promotion,
 through real `litellm` proxy processes in front of emulators (scenarios in
-`fair_sched_plugin.bench.harness.tier_scenarios`, which the tier benchmark runs with a 60 s
+`fair_sched_plugin.lab.harness.tier_scenarios`, which the tier benchmark runs with a 60 s
 cost window)."""
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from fair_sched_plugin.bench.harness.tier_scenarios import (
+from fair_sched_plugin.lab.harness.tier_scenarios import (
     budget_stack,
     cost_fairness,
     heavy_flood_with_light_user,
@@ -59,7 +59,7 @@ async def test_budgets_demote_to_the_lower_tier_and_reject_until_the_window_ends
     assert set(demoted_again.wave1_priorities + demoted_again.wave2_priorities) == {10}
     # Reject: Retry-After is within the one-minute window opened by the first spend (the
     # arithmetic of "the rest of the window" is the budget book's, on a fake clock:
-    # tests/test_service_budget.py).
+    # tests/runtime/test_service_budget.py).
     assert rejected.status_code == 429
     assert 1 <= int(rejected.headers["retry-after"]) <= 60
 

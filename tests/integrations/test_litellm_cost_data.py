@@ -10,15 +10,15 @@ from typing import Any
 
 import pytest
 
-from fair_sched_plugin.bench.harness.litellm_proxy import (
+from fair_sched_plugin.lab.emulator.engine import EmulatorConfig
+from fair_sched_plugin.lab.emulator.server import run_emulator
+from fair_sched_plugin.lab.harness.litellm_proxy import (
     MASTER_KEY,
     litellm_proxy,
     model_entry,
     open_client,
     proxy_config,
 )
-from fair_sched_plugin.emulator.engine import EmulatorConfig
-from fair_sched_plugin.emulator.server import run_emulator
 from fair_sched_plugin.observability import STATUS_PATH
 
 from .litellm_harness import NEEDS_LITELLM

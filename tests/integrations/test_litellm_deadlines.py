@@ -15,8 +15,8 @@ from typing import Any
 import httpx
 import pytest
 
-from fair_sched_plugin.emulator.engine import EmulatorConfig
-from fair_sched_plugin.emulator.server import run_emulator
+from fair_sched_plugin.lab.emulator.engine import EmulatorConfig
+from fair_sched_plugin.lab.emulator.server import run_emulator
 
 from .litellm_harness import (
     CHAT,

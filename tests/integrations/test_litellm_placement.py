@@ -21,7 +21,9 @@ import httpx
 import pytest
 import pytest_asyncio
 
-from fair_sched_plugin.bench.harness.litellm_proxy import (
+from fair_sched_plugin.lab.emulator.engine import EmulatorConfig
+from fair_sched_plugin.lab.emulator.server import RunningEmulator, run_emulator
+from fair_sched_plugin.lab.harness.litellm_proxy import (
     CHAT,
     MASTER_KEY,
     ProxyProcess,
@@ -30,8 +32,6 @@ from fair_sched_plugin.bench.harness.litellm_proxy import (
     open_client,
     proxy_config,
 )
-from fair_sched_plugin.emulator.engine import EmulatorConfig
-from fair_sched_plugin.emulator.server import RunningEmulator, run_emulator
 from fair_sched_plugin.observability import STATUS_PATH
 
 from .litellm_harness import shared_proxy_marks

@@ -13,9 +13,9 @@ from typing import Any
 
 import pytest
 
-from fair_sched_plugin._request import ensure_current_request
 from fair_sched_plugin.core import Lease, Ticket, TierLimits
-from fair_sched_plugin.driver import FairScheduler
+from fair_sched_plugin.request.watch import ensure_current_request
+from fair_sched_plugin.runtime.driver import FairScheduler
 from fair_sched_plugin.testing import FakeClock, ManualGate
 
 from .litellm_harness import NEEDS_LITELLM

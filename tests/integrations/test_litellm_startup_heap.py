@@ -9,8 +9,8 @@ from typing import Any
 
 import pytest
 
-from fair_sched_plugin._gc import freeze_startup_heap
-from fair_sched_plugin.service import SchedulingService
+from fair_sched_plugin.runtime.service import SchedulingService
+from fair_sched_plugin.runtime.startup_heap import freeze_startup_heap
 
 from .litellm_harness import NEEDS_LITELLM
 

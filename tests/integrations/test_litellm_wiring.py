@@ -22,9 +22,9 @@ from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import Route, Router
 
-from fair_sched_plugin._request import DEPLOYMENT_HEADER, RequestWatch, current_request
 from fair_sched_plugin.observability import STATUS_PATH
-from fair_sched_plugin.service import SchedulingService
+from fair_sched_plugin.request.watch import DEPLOYMENT_HEADER, RequestWatch, current_request
+from fair_sched_plugin.runtime.service import SchedulingService
 
 from .litellm_harness import NEEDS_LITELLM
 

@@ -22,7 +22,7 @@ from starlette.routing import Route
 from fair_sched_plugin.asgi import FairSchedulerMiddleware
 from fair_sched_plugin.observability import METRICS_PATH, STATUS_PATH, UI_PATH
 from fair_sched_plugin.proxy import build_proxy_app
-from fair_sched_plugin.service import SchedulingService
+from fair_sched_plugin.runtime.service import SchedulingService
 
 from .conftest import (
     MODEL,
@@ -204,7 +204,7 @@ async def test_middleware_app_serves_the_endpoints_when_asked() -> None:
 @pytest.mark.slow
 @pytest.mark.skipif(importlib.util.find_spec("litellm") is None, reason="needs the litellm extra")
 async def test_litellm_proxy_serves_the_routes_to_the_master_key_only(tmp_path: Path) -> None:
-    from fair_sched_plugin.bench.harness.litellm_proxy import (
+    from fair_sched_plugin.lab.harness.litellm_proxy import (
         MASTER_KEY,
         litellm_proxy,
         model_entry,

@@ -12,7 +12,7 @@ import httpx
 import pytest
 import uvicorn
 
-from fair_sched_plugin.bench.processes import fair_proxy
+from fair_sched_plugin.lab.loadtest.processes import fair_proxy
 from fair_sched_plugin.proxy import (
     CLIENT_KEEP_ALIVE_S,
     add_proxy_parser,

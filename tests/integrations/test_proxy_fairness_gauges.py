@@ -18,7 +18,7 @@ import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from fair_sched_plugin.emulator.server import RunningEmulator
+from fair_sched_plugin.lab.emulator.server import RunningEmulator
 from fair_sched_plugin.observability import METRICS_PATH
 
 from .conftest import MODEL, emulator

@@ -32,8 +32,8 @@ from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import Route
 
-from fair_sched_plugin.bench.harness.litellm_proxy import ProxyProcess
-from fair_sched_plugin.emulator.server import RunningEmulator
+from fair_sched_plugin.lab.emulator.server import RunningEmulator
+from fair_sched_plugin.lab.harness.litellm_proxy import ProxyProcess
 
 from ..state.conftest import RedisServer, unique_prefix
 from .conftest import MODEL, emulator, serve

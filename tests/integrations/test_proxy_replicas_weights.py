@@ -19,7 +19,7 @@ from typing import Any
 import httpx
 import pytest
 
-from fair_sched_plugin.emulator.server import RunningEmulator
+from fair_sched_plugin.lab.emulator.server import RunningEmulator
 
 from ..state.conftest import RedisServer, unique_prefix
 from .conftest import MODEL, emulator

@@ -18,7 +18,7 @@ from typing import Any
 import httpx
 import pytest
 
-from fair_sched_plugin.bench.browser import chromium_page, log_in, missing_browser_parts
+from fair_sched_plugin.lab.loadtest.browser import chromium_page, log_in, missing_browser_parts
 from fair_sched_plugin.observability import STATUS_PATH, UI_PATH
 
 from ..support import eventually, in_ci
@@ -97,7 +97,7 @@ async def page_numbers(page: Any) -> dict[str, str]:
 async def test_the_page_shows_a_flood_live_and_nothing_without_the_key(
     tmp_path: Path, browser_ready: None
 ) -> None:
-    from fair_sched_plugin.bench.harness.litellm_proxy import (
+    from fair_sched_plugin.lab.harness.litellm_proxy import (
         MASTER_KEY,
         litellm_proxy,
         model_entry,

@@ -11,7 +11,7 @@ import pytest
 from starlette.applications import Starlette
 
 from fair_sched_plugin.asgi import FairSchedulerMiddleware
-from fair_sched_plugin.bench.browser import chromium_page, log_in
+from fair_sched_plugin.lab.loadtest.browser import chromium_page, log_in
 from fair_sched_plugin.observability import STATUS_PATH
 from fair_sched_plugin.observability._ui import ARGUMENT_KEY_HINT
 

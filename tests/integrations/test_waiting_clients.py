@@ -26,9 +26,9 @@ from starlette.types import Message
 
 from fair_sched_plugin.asgi import FairSchedulerMiddleware
 from fair_sched_plugin.core import Ticket
-from fair_sched_plugin.emulator.server import RunningEmulator
+from fair_sched_plugin.lab.emulator.server import RunningEmulator
 from fair_sched_plugin.proxy import build_proxy_app
-from fair_sched_plugin.service import SchedulingService
+from fair_sched_plugin.runtime.service import SchedulingService
 
 from .conftest import (
     MODEL,
@@ -529,7 +529,7 @@ async def test_release_while_a_comment_is_being_sent_waits_for_it() -> None:
     """Race: the request is released (the app sends its response start) while a keep-alive
     comment is blocked in the server's send. The app's messages go out after the comment, its
     response start is absorbed, and no comment follows the engine's bytes."""
-    from fair_sched_plugin._request import RequestWatch
+    from fair_sched_plugin.request.watch import RequestWatch
 
     sent: list[Message] = []
     unblock = asyncio.Event()

@@ -17,13 +17,13 @@ import httpx
 import openai
 import pytest
 
-from fair_sched_plugin.bench.harness.litellm_proxy import (
+from fair_sched_plugin.lab.emulator.server import RunningEmulator, run_emulator
+from fair_sched_plugin.lab.harness.litellm_proxy import (
     MASTER_KEY,
     litellm_proxy,
     model_entry,
     proxy_config,
 )
-from fair_sched_plugin.emulator.server import RunningEmulator, run_emulator
 
 from .conftest import MODEL, emulator_config, wait_until
 from .litellm_harness import NEEDS_LITELLM

@@ -27,7 +27,7 @@ def run_bench(url: str, out: pathlib.Path, *options: str) -> dict[str, Any]:
         [
             sys.executable,
             "-m",
-            "fair_sched_plugin.bench.harness.coordination",
+            "fair_sched_plugin.lab.harness.coordination",
             "--redis-url", url,
             "--followers", "1",
             "--rates", "50",

@@ -24,7 +24,7 @@ from fair_sched_plugin.core import (
     Ticket,
     TierLimits,
 )
-from fair_sched_plugin.driver import FairScheduler
+from fair_sched_plugin.runtime.driver import FairScheduler
 from fair_sched_plugin.state import ReplicaScheduler, open_state
 from fair_sched_plugin.state.groups import ModelGroups, sum_statistics
 from fair_sched_plugin.testing import FakeClock

@@ -14,11 +14,11 @@ import pytest
 
 from fair_sched_plugin.config import load_settings
 from fair_sched_plugin.core import InflightLimitGate, TierLimits
-from fair_sched_plugin.driver import FairScheduler
-from fair_sched_plugin.emulator.server import RunningEmulator
 from fair_sched_plugin.errors import BudgetExceeded
-from fair_sched_plugin.identity import Credentials
-from fair_sched_plugin.service import SchedulingService
+from fair_sched_plugin.lab.emulator.server import RunningEmulator
+from fair_sched_plugin.request.identity import Credentials
+from fair_sched_plugin.runtime.driver import FairScheduler
+from fair_sched_plugin.runtime.service import SchedulingService
 from fair_sched_plugin.state import open_state
 from fair_sched_plugin.state.groups import ModelGroups
 from fair_sched_plugin.state.redis_replica import RedisReplica

@@ -17,7 +17,7 @@ from fair_sched_plugin.core import (
     MetricsGate,
     TierLimits,
 )
-from fair_sched_plugin.driver import FairScheduler
+from fair_sched_plugin.runtime.driver import FairScheduler
 from fair_sched_plugin.state.wire import read_published, statistics_document
 from fair_sched_plugin.testing import FakeClock
 

@@ -14,8 +14,8 @@ import pytest
 import redis.asyncio as redis_asyncio
 
 from fair_sched_plugin.errors import BudgetExceeded
-from fair_sched_plugin.identity import Credentials
-from fair_sched_plugin.service import SchedulingService
+from fair_sched_plugin.request.identity import Credentials
+from fair_sched_plugin.runtime.service import SchedulingService
 
 from ..integrations.conftest import wait_until
 from .conftest import RedisServer, heartbeats, unique_prefix

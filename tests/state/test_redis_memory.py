@@ -10,7 +10,7 @@ from redis.asyncio import Redis
 
 from fair_sched_plugin.core import InflightLimitGate, Ticket, TierLimits
 from fair_sched_plugin.core.queues import MAX_IDLE_USERS_REMEMBERED
-from fair_sched_plugin.driver import FairScheduler
+from fair_sched_plugin.runtime.driver import FairScheduler
 from fair_sched_plugin.state import ReplicaScheduler, open_state
 
 from .conftest import RedisServer

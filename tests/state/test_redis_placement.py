@@ -8,9 +8,9 @@ import collections
 
 import pytest
 
-from fair_sched_plugin.identity import Credentials
 from fair_sched_plugin.proxy import build_proxy_app
-from fair_sched_plugin.service import SchedulingService
+from fair_sched_plugin.request.identity import Credentials
+from fair_sched_plugin.runtime.service import SchedulingService
 
 from ..integrations.conftest import (
     MODEL,

@@ -12,10 +12,10 @@ from typing import Any
 import httpx
 import pytest
 
-from fair_sched_plugin.emulator.server import RunningEmulator
-from fair_sched_plugin.identity import Credentials
+from fair_sched_plugin.lab.emulator.server import RunningEmulator
 from fair_sched_plugin.proxy import build_proxy_app
-from fair_sched_plugin.service import UNKNOWN_MODELS, SchedulingService
+from fair_sched_plugin.request.identity import Credentials
+from fair_sched_plugin.runtime.service import UNKNOWN_MODELS, SchedulingService
 
 from ..integrations.conftest import MODEL, chat_body, emulator, fair_config, serve, wait_until
 from .conftest import RedisServer, restart_until_rejoined, unique_prefix, vanish

@@ -16,8 +16,8 @@ from typing import Any
 import pytest
 
 from fair_sched_plugin.core import InflightLimitGate, Lease, TierLimits, estimate_position
-from fair_sched_plugin.driver import FairScheduler
 from fair_sched_plugin.errors import QueueFull, QueueTimeout, StateStoreError
+from fair_sched_plugin.runtime.driver import FairScheduler
 from fair_sched_plugin.state import ReplicaScheduler, open_state
 from fair_sched_plugin.state.redis_replica import RedisReplica
 from fair_sched_plugin.state.wire import read_reply

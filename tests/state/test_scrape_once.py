@@ -17,7 +17,7 @@ from typing import Any
 import pytest
 
 from fair_sched_plugin.proxy import build_proxy_app
-from fair_sched_plugin.service import SchedulingService
+from fair_sched_plugin.runtime.service import SchedulingService
 
 from ..integrations.conftest import (
     assert_idle,

@@ -9,7 +9,7 @@ import sys
 from typing import Any
 
 from fair_sched_plugin.core import InflightLimitGate, TierLimits
-from fair_sched_plugin.driver import FairScheduler
+from fair_sched_plugin.runtime.driver import FairScheduler
 from fair_sched_plugin.state import ReplicaScheduler
 from fair_sched_plugin.state.term import Term
 from fair_sched_plugin.testing import make_ticket, settle
@@ -119,7 +119,7 @@ async def test_a_reply_of_an_earlier_session_is_ignored() -> None:
 def test_memory_state_never_imports_redis() -> None:
     """redis is an optional extra: a memory:// service runs without it."""
     code = (
-        "import sys; from fair_sched_plugin.service import SchedulingService; "
+        "import sys; from fair_sched_plugin.runtime.service import SchedulingService; "
         "SchedulingService({}); print('redis' in sys.modules)"
     )
     result = subprocess.run(

@@ -13,8 +13,8 @@ from typing import Any
 import pytest
 
 from fair_sched_plugin.core import InflightLimitGate, Lease, TierLimits
-from fair_sched_plugin.driver import FairScheduler
 from fair_sched_plugin.errors import DeadlineUnreachable
+from fair_sched_plugin.runtime.driver import FairScheduler
 from fair_sched_plugin.state import open_state, wire
 from fair_sched_plugin.state.term import Term
 from fair_sched_plugin.state.wire import OutOfRange, parse_reply, read_message, read_published

@@ -12,7 +12,7 @@ session's teardown and, should that not run, at interpreter exit.
 keeps the engine and the LiteLLM proxy in the test run's session; `sessions` starts each in a
 session of its own, so engine, LiteLLM proxy and client (this process) are three autogroup CPU
 scheduling groups, as when the proxy is CPU-starved by other work. The engine itself is
-started by `fair_sched_plugin.bench.harness.vllm_stage`, which the benchmarks share.
+started by `fair_sched_plugin.lab.harness.vllm_stage`, which the benchmarks share.
 """
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ from pathlib import Path
 
 import pytest
 
-from fair_sched_plugin.bench.harness.vllm_stage import (
+from fair_sched_plugin.lab.harness.vllm_stage import (
     VLLM_VERSION,
     Engines,
     VllmEngine,

@@ -23,7 +23,7 @@ from pathlib import Path
 
 import pytest
 
-from fair_sched_plugin.bench.harness.vllm_stage import VllmEngine
+from fair_sched_plugin.lab.harness.vllm_stage import VllmEngine
 
 from .conftest import PAIRED_ROUNDS
 from .test_real_engine import litellm_flood

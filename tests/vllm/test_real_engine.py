@@ -34,13 +34,17 @@ from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import Route
 
-from fair_sched_plugin._http import sse_lines
-from fair_sched_plugin.bench.harness.vllm_stage import SERVED_MODEL, VllmEngine, own_sessions
 from fair_sched_plugin.core import BackendSnapshot
-from fair_sched_plugin.metrics.profiles import VLLM_PROFILE, engine_profile, filtered_metrics_url
-from fair_sched_plugin.metrics.watcher import MetricsWatcher
+from fair_sched_plugin.engine_metrics.profiles import (
+    VLLM_PROFILE,
+    engine_profile,
+    filtered_metrics_url,
+)
+from fair_sched_plugin.engine_metrics.watcher import MetricsWatcher
+from fair_sched_plugin.lab.harness.vllm_stage import SERVED_MODEL, VllmEngine, own_sessions
 from fair_sched_plugin.observability import STATUS_PATH
 from fair_sched_plugin.proxy import build_proxy_app
+from fair_sched_plugin.runtime.engine_http import sse_lines
 
 from ..integrations.conftest import open_client, relay_upstream, serve
 from .conftest import (
@@ -559,7 +563,7 @@ async def litellm_flood(
     """The power-user flood through a LiteLLM proxy subprocess, with or without the plugin
     (the interactive tier's `waiting_below` fixed, or `auto`). Without the plugin every caller
     uses LiteLLM's master key (no custom auth); with it, the principals' own keys."""
-    from fair_sched_plugin.bench.harness.litellm_proxy import (
+    from fair_sched_plugin.lab.harness.litellm_proxy import (
         MASTER_KEY,
         litellm_proxy,
         model_entry,
@@ -619,7 +623,7 @@ async def trace_gate(base_url: str, *, enabled: bool) -> AsyncIterator[None]:
     if not enabled:
         yield
         return
-    from fair_sched_plugin.bench.harness.litellm_proxy import MASTER_KEY
+    from fair_sched_plugin.lab.harness.litellm_proxy import MASTER_KEY
 
     lines: list[str] = []
 
