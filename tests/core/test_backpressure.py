@@ -756,7 +756,7 @@ async def test_learned_capacity_is_forgotten_once_no_scrape_shows_it_for_a_windo
 
 
 # ---------------------------------------------------------------- work-conserving
-# A scripted engine (tests/core/engine_sim.py) with 8 slots and a flood parked in our queue.
+# A scripted engine (fair_sched_plugin/lab/harness/engine_sim.py) with 8 slots and a flood parked in our queue.
 # "Mean running while parked" is the engine's true running count, sampled every 10 ms.
 
 FLOOD = {INTERACTIVE._replace(tpot_below_s=None): 100_000}

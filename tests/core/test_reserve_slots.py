@@ -13,9 +13,8 @@ from fair_sched_plugin.core import (
     SchedulerCore,
     TierLimits,
 )
+from fair_sched_plugin.lab.harness.engine_sim import EngineSim
 from fair_sched_plugin.testing import FakeClock, make_ticket, snapshot
-
-from .engine_sim import EngineSim
 
 URL = "http://engine/metrics"
 
@@ -158,7 +157,7 @@ def test_the_gate_says_the_tier_is_held_for_its_reservation() -> None:
 # ----------------------------------------------------------------------------- a flood, simulated
 
 FLOOD = 100
-# The engine of tests/core/engine_sim.py with the demo's shape: 8 slots, a request ends 1 s after
+# The engine of fair_sched_plugin/lab/harness/engine_sim.py with the demo's shape: 8 slots, a request ends 1 s after
 # it started, its first token 20 ms after; requests take 50 ms to reach it, scrapes every 50 ms.
 SIM = {"max_num_seqs": 8, "service_s": 1.0, "transit_s": 0.05, "poll_s": 0.05, "prefill_s": 0.02}
 IDLE_FIRST_BYTE_S = SIM["transit_s"] + SIM["prefill_s"]

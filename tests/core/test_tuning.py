@@ -1,5 +1,5 @@
 """`waiting_below: auto`: the queue tuner alone, and in the gate against a scripted
-engine (tests/core/engine_sim.py) with the fake clock: a step change of speed, lagging scrapes,
+engine (fair_sched_plugin/lab/harness/engine_sim.py) with the fake clock: a step change of speed, lagging scrapes,
 noisy TPOT, and the oscillation bound stated in core/tuning.py."""
 
 from __future__ import annotations
