@@ -413,7 +413,9 @@ def test_fair_sched_proxy_serves_with_the_long_keep_alive(
     """`fair-sched proxy` hands uvicorn `timeout_keep_alive=CLIENT_KEEP_ALIVE_S` (the setting;
     the real idle wait past uvicorn's 5 s default runs with scripts/test --full)."""
     served: dict[str, Any] = {}
-    monkeypatch.setattr(uvicorn, "run", lambda app, **options: served.update(options))
+    monkeypatch.setattr(
+        uvicorn.Server, "run", lambda server, sockets=None: served.update(vars(server.config))
+    )
     parser = argparse.ArgumentParser(prog="fair-sched")
     add_proxy_parser(parser.add_subparsers(dest="command", required=True))
     config = tmp_path / "fair.yaml"
