@@ -32,7 +32,7 @@ import contextlib
 import contextvars
 import json
 import logging
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING, Any
 
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
@@ -105,6 +105,39 @@ async def _no_receive() -> Message:
 class RequestWatch:
     """Per-request state shared by the scheduling adapters (see the module docstring)."""
 
+    # Thousands may be parked at once: each holds only what it has begun to use.
+    __slots__ = (
+        "_app_task",
+        "_chunks_since_yield",
+        "_error_body",
+        "_error_status",
+        "_keepalive_sending",
+        "_keepalive_stalled",
+        "_keepalive_task",
+        "_lease_timer",
+        "_lives",
+        "_max_lease_s",
+        "_max_wait_header",
+        "_parked",
+        "_receive",
+        "_refusal",
+        "_refusals_logged",
+        "_send",
+        "_send_timeout_s",
+        "_sending_since",
+        "_stall_timer",
+        "_watcher",
+        "body_complete",
+        "disconnected",
+        "interrupted_tokens",
+        "keepalive_started",
+        "response_complete",
+        "response_headers",
+        "response_started",
+        "stopped",
+        "streaming",
+    )
+
     def __init__(
         self,
         receive: Receive | None,
@@ -125,8 +158,8 @@ class RequestWatch:
         # Each lease this request held, with its life (`_lifecycle`), in the order held.
         self._lives: dict[Lease, RequestLife] = {}
         # The leases whose bound deployment an adapter refused to replace, and said so (by
-        # `id`: they stay in `leases`): LiteLLM retries each refused attempt.
-        self.refusals_logged: set[int] = set()
+        # `id`: they stay in `leases`), made with the first: LiteLLM retries each refused attempt.
+        self._refusals_logged: set[int] | None = None
         self._watcher: asyncio.Task[Message] | None = None
         self._app_task: asyncio.Task[None] | None = None
         self._lease_timer: asyncio.TimerHandle | None = None
@@ -144,7 +177,7 @@ class RequestWatch:
         self._keepalive_stalled = False
         # After the keep-alive began: the app's error response, collected to become an event.
         self._error_status: int | None = None
-        self._error_body = bytearray()
+        self._error_body: bytearray | None = None
         # The client's `x-fair-sched-max-wait-s`, as the middleware read it with the other
         # headers (one walk over them per request).
         self._max_wait_header = max_wait_header
@@ -166,13 +199,21 @@ class RequestWatch:
         try:
             # In a task of its own (which copies the context, so the app sees this watch) that
             # `stop()` can cancel without cancelling the server's task.
-            self._app_task = asyncio.get_running_loop().create_task(self._call(app, scope))
+            called = app(scope, self.receive, self.send)
+            self._app_task = asyncio.get_running_loop().create_task(
+                called if asyncio.iscoroutine(called) else _awaited(called)
+            )
         finally:
             _current.reset(token)
         app_task = self._app_task
+        # Done with the app (its result: the task). Not `asyncio.wait`, whose set, closure and
+        # two coroutines every request would hold for its whole life.
+        app_done: asyncio.Future[asyncio.Task[None]] = app_task.get_loop().create_future()
+        app_task.add_done_callback(app_done.set_result)
         try:
-            await asyncio.wait({app_task})
+            await app_done
         except BaseException:
+            app_task.remove_done_callback(app_done.set_result)
             app_task.cancel()  # the server cancels us: the app goes too
             self.close()
             raise
@@ -192,9 +233,6 @@ class RequestWatch:
                 app_task.result()  # re-raise what the app raised
         finally:
             self.close()
-
-    async def _call(self, app: ASGIApp, scope: Scope) -> None:
-        await app(scope, self.receive, self.send)
 
     async def _answer_stopped(self) -> None:
         assert self.stopped is not None
@@ -244,6 +282,15 @@ class RequestWatch:
         """The request was refused deeper in the app, which will answer it: the answer the
         client gets is ours (`error_response`), whatever shape the app gives it."""
         self._refusal = refusal
+
+    def first_refusal(self, lease: Lease) -> bool:
+        """True the first time an adapter says it refused to replace `lease`'s deployment."""
+        if self._refusals_logged is None:
+            self._refusals_logged = set()
+        elif id(lease) in self._refusals_logged:
+            return False
+        self._refusals_logged.add(id(lease))
+        return True
 
     def admitted(self, admission: Admission, *, name_principal: bool) -> None:
         """Say in the response headers how long the request queued, in which tier, on which
@@ -468,6 +515,8 @@ class RequestWatch:
         more = message.get("more_body", False)
         body = message.get("body", b"")
         if self._error_status is not None:
+            if self._error_body is None:
+                self._error_body = bytearray()
             room = MAX_ERROR_BODY_BYTES - len(self._error_body)
             self._error_body += body[: max(0, room)]
             if not more:
@@ -641,6 +690,10 @@ class _HeldLease:
             lease.release(charge(lease) if charge is not None else lease.ticket.cost)
         else:
             lease.abandon()
+
+
+async def _awaited(awaitable: Awaitable[None]) -> None:
+    await awaitable
 
 
 def _error_payload(status: int, body: bytes) -> dict[str, Any]:
