@@ -114,6 +114,7 @@ class RequestWatch:
         "_keepalive_sending",
         "_keepalive_stalled",
         "_keepalive_task",
+        "_keepalive_timer",
         "_lease_timer",
         "_lives",
         "_max_lease_s",
@@ -172,6 +173,8 @@ class RequestWatch:
         self.streaming = False
         self.keepalive_started = False
         self._parked: ParkedRequest | None = None
+        # Until the first comment is due, a timer; the task that sends the comments from then.
+        self._keepalive_timer: asyncio.TimerHandle | None = None
         self._keepalive_task: asyncio.Task[None] | None = None
         self._keepalive_sending = False
         self._keepalive_stalled = False
@@ -561,9 +564,18 @@ class RequestWatch:
         if not self.streaming or self._send is None or after_s <= 0:
             return
         self._parked = parked
-        if self._keepalive_task is None:
+        if self._keepalive_task is None and self._keepalive_timer is None:
+            # A timer, not a task, while the request may yet leave the queue before its first
+            # comment (most do): a task is made only for a stream that is kept alive.
+            self._keepalive_timer = asyncio.get_running_loop().call_later(
+                after_s, self._start_keep_alive, parked.queue.keepalive_interval_s
+            )
+
+    def _start_keep_alive(self, interval_s: float) -> None:
+        self._keepalive_timer = None
+        if self._parked is not None and self._keepalive_task is None:
             self._keepalive_task = asyncio.get_running_loop().create_task(
-                self._keep_alive(after_s, parked.queue.keepalive_interval_s)
+                self._keep_alive(interval_s)
             )
 
     def shutdown(self) -> None:
@@ -574,17 +586,19 @@ class RequestWatch:
     def unparked(self) -> None:
         """The request stopped waiting: no more comments (one being sent finishes first)."""
         self._parked = None
+        if self._keepalive_timer is not None:
+            self._keepalive_timer.cancel()
+            self._keepalive_timer = None
         task = self._keepalive_task
         if task is not None and not self._keepalive_sending:
             task.cancel()
 
-    async def _keep_alive(self, after_s: float, interval_s: float) -> None:
+    async def _keep_alive(self, interval_s: float) -> None:
         send = self._send
         assert send is not None
-        # The first comment after `after_s` of this request; the next ones on the loop's
-        # shared keep-alive clock, which also times the sends out (`_keepalive`).
+        # The first comment now (`keepalive_after_s` into the wait); the next ones on the
+        # loop's shared keep-alive clock, which also times the sends out (`_keepalive`).
         ticks = ticks_for(interval_s)
-        await asyncio.sleep(after_s)
         while True:
             parked = self._parked
             if parked is None or self.disconnected.fired:
@@ -656,6 +670,9 @@ class RequestWatch:
 
     def close(self) -> None:
         """End the leases and stop watching (what `run()` does on its way out)."""
+        if self._keepalive_timer is not None:
+            self._keepalive_timer.cancel()
+            self._keepalive_timer = None
         if self._keepalive_task is not None:
             self._keepalive_task.cancel()
         if self._lease_timer is not None:
