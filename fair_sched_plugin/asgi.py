@@ -221,7 +221,8 @@ class FairSchedulerMiddleware:
         if mode == "watch":
             await watch.run(self.app, scope)
         else:
-            await _ScheduledRequest(self, scope, watch, mode == "schedule_if_model").run()
+            request = _ScheduledRequest(self, scope, watch, mode == "schedule_if_model")
+            await watch.run(request.schedule_and_call, scope)
 
     async def _refuse(self, error: ConfigError, scope: Scope, receive: Receive, send: Send) -> None:
         """Invalid settings: the server's start-up fails with their message (uvicorn logs it and
@@ -306,6 +307,19 @@ class FairSchedulerMiddleware:
 class _ScheduledRequest:
     """Per-request state: body, lease, response progress (the connection is `watch`'s)."""
 
+    __slots__ = (
+        "body_usage",
+        "middleware",
+        "only_with_model",
+        "response_is_stream",
+        "scope",
+        "service",
+        "sse_tail",
+        "stream_chunks",
+        "usage",
+        "watch",
+    )
+
     def __init__(
         self,
         middleware: FairSchedulerMiddleware,
@@ -321,14 +335,14 @@ class _ScheduledRequest:
         self.watch = watch
         self.response_is_stream = False
         self.stream_chunks = 0
-        self.sse_tail = bytearray()  # an event stream's last line until its line end arrives
-        self.body_usage = JsonUsageFinder()  # a JSON answer's `usage`, wherever it is
+        # Made with the response (a parked request holds neither):
+        # an event stream's last line until its line end arrives,
+        self.sse_tail: bytearray | None = None
+        # and a JSON answer's `usage`, wherever it is.
+        self.body_usage: JsonUsageFinder | None = None
         self.usage: Usage | None = None
 
-    async def run(self) -> None:
-        await self.watch.run(self._schedule_and_call, self.scope)
-
-    async def _schedule_and_call(self, scope: Scope, receive: Receive, send: Send) -> None:
+    async def schedule_and_call(self, scope: Scope, receive: Receive, send: Send) -> None:
         middleware = self.middleware
         # Where the caller is known from its headers, a stranger is refused before its body is
         # read: an unknown key never costs the bytes it sends.
@@ -469,17 +483,22 @@ class _ScheduledRequest:
             # they come), so an event can straddle two: only whole lines are read, and a cut
             # line is kept until its end arrives (appended in place; bounded: a line that long
             # is no `usage` we read, and is dropped).
+            tail = self.sse_tail
+            if tail is None:
+                tail = self.sse_tail = bytearray()
             whole = chunk.rfind(b"\n") + 1
             if whole:
                 # Nearly always the chunk ends a line and nothing was kept: read it as it is.
-                lines = bytes(self.sse_tail) + chunk[:whole] if self.sse_tail else chunk[:whole]
+                lines = bytes(tail) + chunk[:whole] if tail else chunk[:whole]
                 self._observe_sse_lines(lines)
-                self.sse_tail.clear()
-            if len(self.sse_tail) + len(chunk) - whole <= SSE_LINE_LIMIT_BYTES:
-                self.sse_tail += chunk[whole:]
+                tail.clear()
+            if len(tail) + len(chunk) - whole <= SSE_LINE_LIMIT_BYTES:
+                tail += chunk[whole:]
             else:
-                self.sse_tail.clear()
+                tail.clear()
         else:
+            if self.body_usage is None:
+                self.body_usage = JsonUsageFinder()
             self.body_usage.feed(chunk)
 
     def _observe_sse_lines(self, lines: bytes) -> None:
@@ -493,7 +512,9 @@ class _ScheduledRequest:
         if self.sse_tail:  # a last line without its line end
             self._observe_sse_lines(bytes(self.sse_tail))
             self.sse_tail.clear()
-        usage = self.usage or (None if self.response_is_stream else self.body_usage.usage)
+        usage = self.usage
+        if usage is None and not self.response_is_stream and self.body_usage is not None:
+            usage = self.body_usage.usage
         if usage is not None:
             self.watch.report(lease, *self.service.charges.charge_of(lease.ticket.model, usage))
         elif self.stream_chunks:

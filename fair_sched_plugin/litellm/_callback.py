@@ -526,9 +526,7 @@ def _unavailable(lease: Lease, why: str, service: SchedulingService | None) -> E
     # LiteLLM's router retries a refused attempt (and tries each fallback): one warning per
     # lease says it; the repeats are for debugging.
     request = current_request()
-    repeat = request is not None and id(lease) in request.refusals_logged
-    if request is not None:
-        request.refusals_logged.add(id(lease))
+    repeat = request is not None and not request.first_refusal(lease)
     logger.log(logging.DEBUG if repeat else logging.WARNING, "%s", message)
     return ServiceUnavailableError(
         message=message, model=lease.ticket.model, llm_provider="fair_sched"

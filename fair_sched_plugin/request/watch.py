@@ -33,7 +33,7 @@ import contextlib
 import contextvars
 import json
 import logging
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING, Any
 
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
@@ -106,6 +106,40 @@ async def _no_receive() -> Message:
 class RequestWatch:
     """Per-request state shared by the scheduling adapters (see the module docstring)."""
 
+    # Thousands may be parked at once: each holds only what it has begun to use.
+    __slots__ = (
+        "_app_task",
+        "_chunks_since_yield",
+        "_error_body",
+        "_error_status",
+        "_keepalive_sending",
+        "_keepalive_stalled",
+        "_keepalive_task",
+        "_keepalive_timer",
+        "_lease_timer",
+        "_lives",
+        "_max_lease_s",
+        "_max_wait_header",
+        "_parked",
+        "_receive",
+        "_refusal",
+        "_refusals_logged",
+        "_send",
+        "_send_timeout_s",
+        "_sending_since",
+        "_stall_timer",
+        "_watcher",
+        "body_complete",
+        "disconnected",
+        "interrupted_tokens",
+        "keepalive_started",
+        "response_complete",
+        "response_headers",
+        "response_started",
+        "stopped",
+        "streaming",
+    )
+
     def __init__(
         self,
         receive: Receive | None,
@@ -126,8 +160,8 @@ class RequestWatch:
         # Each lease this request held, with its life (`request/lifecycle.py`), in the order held.
         self._lives: dict[Lease, RequestLife] = {}
         # The leases whose bound deployment an adapter refused to replace, and said so (by
-        # `id`: they stay in `leases`): LiteLLM retries each refused attempt.
-        self.refusals_logged: set[int] = set()
+        # `id`: they stay in `leases`), made with the first: LiteLLM retries each refused attempt.
+        self._refusals_logged: set[int] | None = None
         self._watcher: asyncio.Task[Message] | None = None
         self._app_task: asyncio.Task[None] | None = None
         self._lease_timer: asyncio.TimerHandle | None = None
@@ -140,12 +174,14 @@ class RequestWatch:
         self.streaming = False
         self.keepalive_started = False
         self._parked: ParkedRequest | None = None
+        # Until the first comment is due, a timer; the task that sends the comments from then.
+        self._keepalive_timer: asyncio.TimerHandle | None = None
         self._keepalive_task: asyncio.Task[None] | None = None
         self._keepalive_sending = False
         self._keepalive_stalled = False
         # After the keep-alive began: the app's error response, collected to become an event.
         self._error_status: int | None = None
-        self._error_body = bytearray()
+        self._error_body: bytearray | None = None
         # The client's `x-fair-sched-max-wait-s`, as the middleware read it with the other
         # headers (one walk over them per request).
         self._max_wait_header = max_wait_header
@@ -167,13 +203,21 @@ class RequestWatch:
         try:
             # In a task of its own (which copies the context, so the app sees this watch) that
             # `stop()` can cancel without cancelling the server's task.
-            self._app_task = asyncio.get_running_loop().create_task(self._call(app, scope))
+            called = app(scope, self.receive, self.send)
+            self._app_task = asyncio.get_running_loop().create_task(
+                called if asyncio.iscoroutine(called) else _awaited(called)
+            )
         finally:
             _current.reset(token)
         app_task = self._app_task
+        # Done with the app (its result: the task). Not `asyncio.wait`, whose set, closure and
+        # two coroutines every request would hold for its whole life.
+        app_done: asyncio.Future[asyncio.Task[None]] = app_task.get_loop().create_future()
+        app_task.add_done_callback(app_done.set_result)
         try:
-            await asyncio.wait({app_task})
+            await app_done
         except BaseException:
+            app_task.remove_done_callback(app_done.set_result)
             app_task.cancel()  # the server cancels us: the app goes too
             self.close()
             raise
@@ -193,9 +237,6 @@ class RequestWatch:
                 app_task.result()  # re-raise what the app raised
         finally:
             self.close()
-
-    async def _call(self, app: ASGIApp, scope: Scope) -> None:
-        await app(scope, self.receive, self.send)
 
     async def _answer_stopped(self) -> None:
         assert self.stopped is not None
@@ -245,6 +286,15 @@ class RequestWatch:
         """The request was refused deeper in the app, which will answer it: the answer the
         client gets is ours (`error_response`), whatever shape the app gives it."""
         self._refusal = refusal
+
+    def first_refusal(self, lease: Lease) -> bool:
+        """True the first time an adapter says it refused to replace `lease`'s deployment."""
+        if self._refusals_logged is None:
+            self._refusals_logged = set()
+        elif id(lease) in self._refusals_logged:
+            return False
+        self._refusals_logged.add(id(lease))
+        return True
 
     def admitted(self, admission: Admission, *, name_principal: bool) -> None:
         """Say in the response headers how long the request queued, in which tier, on which
@@ -469,6 +519,8 @@ class RequestWatch:
         more = message.get("more_body", False)
         body = message.get("body", b"")
         if self._error_status is not None:
+            if self._error_body is None:
+                self._error_body = bytearray()
             room = MAX_ERROR_BODY_BYTES - len(self._error_body)
             self._error_body += body[: max(0, room)]
             if not more:
@@ -513,9 +565,18 @@ class RequestWatch:
         if not self.streaming or self._send is None or after_s <= 0:
             return
         self._parked = parked
-        if self._keepalive_task is None:
+        if self._keepalive_task is None and self._keepalive_timer is None:
+            # A timer, not a task, while the request may yet leave the queue before its first
+            # comment (most do): a task is made only for a stream that is kept alive.
+            self._keepalive_timer = asyncio.get_running_loop().call_later(
+                after_s, self._start_keep_alive, parked.queue.keepalive_interval_s
+            )
+
+    def _start_keep_alive(self, interval_s: float) -> None:
+        self._keepalive_timer = None
+        if self._parked is not None and self._keepalive_task is None:
             self._keepalive_task = asyncio.get_running_loop().create_task(
-                self._keep_alive(after_s, parked.queue.keepalive_interval_s)
+                self._keep_alive(interval_s)
             )
 
     def shutdown(self) -> None:
@@ -526,17 +587,19 @@ class RequestWatch:
     def unparked(self) -> None:
         """The request stopped waiting: no more comments (one being sent finishes first)."""
         self._parked = None
+        if self._keepalive_timer is not None:
+            self._keepalive_timer.cancel()
+            self._keepalive_timer = None
         task = self._keepalive_task
         if task is not None and not self._keepalive_sending:
             task.cancel()
 
-    async def _keep_alive(self, after_s: float, interval_s: float) -> None:
+    async def _keep_alive(self, interval_s: float) -> None:
         send = self._send
         assert send is not None
-        # The first comment after `after_s` of this request; the next ones on the loop's
-        # shared keep-alive clock, which also times the sends out (`runtime/keepalive.py`).
+        # The first comment now (`keepalive_after_s` into the wait); the next ones on the
+        # loop's shared keep-alive clock, which also times the sends out (`runtime/keepalive.py`).
         ticks = ticks_for(interval_s)
-        await asyncio.sleep(after_s)
         while True:
             parked = self._parked
             if parked is None or self.disconnected.fired:
@@ -608,6 +671,9 @@ class RequestWatch:
 
     def close(self) -> None:
         """End the leases and stop watching (what `run()` does on its way out)."""
+        if self._keepalive_timer is not None:
+            self._keepalive_timer.cancel()
+            self._keepalive_timer = None
         if self._keepalive_task is not None:
             self._keepalive_task.cancel()
         if self._lease_timer is not None:
@@ -642,6 +708,10 @@ class _HeldLease:
             lease.release(charge(lease) if charge is not None else lease.ticket.cost)
         else:
             lease.abandon()
+
+
+async def _awaited(awaitable: Awaitable[None]) -> None:
+    await awaitable
 
 
 def _error_payload(status: int, body: bytes) -> dict[str, Any]:

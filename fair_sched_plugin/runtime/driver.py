@@ -15,11 +15,11 @@ core is the driver's too, with no call in between on the hot path.
 from __future__ import annotations
 
 import asyncio
-import functools
+import collections
 import logging
 import time
 from collections.abc import Callable
-from typing import Protocol
+from typing import Any, Literal, Protocol
 
 from ..core.clock import Clock
 from ..core.fairness import FairnessPolicy
@@ -110,6 +110,19 @@ class DisconnectSignal(asyncio.Event):
     _callbacks: list[Callable[[], None]] | None = None
     # `is_set()`, read without a call (the request path reads it several times).
     fired = False
+    # `Event`'s waiters, made by the first `wait()`: a request's signal is watched by callbacks,
+    # and an empty deque made for each request would be most of the signal's memory.
+    # (An empty tuple until then: `set()` iterates it, and only `wait()` appends.)
+    _waiters: collections.deque[asyncio.Future[Any]] = ()  # type: ignore[assignment]
+
+    def __init__(self) -> None:
+        # Not `Event.__init__`, which makes the deque.
+        self._value = False
+
+    async def wait(self) -> Literal[True]:
+        if not isinstance(self._waiters, collections.deque):
+            self._waiters = collections.deque()
+        return await super().wait()
 
     def add_callback(self, callback: Callable[[], None]) -> None:
         """Call `callback()` once when the signal is set (at once where it already is)."""
@@ -207,7 +220,11 @@ async def granted(
     a request nobody waits for) and the lease goes back unused.
     """
     future = waiter.future
-    stops: list[Callable[[], object]] = []
+    # What ends the wait besides its future, undone when it ends (not kept in a list of
+    # callables: thousands of parked requests hold these).
+    signal: DisconnectSignal | None = None
+    watching: asyncio.Task[Literal[True]] | None = None
+    limit: TimerHandle | None = None
     gone = False  # the client left (told by the callback)
     plain_event = None  # a plain `asyncio.Event`: its task may tell us a turn late
     if disconnected is not None:
@@ -220,13 +237,12 @@ async def granted(
                 refuse(future, ClientDisconnected("client disconnected while its request waited"))
 
         if isinstance(disconnected, DisconnectSignal):
-            disconnected.add_callback(client_left)
-            stops.append(functools.partial(disconnected.remove_callback, client_left))
+            signal = disconnected
+            signal.add_callback(client_left)
         else:
             plain_event = disconnected
             watching = asyncio.ensure_future(disconnected.wait())
             watching.add_done_callback(lambda task: None if task.cancelled() else client_left())
-            stops.append(watching.cancel)
     if max_wait_s is not None:
         clock = clock or LoopClock()
 
@@ -245,8 +261,7 @@ async def granted(
 
         # The local core ends the wait at the limit itself (and counts it); this backstop, a
         # moment later, is for a follower replica, whose leader does not hear of the limit.
-        due = clock.now() + max_wait_s + LIMIT_BACKSTOP_S
-        stops.append(clock.call_at(due, expired).cancel)
+        limit = clock.call_at(clock.now() + max_wait_s + LIMIT_BACKSTOP_S, expired)
     try:
         if future.done():
             await asyncio.sleep(0)  # after the waiters decided before it
@@ -262,8 +277,12 @@ async def granted(
             raise ClientDisconnected("client disconnected while its request waited") from None
         raise
     finally:
-        for stop in stops:
-            stop()
+        if signal is not None:
+            signal.remove_callback(client_left)
+        if watching is not None:
+            watching.cancel()
+        if limit is not None:
+            limit.cancel()
 
 
 def new_wait() -> asyncio.Future[Lease]:

@@ -81,3 +81,29 @@ async def test_a_client_that_stops_taking_comments_is_treated_as_gone() -> None:
     assert len(comments) == 2 and all(c.startswith(b": queued position=1") for c in comments)
     watch.unparked()
     watch.close()
+
+
+async def test_a_parked_stream_holds_no_task_until_its_first_comment_is_due() -> None:
+    """Most streams leave the queue before `keepalive_after_s`: until then a stream waits on a
+    timer, and the task that sends its comments is made when the first is due."""
+    comments: list[bytes] = []
+    first = asyncio.Event()
+
+    async def send(message: Any) -> None:
+        if message["type"] == "http.response.body":
+            comments.append(message["body"])
+            first.set()
+
+    class _ParkedLater(_Parked):
+        queue = QueueSettings(keepalive_after_s=0.05, keepalive_interval_s=INTERVAL_S)
+
+    before = asyncio.all_tasks()
+    watch = RequestWatch(None, send)
+    watch.streaming = True
+    watch.parked(_ParkedLater())  # type: ignore[arg-type]
+    assert asyncio.all_tasks() == before
+    await asyncio.wait_for(first.wait(), 10)
+    assert len(asyncio.all_tasks() - before) == 1  # the stream's comment sender
+    watch.unparked()
+    watch.close()
+    assert comments[0].startswith(b": queued position=1")
