@@ -206,7 +206,7 @@ class FairSchedulerMiddleware:
         if mode == _QUEUE:
             await self._standing(scope, send)
             return
-        scope, max_wait_header = _read_headers(scope)
+        scope, max_wait_header, content_length = _read_headers(scope)
         if mode == "pass":
             await self.app(scope, receive, send)
             return
@@ -221,7 +221,9 @@ class FairSchedulerMiddleware:
         if mode == "watch":
             await watch.run(self.app, scope)
         else:
-            request = _ScheduledRequest(self, scope, watch, mode == "schedule_if_model")
+            request = _ScheduledRequest(
+                self, scope, watch, mode == "schedule_if_model", content_length
+            )
             await watch.run(request.schedule_and_call, scope)
 
     async def _refuse(self, error: ConfigError, scope: Scope, receive: Receive, send: Send) -> None:
@@ -309,6 +311,7 @@ class _ScheduledRequest:
 
     __slots__ = (
         "body_usage",
+        "content_length",
         "middleware",
         "only_with_model",
         "response_is_stream",
@@ -326,8 +329,11 @@ class _ScheduledRequest:
         scope: Scope,
         watch: RequestWatch,
         only_with_model: bool,
+        content_length: bytes | None = None,
     ) -> None:
         self.middleware = middleware
+        # The client's declared `Content-Length`, read in the dispatcher's one header walk.
+        self.content_length = content_length
         # "schedule_if_model": a body naming no model goes on to the app unscheduled.
         self.only_with_model = only_with_model
         self.service = middleware.service
@@ -344,10 +350,11 @@ class _ScheduledRequest:
 
     async def schedule_and_call(self, scope: Scope, receive: Receive, send: Send) -> None:
         middleware = self.middleware
-        # Where the caller is known from its headers, a stranger is refused before its body is
-        # read: an unknown key never costs the bytes it sends.
+        # Where the caller is known from its headers and strangers are refused, a stranger is
+        # refused before its body is read: an unknown key never costs the bytes it sends. (Where
+        # strangers are served, who calls is read once the body says the request is scheduled.)
         principal = None
-        if not middleware.identity_reads_body:
+        if middleware._reject_unknown_keys and not middleware.identity_reads_body:
             principal = self.service.identify(middleware.credentials(scope, {}))
             if middleware._reject_unknown_keys and not principal.known:
                 await _unread_body_answer(_unknown_key()).send_asgi(send)
@@ -424,7 +431,7 @@ class _ScheduledRequest:
 
     async def _read_body(self, receive: Receive, send: Send) -> bytes | None:
         limit = self.middleware._max_body_bytes
-        declared = Headers(scope=self.scope).get("content-length", "")
+        declared = (self.content_length or b"").decode("latin-1")
         if declared.isdigit() and (len(declared) > 19 or int(declared) > limit):
             # Refused from its header, before a byte of it is read.
             await _unread_body_answer(_too_large(limit)).send_asgi(send)
@@ -590,25 +597,28 @@ def _for_app(
 _MAX_WAIT_HEADER = MAX_WAIT_HEADER.encode()
 
 
-def _read_headers(scope: Scope) -> tuple[Scope, bytes | None]:
+def _read_headers(scope: Scope) -> tuple[Scope, bytes | None, bytes | None]:
     """One walk over an HTTP request's headers: `scope` without a client's own
-    `x-fair-sched-deployment`, and the client's `x-fair-sched-max-wait-s` (the last one).
+    `x-fair-sched-deployment`, the client's `x-fair-sched-max-wait-s` (the last one), and its
+    `Content-Length` (a body declared too large is refused before a byte of it is read).
 
     The app may trust that header on every route, scheduled or not (one that forwards an
     unscheduled call, an embeddings route say, by it would otherwise go where the client said,
     past the deployment's gate)."""
-    max_wait = None
+    max_wait = content_length = None
     from_client = False
     for name, value in scope["headers"]:
         lowered = name.lower()
         if lowered == _MAX_WAIT_HEADER:
             max_wait = value
+        elif lowered == b"content-length":
+            content_length = value
         elif lowered == DEPLOYMENT_HEADER:
             from_client = True
     if from_client:
         headers = [(n, v) for n, v in scope["headers"] if n.lower() != DEPLOYMENT_HEADER]
         scope = {**scope, "headers": headers}
-    return scope, max_wait
+    return scope, max_wait, content_length
 
 
 class _Routes:
