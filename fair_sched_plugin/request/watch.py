@@ -108,6 +108,7 @@ class RequestWatch:
 
     # Thousands may be parked at once: each holds only what it has begun to use.
     __slots__ = (
+        "__weakref__",  # adapters key per-request state by the watch, weakly (LiteLLM's spills)
         "_app_task",
         "_chunks_since_yield",
         "_error_body",

@@ -17,8 +17,7 @@ import pytest
 
 from fair_sched_plugin.lab.emulator.engine import EmulatorConfig
 from fair_sched_plugin.lab.emulator.server import run_emulator
-
-from .litellm_harness import (
+from fair_sched_plugin.lab.harness.litellm_proxy import (
     CHAT,
     MASTER_KEY,
     litellm_proxy,

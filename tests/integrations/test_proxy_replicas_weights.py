@@ -20,10 +20,10 @@ import httpx
 import pytest
 
 from fair_sched_plugin.lab.emulator.server import RunningEmulator
+from fair_sched_plugin.lab.harness.litellm_proxy import ProxyProcess
 
 from ..state.conftest import RedisServer, unique_prefix
 from .conftest import MODEL, emulator
-from .litellm_harness import ProxyProcess
 from .test_graceful_drain import fair_sched_proxy
 
 pytestmark = [pytest.mark.redis, pytest.mark.slow, pytest.mark.timeout(300)]
