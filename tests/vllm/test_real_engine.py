@@ -529,6 +529,7 @@ async def test_direct_to_vllm_light_users_wait_behind_the_flood(
     assert all(_done(s) > median for s in flood.light)
 
 
+@pytest.mark.timing
 async def test_fair_proxy_light_users_finish_before_power_median(
     priority_engine: VllmEngine,
 ) -> None:
@@ -679,6 +680,7 @@ async def test_plain_litellm_proxy_light_users_wait_behind_the_flood(
     assert all(_done(s) > first_quarter for s in flood.light), flood.numbers()
 
 
+@pytest.mark.timing
 async def test_litellm_proxy_with_plugin_light_users_finish_before_power_median(
     priority_engine: VllmEngine, tmp_path: Path
 ) -> None:
@@ -691,6 +693,7 @@ async def test_litellm_proxy_with_plugin_light_users_finish_before_power_median(
     assert flood.light_done_before_heavy_median(), flood.numbers()
 
 
+@pytest.mark.timing
 async def test_litellm_proxy_with_plugin_auto_light_users_finish_before_power_median(
     priority_engine: VllmEngine, tmp_path: Path
 ) -> None:
@@ -708,6 +711,7 @@ async def test_litellm_proxy_with_plugin_auto_light_users_finish_before_power_me
     assert flood.light_done_before_heavy_median(), flood.numbers()
 
 
+@pytest.mark.timing
 async def test_litellm_proxy_with_auto_and_the_engine_queue_in_user_order(
     priority_engine: VllmEngine, tmp_path: Path
 ) -> None:
@@ -725,6 +729,7 @@ async def test_litellm_proxy_with_auto_and_the_engine_queue_in_user_order(
     assert flood.light_done_before_heavy_median(), flood.numbers()
 
 
+@pytest.mark.timing
 async def test_engine_queue_in_user_order_sends_each_users_rank_within_its_tier(
     priority_engine: VllmEngine,
 ) -> None:
@@ -760,6 +765,7 @@ async def test_engine_queue_in_user_order_sends_each_users_rank_within_its_tier(
     assert priorities_of(bodies, "batch 0") == [BATCH_PRIORITY * 1000]
 
 
+@pytest.mark.timing
 async def test_tiers_interactive_overtakes_batch_flood_with_its_priority(
     priority_engine: VllmEngine,
 ) -> None:
