@@ -48,7 +48,6 @@ class Parked:
         user_queue: UserQueue,
         ref: object = None,
         deadline: float = float("inf"),
-        *,
         limited: bool = False,
     ) -> None:
         self.ticket = ticket

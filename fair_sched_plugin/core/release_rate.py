@@ -7,56 +7,71 @@ cannot start before its deadline is refused at once instead of at the deadline.
 
 from __future__ import annotations
 
-from collections import deque
-
-# The gaps between releases from a backlogged queue that the drain rate averages over, and how
-# many must have been seen before a prediction refuses anything (fewer: no rate, no refusal).
-DRAIN_GAPS = 32
-MIN_DRAIN_GAPS = 8
+# Releases are timed in runs of this many (a release only counts; the run's end samples the
+# clock): the first run's rate is the first known, so a prediction refuses nothing before it.
+RUN = 8
+# The runs the rate averages over (an exponential average with about this memory).
+RUNS_AVERAGED = 4
 # No release from the backlog for this long: the rate measured before is no longer evidence.
 DRAIN_STALE_S = 30.0
-# How much faster than measured the prediction assumes the backlog drains (1: as measured). It
-# errs early already: the next release is counted as starting now, and a backlog's release rate
-# is what the engine manages at its busiest. Refusing a request that would have made it loses a
-# request that could have been served; one admitted that then misses is answered at its deadline.
-RATE_OPTIMISM = 1.0
+
+_NEVER = float("-inf")
 
 
 class DrainRate:
-    """Releases per second from a model's backlog: the recent gaps between releases from its
-    queue, each counted from the later of the previous release and the moment the queue became
-    backlogged (idle time is not drain time, so a quiet hour does not read as a slow engine)."""
+    """Releases per second from a model's backlog, timed from the moment the queue became
+    backlogged (idle time is not drain time, so a quiet hour does not read as a slow engine).
 
-    __slots__ = ("_gaps", "_last", "_sum", "backlog_since")
+    The core counts a release inline (`in_run += 1`, `last = now`) and calls `run_ended` every
+    `RUN` releases: what every release costs is two stores."""
+
+    __slots__ = ("_mean_gap", "_runs", "in_run", "last", "per_s", "run_since")
 
     def __init__(self) -> None:
-        self._gaps: deque[float] = deque(maxlen=DRAIN_GAPS)
-        self._sum = 0.0
-        self._last = float("-inf")
-        self.backlog_since = float("-inf")
+        self._mean_gap = 0.0
+        self._runs = 0
+        # Releases counted since `run_since` (the run's start, or when the backlog began).
+        self.in_run = 0
+        self.run_since = _NEVER
+        self.last = _NEVER
+        # The rate as of the last run (0: not known yet), read on the admission path without a
+        # call; `rate(now)` adds the staleness check.
+        self.per_s = 0.0
+
+    def backlog_began(self, now: float) -> None:
+        """The queue was empty until now: the run starts over (its releases so far were not
+        from a backlog, or were before an idle time)."""
+        self.in_run = 0
+        self.run_since = now
 
     def released(self, now: float) -> None:
-        """One request left the backlogged queue at `now`."""
-        gaps = self._gaps
-        since = self._last if self._last > self.backlog_since else self.backlog_since
-        self._last = now
-        if since == float("-inf"):
+        """One request left the backlogged queue at `now` (what the core does inline)."""
+        self.last = now
+        self.in_run += 1
+        if self.in_run >= RUN:
+            self.run_ended(now)
+
+    def run_ended(self, now: float) -> None:
+        """`in_run` releases since `run_since`: average their mean gap in."""
+        count, self.in_run = self.in_run, 0
+        since, self.run_since = self.run_since, now
+        if since == _NEVER or count <= 0:
             return
-        if len(gaps) == DRAIN_GAPS:
-            self._sum -= gaps[0]
-        gap = now - since
-        gaps.append(gap)
-        self._sum += gap
+        runs = self._runs
+        if runs < RUNS_AVERAGED:
+            self._runs = runs = runs + 1
+        gap = (now - since) / count
+        self._mean_gap = mean = self._mean_gap + (gap - self._mean_gap) / runs
+        self.per_s = 1.0 / mean if mean > 1e-9 else 0.0
 
     def rate(self, now: float) -> float | None:
         """Releases per second, or None while too few were seen, none lately, or all at once."""
-        if len(self._gaps) < MIN_DRAIN_GAPS or now - self._last > DRAIN_STALE_S:
+        if not self.per_s or now - self.last > DRAIN_STALE_S:
             return None
-        total = self._sum
-        return len(self._gaps) / total if total > 1e-9 else None
+        return self.per_s
 
 
 def start_after_s(position: int, rate: float) -> float:
     """The earliest the request at `position` (1: the next one released) can expect to start,
-    in seconds from now, at `rate` releases per second (optimistic: `RATE_OPTIMISM`)."""
-    return (position - 1) / (rate * RATE_OPTIMISM)
+    in seconds from now, at `rate` releases per second."""
+    return (position - 1) / rate

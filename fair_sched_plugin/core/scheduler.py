@@ -47,7 +47,7 @@ from .queues import (
     UserQueue,
 )
 from .reads import SchedulerReads
-from .release_rate import start_after_s
+from .release_rate import DRAIN_STALE_S, RUN, start_after_s
 from .shares import TierShares
 from .ticket import Lease, Ticket, TierLimits
 
@@ -122,6 +122,14 @@ class SchedulerCore(SchedulerReads):
         self._max_per_user = max_per_user
         self._max_total = max_total
         self._max_wait_s = max_wait_s
+        # Per tier: how long its requests wait at most (the queue's limit or the tier's
+        # shorter one), and whether that is a limit of their own (counted met or missed).
+        # Some tier keeps running slots free (`TierLimits.reserve_slots`).
+        self._reserving = any(tier.reserve_slots for tier in self._tiers)
+        self._tier_waits = tuple(
+            (min(max_wait_s, tier.max_wait_s or max_wait_s), tier.max_wait_s is not None)
+            for tier in self._tiers
+        )
         self._clock: Clock = clock or MonotonicClock()
         self._models: dict[str, ModelQueues] = {}
         self._arrivals = itertools.count()
@@ -258,39 +266,45 @@ class SchedulerCore(SchedulerReads):
                 scope="total",
             )
         now = self._clock.now()
-        limits = tier.limits
-        wait = self._max_wait_s
-        limited = ticket.max_wait_s is not None or limits.max_wait_s is not None
-        if limited:
-            wait = min(wait, ticket.max_wait_s or wait, limits.max_wait_s or wait)
+        # Its deadline: the shortest of the queue's limit, its tier's and its client's.
+        wait, limited = self._tier_waits[tier_index]
+        client_wait = ticket.max_wait_s
+        if client_wait is not None:
+            limited = True
+            if client_wait < wait:
+                wait = client_wait
         deadline = now + wait
         depth = user_queue.depth if user_queue is not None else 0
         # Earliest deadline first inside the user's own queue: almost always behind its tail
         # (the same limit, a later arrival); an earlier deadline walks back past the later ones.
-        own_index = depth + 1
+        # Without a limit of its own its deadline is the latest there is: behind its tail.
         insert_at = None
-        if not self._shortest_first and depth:
+        if limited and depth and not self._shortest_first:
             waiters = user_queue.waiters  # type: ignore[union-attr]
             if waiters[-1].deadline > deadline:
                 insert_at = len(waiters)
                 while insert_at and waiters[insert_at - 1].deadline > deadline:
                     insert_at -= 1
+        drain = queues.drain
+        rate = drain.per_s
+        # Someone is ahead: refuse now what cannot start in time (never without a rate). Every
+        # queued request ahead of it is the bound checked first, without a call.
+        if rate and now + queues.queued / rate > deadline and now - drain.last <= DRAIN_STALE_S:
+            if self._shortest_first:
+                own_index = 1  # its place among its own depends on sizes: assume the best
+            elif insert_at is None:
+                own_index = depth + 1
+            else:
                 # Left entries walked past count too: an index no later than its own.
-                own_index = max(1, own_index - (len(waiters) - insert_at))
-        elif self._shortest_first:
-            own_index = 1  # its place among its own depends on sizes: assume the best
-        if queues.queued:
-            # Someone is ahead: refuse now what cannot start in time (never without a rate).
-            rate = queues.drain.rate(now)
-            if rate is not None and now + start_after_s(queues.queued + 1, rate) > deadline:
-                position = self._position(tier, user_queue, own_index)
-                if now + start_after_s(position, rate) > deadline:
-                    if limited:
-                        self._count_deadline(limits.name, REFUSED)
-                    raise self._unreachable(ticket, position, rate, deadline - now, 0.0)
+                own_index = max(1, depth + 1 - (len(waiters) - insert_at))
+            position = self._position(tier, user_queue, own_index)
+            if now + start_after_s(position, rate) > deadline:
+                if limited:
+                    self._count_deadline(tier.limits.name, REFUSED)
+                raise self._unreachable(ticket, position, rate, deadline - now, 0.0)
         if user_queue is None:
             user_queue = tier.user_queue(ticket.user)
-        waiter = Parked(ticket, now, user_queue, ref, deadline, limited=limited)
+        waiter = Parked(ticket, now, user_queue, ref, deadline, limited)
         if not depth:
             if user_queue.virtual_time < tier.virtual_time:
                 user_queue.lift()
@@ -312,7 +326,7 @@ class SchedulerCore(SchedulerReads):
             self._track_promotion(tier, waiter)
         tier.queued += 1
         if not queues.queued:
-            queues.drain.backlog_since = now
+            queues.drain.backlog_began(now)
         queues.queued += 1
         self._queued_total += 1
         due = self._deadlines.add(waiter, self._queued_total)
@@ -464,6 +478,7 @@ class SchedulerCore(SchedulerReads):
         # Newcomers may go past a closed gate only where the engine orders its own queue by user
         # (`AdmissionGate.may_release_newcomer`): elsewhere the head is not even looked at.
         newcomers = not self._shared_tiers and queues.orders_engine_queue
+        reserving = self._reserving
         try:
             while True:
                 queues.redispatch = False
@@ -481,9 +496,7 @@ class SchedulerCore(SchedulerReads):
                         if gate.may_release(model, tier.limits):
                             released = self._release_next(queues, tier)
                             break
-                        if tier.limits.reserve_slots and self._may_go_into_reserve(
-                            model, tier.limits, tier.peek()
-                        ):
+                        if reserving and self._may_go_into_reserve(model, tier.limits, tier.peek()):
                             # No look-ahead: it is the head, the fair next one.
                             released = self._release_next(queues, tier, look_ahead=False)
                             break
@@ -520,8 +533,8 @@ class SchedulerCore(SchedulerReads):
         off_heap_entry: HeapEntry | None = None
         if (
             look_ahead
-            and not self._gone(head)
             and self._gate.prefers_elsewhere(head.ticket, tier.limits)
+            and not self._gone(head)
         ):
             # Releasing the fair head now would bind it away from the deployment that has its
             # prefix cached (a miss, which also evicts others' prefixes there), and holding
@@ -569,7 +582,11 @@ class SchedulerCore(SchedulerReads):
             return True
         waiter.state = GRANTED
         now = self._clock.now()
-        queues.drain.released(now)
+        drain = queues.drain  # `DrainRate.released`, inline
+        drain.last = now
+        drain.in_run += 1
+        if drain.in_run >= RUN:
+            drain.run_ended(now)
         if waiter.limited:
             self._count_deadline(tier.limits.name, MET if now <= waiter.deadline else MISSED)
         # The tier's time must not pass a backlogged user's, or a correction (`_correct`) or a
@@ -592,7 +609,10 @@ class SchedulerCore(SchedulerReads):
         if depth and not self._shortest_first:
             # The user's turn came: a look at its most-at-risk request (once per turn, so each
             # backlogged user's tail is looked at once per round, never a scan of every queue).
-            self._refuse_unreachable_tail(tier, user_queue, now)
+            # Every queued request ahead of the tail is the bound checked first, without a call.
+            rate = drain.per_s
+            if rate and user_queue.waiters[-1].deadline < now + queues.queued / rate:
+                self._refuse_unreachable_tail(tier, user_queue, now)
         return True
 
     def _look_ahead(self, tier: TierQueue) -> tuple[UserQueue, HeapEntry] | None:

@@ -214,13 +214,13 @@ def test_a_later_arrival_with_a_shorter_limit_expires_first() -> None:
 def test_the_drain_rate_ignores_idle_time_between_backlogs() -> None:
     rate = DrainRate()
     now = 0.0
-    rate.backlog_since = now
+    rate.backlog_began(now)
     for _ in range(10):
         now += 0.5
         rate.released(now)
     assert rate.rate(now) == pytest.approx(2.0)
     now += 20.0  # the queue emptied and stayed empty
-    rate.backlog_since = now
+    rate.backlog_began(now)
     now += 0.5
     rate.released(now)
     assert rate.rate(now) == pytest.approx(2.0)
@@ -228,7 +228,7 @@ def test_the_drain_rate_ignores_idle_time_between_backlogs() -> None:
 
 def test_the_drain_rate_is_unknown_until_enough_releases_and_after_a_long_stall() -> None:
     rate = DrainRate()
-    rate.backlog_since = 0.0
+    rate.backlog_began(0.0)
     for step in range(1, 8):
         rate.released(step * 1.0)
     assert rate.rate(7.0) is None  # seven gaps: too few
