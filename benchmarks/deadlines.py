@@ -60,6 +60,9 @@ class Scenario:
     light_users: int = 3
     light_requests: int = 5
     light_every_s: float = 0.7
+    # When the light users' first round goes: before the batch (they are about; the default),
+    # or with it (`--light-at` = `--batch-at`: nobody can foresee them when the batch arrives).
+    light_at_s: float = 0.6
 
 
 @dataclass
@@ -157,16 +160,21 @@ async def play(base_url: str, scenario: Scenario) -> list[Outcome]:
             request = one_request(client, key, outcome, prompt=f"{group} {n}", max_tokens=tokens)
             tasks.append(asyncio.create_task(request))
 
+        async def light_users() -> None:
+            await asyncio.sleep(scenario.light_at_s)
+            for round_ in range(scenario.light_requests):
+                for user in range(scenario.light_users):
+                    key = f"{LIGHT_KEY_PREFIX}{user}-0000"
+                    send(key, "light", LIGHT_LIMIT_S, round_ * scenario.light_users + user)
+                await asyncio.sleep(scenario.light_every_s)
+
         for n in range(scenario.flood):
             send(FLOOD_KEY, "flood", None, n)
+        light = asyncio.create_task(light_users())
         await asyncio.sleep(scenario.batch_at_s)
         for n in range(scenario.batch):
             send(BATCH_KEY, "batch", BATCH_LIMIT_S, n)
-        for round_ in range(scenario.light_requests):
-            for user in range(scenario.light_users):
-                key = f"{LIGHT_KEY_PREFIX}{user}-0000"
-                send(key, "light", LIGHT_LIMIT_S, round_ * scenario.light_users + user)
-            await asyncio.sleep(scenario.light_every_s)
+        await light
         return await asyncio.gather(*tasks)
 
 
@@ -268,6 +276,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--light-users", type=int, default=Scenario.light_users)
     parser.add_argument("--light-requests", type=int, default=Scenario.light_requests)
     parser.add_argument("--light-every", type=float, default=Scenario.light_every_s)
+    parser.add_argument("--light-at", type=float, default=Scenario.light_at_s)
     args = parser.parse_args(argv)
     scenario = Scenario(
         args.flood,
@@ -276,6 +285,7 @@ def main(argv: list[str] | None = None) -> None:
         args.light_users,
         args.light_requests,
         args.light_every,
+        args.light_at,
     )
     outcomes, counts = asyncio.run(run(scenario))
     report(outcomes, counts)

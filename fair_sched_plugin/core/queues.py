@@ -13,7 +13,7 @@ import heapq
 from collections import OrderedDict, deque
 from collections.abc import Iterable, Iterator
 
-from .release_rate import DrainRate
+from .release_rate import DrainRate, TurnRate
 from .standing import DepthIndex
 from .ticket import Ticket, TierLimits
 
@@ -184,6 +184,7 @@ class TierQueue:
         "queued",
         "share_vtime",
         "stale_entries",
+        "turns",
         "users",
         "virtual_time",
     )
@@ -210,6 +211,8 @@ class TierQueue:
         self.queued = 0
         # The users' depths, for position estimates in O(log n) (`position_estimate`).
         self.depths = DepthIndex()
+        # Releases per round of its fair order (what a deadline's prediction multiplies by).
+        self.turns = TurnRate()
 
     def user_queue(self, user: str) -> UserQueue:
         user_queue = self.users.get(user)

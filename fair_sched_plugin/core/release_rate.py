@@ -25,11 +25,12 @@ class DrainRate:
     The core counts a release inline (`in_run += 1`, `last = now`) and calls `run_ended` every
     `RUN` releases: what every release costs is two stores."""
 
-    __slots__ = ("_mean_gap", "_runs", "in_run", "last", "per_s", "run_since")
+    __slots__ = ("_filling", "_mean_gap", "_runs", "in_run", "last", "per_s", "run_since")
 
     def __init__(self) -> None:
         self._mean_gap = 0.0
         self._runs = 0
+        self._filling = False
         # Releases counted since `run_since` (the run's start, or when the backlog began).
         self.in_run = 0
         self.run_since = _NEVER
@@ -40,9 +41,11 @@ class DrainRate:
 
     def backlog_began(self, now: float) -> None:
         """The queue was empty until now: the run starts over (its releases so far were not
-        from a backlog, or were before an idle time)."""
+        from a backlog, or were before an idle time), and its first run is not sampled: it
+        fills the engine's free slots at once, faster than any drain."""
         self.in_run = 0
         self.run_since = now
+        self._filling = True
 
     def released(self, now: float) -> None:
         """One request left the backlogged queue at `now` (what the core does inline)."""
@@ -55,6 +58,9 @@ class DrainRate:
         """`in_run` releases since `run_since`: average their mean gap in."""
         count, self.in_run = self.in_run, 0
         since, self.run_since = self.run_since, now
+        if self._filling:
+            self._filling = False
+            return
         if since == _NEVER or count <= 0:
             return
         runs = self._runs
@@ -65,10 +71,57 @@ class DrainRate:
         self.per_s = 1.0 / mean if mean > 1e-9 else 0.0
 
     def rate(self, now: float) -> float | None:
-        """Releases per second, or None while too few were seen, none lately, or all at once."""
-        if not self.per_s or now - self.last > DRAIN_STALE_S:
+        """Releases per second, or None while too few were seen, none lately, or all at once.
+        The average, or the run in progress where that is already under half of it: a drain
+        that slowed down is seen within half a run, not only at its end."""
+        per_s = self.per_s
+        idle = now - self.last
+        if not per_s or idle > DRAIN_STALE_S:
             return None
-        return self.per_s
+        # Half a run is evidence; fewer releases are not (a drain comes in bunches: the slots
+        # of alike requests free together, then none for a while) unless none came for as
+        # long as a whole run should take.
+        released = self.in_run
+        elapsed = now - self.run_since
+        if released >= RUN // 2 and elapsed * per_s > 2 * released:
+            return released / elapsed
+        if idle * per_s > RUN:
+            return 1.0 / idle
+        return per_s
+
+
+class TurnRate:
+    """Releases of a tier per unit of its virtual time: how many requests go per round of its
+    fair order (round robin: one per backlogged user, one per user who comes back meanwhile; in
+    the policy's unit for the others). A request whose start tag is `d` above the tier's has
+    about `d * per_unit` releases of the tier before it. Sampled at the ends of the model's
+    drain runs, from the tier's release count and virtual time; only runs where the virtual time
+    moved count."""
+
+    __slots__ = ("_runs", "arrival_mark", "per_unit", "releases", "releases_mark", "time_mark")
+
+    def __init__(self) -> None:
+        self._runs = 0
+        self.releases = 0  # counted inline by the core
+        self.releases_mark = 0
+        self.time_mark = 0.0
+        # The arrival number at the last sample: a user whose backlog began later is not in
+        # `per_unit` yet.
+        self.arrival_mark = 0
+        self.per_unit = 0.0  # 0: not known yet
+
+    def sample(self, virtual_time: float, arrival: int) -> None:
+        released = self.releases - self.releases_mark
+        moved = virtual_time - self.time_mark
+        self.releases_mark = self.releases
+        self.time_mark = virtual_time
+        self.arrival_mark = arrival
+        if released <= 0 or moved <= 1e-12:
+            return
+        runs = self._runs
+        if runs < RUNS_AVERAGED:
+            self._runs = runs = runs + 1
+        self.per_unit += (released / moved - self.per_unit) / runs
 
 
 def start_after_s(position: int, rate: float) -> float:

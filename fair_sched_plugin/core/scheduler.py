@@ -47,7 +47,7 @@ from .queues import (
     UserQueue,
 )
 from .reads import SchedulerReads
-from .release_rate import DRAIN_STALE_S, RUN, start_after_s
+from .release_rate import RUN, start_after_s
 from .shares import TierShares
 from .ticket import Lease, Ticket, TierLimits
 
@@ -69,6 +69,11 @@ MAX_PASSED_OVER = 8
 # The wake-up for the deadlines (one for the earliest): `_wakeups` entries name a tier for its
 # promotions, or this for the deadlines.
 _DEADLINES = None
+# A request is admitted only if its predicted start leaves this share of its wait to spare: the
+# prediction cannot see the users who arrive after it and take turns ahead of it, nor the engine
+# slowing down, so one admitted near its limit would likely be refused later (or time out).
+# Parked, it is refused only once its prediction passes the deadline itself.
+ADMIT_WITHIN = 0.6
 # A limited request's outcome for its deadline (`SchedulerCore._deadline_outcomes`).
 MET, MISSED, REFUSED = range(3)
 
@@ -286,10 +291,16 @@ class SchedulerCore(SchedulerReads):
                 while insert_at and waiters[insert_at - 1].deadline > deadline:
                     insert_at -= 1
         drain = queues.drain
-        rate = drain.per_s
-        # Someone is ahead: refuse now what cannot start in time (never without a rate). Every
-        # queued request ahead of it is the bound checked first, without a call.
-        if rate and now + queues.queued / rate > deadline and now - drain.last <= DRAIN_STALE_S:
+        rate: float | None = drain.per_s
+        # Someone is ahead: refuse now what cannot start in time (never without a rate), with
+        # room to spare (`ADMIT_WITHIN`). Without a limit of its own (minutes), only where every
+        # queued request ahead of it, at the average rate, is the bound checked first.
+        if (
+            rate
+            and queues.queued
+            and (limited or queues.queued / rate > ADMIT_WITHIN * wait)
+            and (rate := drain.rate(now))
+        ):
             if self._shortest_first:
                 own_index = 1  # its place among its own depends on sizes: assume the best
             elif insert_at is None:
@@ -297,8 +308,8 @@ class SchedulerCore(SchedulerReads):
             else:
                 # Left entries walked past count too: an index no later than its own.
                 own_index = max(1, depth + 1 - (len(waiters) - insert_at))
-            position = self._position(tier, user_queue, own_index)
-            if now + start_after_s(position, rate) > deadline:
+            position = self._position(tier, user_queue, own_index, ticket)
+            if start_after_s(position, rate) > ADMIT_WITHIN * wait:
                 if limited:
                     self._count_deadline(tier.limits.name, REFUSED)
                 raise self._unreachable(ticket, position, rate, deadline - now, 0.0)
@@ -582,11 +593,12 @@ class SchedulerCore(SchedulerReads):
             return True
         waiter.state = GRANTED
         now = self._clock.now()
+        tier.turns.releases += 1
         drain = queues.drain  # `DrainRate.released`, inline
         drain.last = now
         drain.in_run += 1
         if drain.in_run >= RUN:
-            drain.run_ended(now)
+            self._drain_run_ended(queues, now)
         if waiter.limited:
             self._count_deadline(tier.limits.name, MET if now <= waiter.deadline else MISSED)
         # The tier's time must not pass a backlogged user's, or a correction (`_correct`) or a
@@ -609,9 +621,11 @@ class SchedulerCore(SchedulerReads):
         if depth and not self._shortest_first:
             # The user's turn came: a look at its most-at-risk request (once per turn, so each
             # backlogged user's tail is looked at once per round, never a scan of every queue).
-            # Every queued request ahead of the tail is the bound checked first, without a call.
+            # A tail without a limit of its own (minutes) is looked at only where every queued
+            # request ahead of it, at the average rate, would take it past its deadline.
+            tail = user_queue.waiters[-1]
             rate = drain.per_s
-            if rate and user_queue.waiters[-1].deadline < now + queues.queued / rate:
+            if tail.limited or (rate and tail.deadline < now + queues.queued / rate):
                 self._refuse_unreachable_tail(tier, user_queue, now)
         return True
 
@@ -806,7 +820,7 @@ class SchedulerCore(SchedulerReads):
             if tail.state != QUEUED:
                 waiters.pop()  # left already: nothing counts it
                 continue
-            position = self._position(tier, user_queue, user_queue.depth)
+            position = self._position(tier, user_queue, user_queue.depth, tail.ticket)
             if now + start_after_s(position, rate) <= tail.deadline:
                 return
             self._remove_waiter(tail, UNREACHABLE)
@@ -820,19 +834,55 @@ class SchedulerCore(SchedulerReads):
                     ),
                 )
 
-    def _position(self, tier: TierQueue, user_queue: UserQueue | None, own_index: int) -> int:
+    def _drain_run_ended(self, queues: ModelQueues, now: float) -> None:
+        """A run of the model's releases ended: sample its drain rate and each tier's turns."""
+        queues.drain.run_ended(now)
+        arrival = next(self._arrivals)
+        for tier in queues.tiers:
+            tier.turns.sample(tier.virtual_time, arrival)
+
+    def _position(
+        self, tier: TierQueue, user_queue: UserQueue | None, own_index: int, ticket: Ticket
+    ) -> int:
         """How many releases of the model, it included, come no later than the `own_index`-th
-        of the user's requests in `tier`: a lower bound, so a prediction from it errs early.
-        Strict tiers: all queued above. Round robin: each other backlogged user about once per
-        own release, counted as one fewer (the tier's next turn may be ours). O(tiers + log n)."""
+        of the user's requests in `tier` (1: its next). O(tiers + log n).
+
+        Strict tiers: all queued above. In its tier, from its start tag: a request `d` above
+        the tier's virtual time has about `d - 1/2` rounds of the tier before it (it comes part
+        way into the last), each as many releases as the tier's rounds measured lately
+        (`TurnRate`: the users who come back between rounds included), plus the user's own
+        share of a round where its backlog is newer than that measure; under round robin, at
+        least one per user backlogged now. Until a round was measured: each other backlogged
+        user about once per own release, counted as one fewer (the tier's next turn may be
+        ours)."""
         ahead = 0
         if not self._shared_tiers:
             for upper in tier.model_queues.tiers[: tier.position]:
                 ahead += upper.depths.total
+        turns = tier.turns
+        charge = self._policy.release_charge(ticket)
+        if turns.per_unit and charge > 0:
+            per_unit = turns.per_unit
+            if user_queue is None or user_queue.backlog_since > turns.arrival_mark:
+                per_unit += 1.0 / charge
+            if self._takes_turns:
+                # At least one turn per user backlogged now (the measure lags a new one).
+                backlogged = tier.depths.capped_total(1)
+                if user_queue is None or not user_queue.depth:
+                    backlogged += 1
+                per_unit = max(per_unit, backlogged)
+            own_time = user_queue.virtual_time if user_queue is not None else tier.virtual_time
+            start_tag = max(own_time, tier.virtual_time) + (own_index - 1) * charge
+            # A tag `d` rounds up is reached part way into the last of them (the users whose
+            # turn in it has passed go after it): half of it, on average.
+            rounds = start_tag - tier.virtual_time
+            if rounds > 0.5 * charge:
+                rounds -= 0.5 * charge
+            return ahead + 1 + round(rounds * per_unit)
         if self._takes_turns and own_index > 1:
             own_depth = user_queue.depth if user_queue is not None else 0
-            turns = own_index - 1
-            ahead += tier.depths.capped_total(turns) - min(own_depth, turns)
+            turns_ahead = own_index - 1
+            ahead += tier.depths.capped_total(turns_ahead) - min(own_depth, turns_ahead)
         return ahead + own_index
 
     def _unreachable(

@@ -50,10 +50,11 @@ async def test_a_request_that_cannot_start_in_time_is_refused_at_once(kind: str)
         ):
             service = service_of(app)
             await gate_sees_metrics(service)
-            # Alice's backlog drains through the one slot (4 ms a token): the rate is measured.
-            backlog = [asyncio.ensure_future(_send(alice, 20)) for _ in range(30)]
+            # Alice's backlog drains through the one slot (4 ms a token): the rate is measured
+            # (the first run of eight releases fills the engine and is not; one more is).
+            backlog = [asyncio.ensure_future(_send(alice, 20)) for _ in range(40)]
             await wait_until(
-                lambda: service.scheduler.statistics().released_total >= 14, timeout_s=60
+                lambda: service.scheduler.statistics().released_total >= 20, timeout_s=60
             )
             # Bob sends six at once with 0.3 s each: turns alternate with alice's, so his k-th
             # is about the (2k-1)-th released, and his last ones cannot start in 0.3 s.
@@ -65,7 +66,13 @@ async def test_a_request_that_cannot_start_in_time_is_refused_at_once(kind: str)
     error = refused[-1].json()["error"]
     assert error["code"] == "deadline_unreachable" and error["type"] == "rate_limit_error"
     assert int(refused[-1].headers["retry-after"]) >= 1
-    assert float(refused[-1].headers["x-fair-sched-queued-s"]) == 0.0  # refused on arrival
+    # Refused on arrival, but for at most one: a request admitted with room to spare may be
+    # refused later, before its deadline, where the drain slows down (measured over ~14 here).
+    on_arrival = [a for a in refused if float(a.headers["x-fair-sched-queued-s"]) == 0.0]
+    assert len(on_arrival) >= max(1, len(refused) - 1), [
+        a.headers["x-fair-sched-queued-s"] for a in refused
+    ]
+    assert all(a.status_code in (200, 429) for a in answers)  # none waited its limit out
 
 
 def _load_benchmark() -> Any:
