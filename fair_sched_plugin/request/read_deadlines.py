@@ -9,6 +9,11 @@ connection opening) and its body within `read_body_timeout_s` of its headers, as
 `client_header_timeout` and `client_body_timeout`; then the connection is closed and counted.
 The time a body waits for the app (reading paused by flow control) is not the client's and
 never counts against it.
+
+The same protocol gives each request (and each connection's flow control) an `asyncio.Event`
+whose waiters are a list instead of a deque: uvicorn makes one per request and one per
+connection, and an empty deque holds a ~600-byte block, which thousands of parked requests would
+each keep for nothing (a waiting event has one waiter at most).
 """
 
 from __future__ import annotations
@@ -23,6 +28,16 @@ from uvicorn.protocols.http.h11_impl import H11Protocol
 ReadPhase = Literal["headers", "body"]
 
 __all__ = ["ReadPhase", "read_deadline_protocol"]
+
+
+class _ListEvent(asyncio.Event):
+    """An `asyncio.Event` (every method its own) keeping its waiters in a list."""
+
+    def __init__(self, *, is_set: bool = False) -> None:
+        super().__init__()
+        self._waiters: list[asyncio.Future[bool]] = []  # type: ignore[assignment]
+        if is_set:
+            self.set()
 
 
 def read_deadline_protocol(
@@ -40,6 +55,7 @@ def read_deadline_protocol(
 
         def connection_made(self, transport: Any) -> None:
             super().connection_made(transport)
+            self.flow._is_writable_event = _ListEvent(is_set=self.flow._is_writable_event.is_set())
             self._start_reading("headers")
 
         def connection_lost(self, exc: Exception | None) -> None:
@@ -48,11 +64,20 @@ def read_deadline_protocol(
 
         def data_received(self, data: bytes) -> None:
             super().data_received(data)
+            self._lighten_cycle()
             self._follow_request()
 
         def on_response_complete(self) -> None:
             super().on_response_complete()
+            self._lighten_cycle()
             self._follow_request()
+
+        def _lighten_cycle(self) -> None:
+            """A request cycle just made (its task has not run, nothing waits on its event)
+            gets a `_ListEvent` in the same state."""
+            cycle = self.cycle
+            if cycle is not None and type(cycle.message_event) is asyncio.Event:
+                cycle.message_event = _ListEvent(is_set=cycle.message_event.is_set())
 
         def _follow_request(self) -> None:
             """Which deadline runs now, from the state of the request being read."""

@@ -260,3 +260,45 @@ async def test_parked_body_bytes_past_the_users_cap_are_refused_with_retry_after
         assert (await first).status_code == 200
     assert second.status_code == 429
     assert "retry-after" in second.headers
+
+
+async def test_a_parked_request_whose_client_leaves_is_withdrawn() -> None:
+    """The server's per-request event (a list-backed one here) still tells the request's watch
+    that the client closed the connection while it was parked."""
+    body = json.dumps(chat_body(user="leaves")).encode()
+    async with (
+        proxy({"max_num_seqs": 1}, waiting_below=1) as (base_url, service, emu),
+        httpx.AsyncClient(base_url=base_url, trust_env=False, timeout=60) as client,
+    ):
+        client.headers["authorization"] = "Bearer sk-b"
+        hogs = await park_behind_full_engine(emu, service, client)
+        try:
+            _reader, writer = await connect(base_url)
+            writer.write(post_head("sk-a", len(body)) + body)
+            await writer.drain()
+            await wait_until(lambda: service.scheduler.statistics().queued == 1)
+            writer.close()
+            await wait_until(lambda: service.scheduler.statistics().queued == 0)
+        finally:
+            for hog in hogs:
+                hog.cancel()
+    assert all(request.user != "leaves" for request in emu.engine.received)
+
+
+async def test_requests_one_after_another_on_one_connection_are_answered() -> None:
+    """Each request cycle on a keep-alive connection gets its own event, the second one made
+    when the first response completes."""
+    body = json.dumps(chat_body(user="kept")).encode()
+    async with proxy() as (base_url, _service, _emu):
+        reader, writer = await connect(base_url)
+        # Both at once: the second is read as the first's response completes.
+        writer.write((post_head("sk-a", len(body)) + body) * 2)
+        await writer.drain()
+        statuses = []
+        for _ in range(2):
+            head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), ANSWER_WAIT_S)
+            statuses.append(int(head.split(b" ", 2)[1]))
+            assert b"transfer-encoding: chunked" in head.lower(), head  # relayed as it comes
+            await asyncio.wait_for(reader.readuntil(b"\r\n0\r\n\r\n"), ANSWER_WAIT_S)
+        writer.close()
+    assert statuses == [200, 200]
