@@ -33,6 +33,7 @@ from urllib.parse import urlsplit, urlunsplit
 import httpx
 from starlette.applications import Starlette
 from starlette.middleware import Middleware
+from starlette.middleware.errors import ServerErrorMiddleware
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
@@ -428,13 +429,19 @@ def proxy_server_config(
 
 
 def _entered_without_a_frame(app: Starlette) -> Callable[[Scope, Receive, Send], Awaitable[None]]:
-    """`app` as Starlette enters it, without a coroutine frame of its own: a parked request
-    holds a frame for each layer it went through until it is answered, thousands at once."""
+    """`app` as Starlette enters it, without a coroutine frame of its own and without its
+    outermost layer, `ServerErrorMiddleware`: a parked request holds a frame for each layer it
+    went through until it is answered, thousands at once. That layer answers an exception with
+    a 500 where no response started and re-raises it; uvicorn does the same (and closes the
+    connection) and logs it."""
 
     def enter(scope: Scope, receive: Receive, send: Send) -> Awaitable[None]:
         scope["app"] = app
         if app.middleware_stack is None:
-            app.middleware_stack = app.build_middleware_stack()
+            stack = app.build_middleware_stack()
+            if isinstance(stack, ServerErrorMiddleware):
+                stack = stack.app
+            app.middleware_stack = stack
         return app.middleware_stack(scope, receive, send)
 
     return enter

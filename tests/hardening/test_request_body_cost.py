@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import logging
 import sys
 import tracemalloc
 from collections.abc import AsyncIterator
@@ -39,12 +40,15 @@ ANSWER_WAIT_S = 20.0
 
 @contextlib.asynccontextmanager
 async def proxy(
-    engine: dict[str, Any] | None = None, **overrides: Any
+    engine: dict[str, Any] | None = None,
+    *,
+    transport: httpx.AsyncBaseTransport | None = None,
+    **overrides: Any,
 ) -> AsyncIterator[tuple[str, SchedulingService, Any]]:
-    """`fair-sched proxy` in this loop in front of an emulator (`engine` its settings):
-    (base URL, service, emulator)."""
+    """`fair-sched proxy` in this loop in front of an emulator (`engine` its settings; the
+    requests forwarded go through `transport` where given): (base URL, service, emulator)."""
     async with emulator(**(engine or {})) as emu:
-        app = build_proxy_app(fair_config(emu, **overrides))
+        app = build_proxy_app(fair_config(emu, **overrides), transport=transport)
         server = uvicorn.Server(
             proxy_server_config(app, host=LOOPBACK, port=0, log_level="warning")
         )
@@ -302,3 +306,31 @@ async def test_requests_one_after_another_on_one_connection_are_answered() -> No
             await asyncio.wait_for(reader.readuntil(b"\r\n0\r\n\r\n"), ANSWER_WAIT_S)
         writer.close()
     assert statuses == [200, 200]
+
+
+class _FailingTransport(httpx.AsyncBaseTransport):
+    async def handle_async_request(self, request: httpx.Request) -> httpx.Response:
+        raise RuntimeError("a bug on the way to the engine")
+
+
+async def test_an_exception_in_the_app_is_a_500_and_the_connection_closes(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """The proxy is served without Starlette's error layer: the server answers what escapes the
+    app (a 500, the connection closed) and logs it, as that layer did."""
+    body = json.dumps(chat_body(user="bug")).encode()
+    # uvicorn's loggers do not propagate (and its config, made with the server, resets them).
+    server_log = logging.getLogger("uvicorn.error")
+    async with proxy(transport=_FailingTransport()) as (base_url, service, _emu):
+        server_log.addHandler(caplog.handler)
+        try:
+            reader, writer = await connect(base_url)
+            writer.write(post_head("sk-a", len(body)) + body)
+            await writer.drain()
+            status, answer = await read_answer(reader)  # to the connection's close
+            writer.close()
+        finally:
+            server_log.removeHandler(caplog.handler)
+        assert service.scheduler.statistics().queued == 0
+    assert status == 500, answer
+    assert "a bug on the way to the engine" in caplog.text
