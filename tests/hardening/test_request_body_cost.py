@@ -25,6 +25,7 @@ from fair_sched_plugin.runtime.service import SchedulingService
 
 from ..integrations.conftest import (
     MODEL,
+    assert_idle,
     chat_body,
     emulator,
     fair_config,
@@ -334,3 +335,21 @@ async def test_an_exception_in_the_app_is_a_500_and_the_connection_closes(
         assert service.scheduler.statistics().queued == 0
     assert status == 500, answer
     assert "a bug on the way to the engine" in caplog.text
+
+
+async def test_a_client_leaving_mid_stream_ends_the_engines_work() -> None:
+    """Released and streaming, the request is stopped when its connection is lost (with the
+    watch told by the proxy's protocol, the app alone reads `receive()`): the upstream request
+    is closed and the engine aborts the sequence."""
+    body = json.dumps(chat_body(max_tokens=100_000, stream=True, user="mid-stream")).encode()
+    async with proxy() as (base_url, service, emu):
+        reader, writer = await connect(base_url)
+        writer.write(post_head("sk-a", len(body)) + body)
+        await writer.drain()
+        head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), ANSWER_WAIT_S)
+        assert head.startswith(b"HTTP/1.1 200"), head
+        await asyncio.wait_for(reader.readuntil(b"data: "), ANSWER_WAIT_S)  # tokens flow
+        writer.close()
+        await assert_idle(service)
+        await wait_until(lambda: emu.engine.statistics().requests_aborted == 1)
+    assert emu.engine.statistics().running == 0
