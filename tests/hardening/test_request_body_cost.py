@@ -353,3 +353,31 @@ async def test_a_client_leaving_mid_stream_ends_the_engines_work() -> None:
         await assert_idle(service)
         await wait_until(lambda: emu.engine.statistics().requests_aborted == 1)
     assert emu.engine.statistics().running == 0
+
+
+async def test_a_kept_alive_parked_stream_is_withdrawn_when_its_client_leaves() -> None:
+    """Its keep-alive comments go out under the proxy's protocol, and only the protocol's
+    callback tells the watch that the connection is gone (nothing reads `receive()`)."""
+    body = json.dumps(chat_body(stream=True, user="kept-alive")).encode()
+    queue = {"keepalive_after_s": 0.2, "keepalive_interval_s": 0.5}
+    async with (
+        proxy({"max_num_seqs": 1}, waiting_below=1, queue=queue) as (base_url, service, emu),
+        httpx.AsyncClient(base_url=base_url, trust_env=False, timeout=60) as client,
+    ):
+        client.headers["authorization"] = "Bearer sk-b"
+        hogs = await park_behind_full_engine(emu, service, client)
+        try:
+            reader, writer = await connect(base_url)
+            writer.write(post_head("sk-a", len(body)) + body)
+            await writer.drain()
+            head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), ANSWER_WAIT_S)
+            assert head.startswith(b"HTTP/1.1 200") and b"text/event-stream" in head, head
+            await asyncio.wait_for(reader.readuntil(b": queued"), ANSWER_WAIT_S)
+            await asyncio.wait_for(reader.readuntil(b": queued"), ANSWER_WAIT_S)  # and again
+            assert service.scheduler.statistics().queued == 1
+            writer.close()
+            await wait_until(lambda: service.scheduler.statistics().queued == 0)
+        finally:
+            for hog in hogs:
+                hog.cancel()
+    assert all(request.user != "kept-alive" for request in emu.engine.received)
