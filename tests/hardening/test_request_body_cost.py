@@ -68,6 +68,23 @@ async def proxy(
                 server.force_exit = True
 
 
+@contextlib.asynccontextmanager
+async def behind_full_engine(**overrides: Any) -> AsyncIterator[tuple[str, SchedulingService, Any]]:
+    """`proxy()` in front of a one-slot engine that two long streams hold: the next request
+    parks. (base URL, service, emulator)."""
+    async with (
+        proxy({"max_num_seqs": 1}, waiting_below=1, **overrides) as (base_url, service, emu),
+        httpx.AsyncClient(base_url=base_url, trust_env=False, timeout=60) as client,
+    ):
+        client.headers["authorization"] = "Bearer sk-b"
+        hogs = await park_behind_full_engine(emu, service, client)
+        try:
+            yield base_url, service, emu
+        finally:
+            for hog in hogs:
+                hog.cancel()
+
+
 async def connect(base_url: str) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
     port = int(base_url.rsplit(":", 1)[1])
     return await asyncio.open_connection(LOOPBACK, port)
@@ -271,22 +288,13 @@ async def test_a_parked_request_whose_client_leaves_is_withdrawn() -> None:
     """The server's per-request event (a list-backed one here) still tells the request's watch
     that the client closed the connection while it was parked."""
     body = json.dumps(chat_body(user="leaves")).encode()
-    async with (
-        proxy({"max_num_seqs": 1}, waiting_below=1) as (base_url, service, emu),
-        httpx.AsyncClient(base_url=base_url, trust_env=False, timeout=60) as client,
-    ):
-        client.headers["authorization"] = "Bearer sk-b"
-        hogs = await park_behind_full_engine(emu, service, client)
-        try:
-            _reader, writer = await connect(base_url)
-            writer.write(post_head("sk-a", len(body)) + body)
-            await writer.drain()
-            await wait_until(lambda: service.scheduler.statistics().queued == 1)
-            writer.close()
-            await wait_until(lambda: service.scheduler.statistics().queued == 0)
-        finally:
-            for hog in hogs:
-                hog.cancel()
+    async with behind_full_engine() as (base_url, service, emu):
+        _reader, writer = await connect(base_url)
+        writer.write(post_head("sk-a", len(body)) + body)
+        await writer.drain()
+        await wait_until(lambda: service.scheduler.statistics().queued == 1)
+        writer.close()
+        await wait_until(lambda: service.scheduler.statistics().queued == 0)
     assert all(request.user != "leaves" for request in emu.engine.received)
 
 
@@ -360,24 +368,15 @@ async def test_a_kept_alive_parked_stream_is_withdrawn_when_its_client_leaves() 
     callback tells the watch that the connection is gone (nothing reads `receive()`)."""
     body = json.dumps(chat_body(stream=True, user="kept-alive")).encode()
     queue = {"keepalive_after_s": 0.2, "keepalive_interval_s": 0.5}
-    async with (
-        proxy({"max_num_seqs": 1}, waiting_below=1, queue=queue) as (base_url, service, emu),
-        httpx.AsyncClient(base_url=base_url, trust_env=False, timeout=60) as client,
-    ):
-        client.headers["authorization"] = "Bearer sk-b"
-        hogs = await park_behind_full_engine(emu, service, client)
-        try:
-            reader, writer = await connect(base_url)
-            writer.write(post_head("sk-a", len(body)) + body)
-            await writer.drain()
-            head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), ANSWER_WAIT_S)
-            assert head.startswith(b"HTTP/1.1 200") and b"text/event-stream" in head, head
-            await asyncio.wait_for(reader.readuntil(b": queued"), ANSWER_WAIT_S)
-            await asyncio.wait_for(reader.readuntil(b": queued"), ANSWER_WAIT_S)  # and again
-            assert service.scheduler.statistics().queued == 1
-            writer.close()
-            await wait_until(lambda: service.scheduler.statistics().queued == 0)
-        finally:
-            for hog in hogs:
-                hog.cancel()
+    async with behind_full_engine(queue=queue) as (base_url, service, emu):
+        reader, writer = await connect(base_url)
+        writer.write(post_head("sk-a", len(body)) + body)
+        await writer.drain()
+        head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), ANSWER_WAIT_S)
+        assert head.startswith(b"HTTP/1.1 200") and b"text/event-stream" in head, head
+        await asyncio.wait_for(reader.readuntil(b": queued"), ANSWER_WAIT_S)
+        await asyncio.wait_for(reader.readuntil(b": queued"), ANSWER_WAIT_S)  # and again
+        assert service.scheduler.statistics().queued == 1
+        writer.close()
+        await wait_until(lambda: service.scheduler.statistics().queued == 0)
     assert all(request.user != "kept-alive" for request in emu.engine.received)
