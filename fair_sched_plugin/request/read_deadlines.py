@@ -71,7 +71,10 @@ def read_deadline_protocol(
 
         def connection_made(self, transport: Any) -> None:
             super().connection_made(transport)
-            self.flow._is_writable_event = _ListEvent(is_set=self.flow._is_writable_event.is_set())
+            # uvicorn's flow control's own event (private there: left as it is where it differs).
+            writable = getattr(self.flow, "_is_writable_event", None)
+            if type(writable) is asyncio.Event:
+                self.flow._is_writable_event = _ListEvent(is_set=writable.is_set())
             self._start_reading("headers")
 
         def connection_lost(self, exc: Exception | None) -> None:
