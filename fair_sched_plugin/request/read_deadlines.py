@@ -39,7 +39,7 @@ logger = logging.getLogger("fair_sched")
 
 
 class _ListEvent(asyncio.Event):
-    """An `asyncio.Event` (every method its own) keeping its waiters in a list."""
+    """An `asyncio.Event`, all its methods unchanged, that keeps its waiters in a list."""
 
     def __init__(self, *, is_set: bool = False) -> None:
         super().__init__()
