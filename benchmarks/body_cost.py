@@ -1,6 +1,7 @@
 """What a request body costs `fair-sched proxy` with principal keys configured.
 
     .venv/bin/python benchmarks/body_cost.py [--stalled 30] [--parked 10000]
+    .venv/bin/python benchmarks/body_cost.py --heap [--parked 2000] [--lines 40]
 
 Starts the engine emulator (one slot) and `fair-sched proxy` as child processes on 127.0.0.1
 and measures, from the proxy's /proc status (`VmHWM` for peaks, `VmRSS` otherwise):
@@ -15,6 +16,14 @@ and measures, from the proxy's /proc status (`VmHWM` for peaks, `VmRSS` otherwis
   ~8 MiB (a single message), then `--parked` small parked requests: RSS growth per request.
 
 Prints one line per measure. Timings are wall-clock on whatever else the machine runs.
+
+`--heap`: where a small parked request's Python heap goes, by file and line. The same set-up
+for the last measure, with the proxy served in this process as `fair-sched proxy` serves it
+(`proxy_server_config`) so that `tracemalloc` sees it, and the clients in a child process (this
+script again) so that theirs are not counted. Prints the RSS growth per parked request (inflated
+by tracemalloc's own bookkeeping: the RSS figure is the one above) and the traced growth per
+parked request by file and by line (the line that allocated: a coroutine's frame is counted at
+the line that called it).
 """
 
 from __future__ import annotations
@@ -22,6 +31,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import gc
 import json
 import multiprocessing
 import os
@@ -32,6 +42,7 @@ import sys
 import tempfile
 import threading
 import time
+import tracemalloc
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -56,17 +67,14 @@ def status_kib(pid: int, field: str) -> int:
     raise RuntimeError(f"no {field}")
 
 
-@contextlib.contextmanager
-def servers(parked: int) -> Iterator[tuple[str, int]]:
-    """The emulator and the proxy in front of it: (proxy base URL, proxy pid)."""
-    engine_port, proxy_port = free_port(), free_port()
-    python = sys.executable
-    engine = subprocess.Popen(
-        [python, "-m", "fair_sched_plugin.cli", "emulate", "--port", str(engine_port),
-         "--model", MODEL, "--max-num-seqs", "1", "--step-ms", "20"],
-        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-    )  # fmt: skip
-    config = {
+def engine_argv(port: int) -> list[str]:
+    """The emulator with one slot."""
+    return [sys.executable, "-m", "fair_sched_plugin.cli", "emulate", "--port", str(port),
+            "--model", MODEL, "--max-num-seqs", "1", "--step-ms", "20"]  # fmt: skip
+
+
+def proxy_config(engine_port: int, parked: int) -> dict[str, Any]:
+    return {
         "fair_sched": {
             "tiers": [{"name": "interactive", "waiting_below": 1}],
             "principals": [{"name": "alice", "keys": ["sk-a"]}, {"name": "hog", "keys": ["sk-h"]}],
@@ -75,8 +83,58 @@ def servers(parked: int) -> Iterator[tuple[str, int]]:
             "metrics_poll_ms": 50,
         }
     }
+
+
+def small_request() -> bytes:
+    """A small non-streaming request from a known key, as sent on its own connection."""
+    small = json.dumps(
+        {"model": MODEL, "messages": [{"role": "user", "content": "hello"}], "max_tokens": 8}
+    ).encode()
+    return (
+        f"POST /v1/chat/completions HTTP/1.1\r\nHost: {HOST}\r\nAuthorization: Bearer sk-a\r\n"
+        f"Content-Type: application/json\r\nContent-Length: {len(small)}\r\n\r\n"
+    ).encode() + small
+
+
+def long_streams(client: httpx.AsyncClient) -> list[asyncio.Future[None]]:
+    """Two long streams from another key: one holds the engine's slot, one waits."""
+    hog_body = {"model": MODEL, "messages": [{"role": "user", "content": "x"}],
+                "max_tokens": 100_000, "stream": True}  # fmt: skip
+
+    async def hog() -> None:
+        async with client.stream(
+            "POST", "/v1/chat/completions", json=hog_body, timeout=600,
+            headers={"authorization": "Bearer sk-h"},
+        ) as response:  # fmt: skip
+            async for _ in response.aiter_raw():
+                pass
+
+    return [asyncio.ensure_future(hog()) for _ in range(2)]
+
+
+async def open_parked(port: int, parked: int) -> list[asyncio.StreamWriter]:
+    """`parked` small requests, each on a connection of its own (left open)."""
+    request = small_request()
+    writers = []
+    for index in range(parked):
+        _reader, writer = await asyncio.open_connection(HOST, port)
+        writer.write(request)
+        writers.append(writer)
+        if index % 500 == 499:
+            await asyncio.sleep(0.05)
+    return writers
+
+
+@contextlib.contextmanager
+def servers(parked: int) -> Iterator[tuple[str, int]]:
+    """The emulator and the proxy in front of it: (proxy base URL, proxy pid)."""
+    engine_port, proxy_port = free_port(), free_port()
+    python = sys.executable
+    engine = subprocess.Popen(
+        engine_argv(engine_port), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
+    )
     with tempfile.NamedTemporaryFile("w", suffix=".yaml", delete=False) as file:
-        json.dump(config, file)  # JSON is YAML
+        json.dump(proxy_config(engine_port, parked), file)  # JSON is YAML
     proxy = subprocess.Popen(
         [python, "-m", "fair_sched_plugin.cli", "proxy", "--config", file.name,
          "--port", str(proxy_port), "--log-level", "warning"],
@@ -202,19 +260,8 @@ async def stalled_uploads(base_url: str, count: int, pid: int) -> None:
 
 async def parked_cost(base_url: str, pid: int, parked: int) -> None:
     port = int(base_url.rsplit(":", 1)[1])
-    hog_body = {"model": MODEL, "messages": [{"role": "user", "content": "x"}],
-                "max_tokens": 100_000, "stream": True}  # fmt: skip
     async with httpx.AsyncClient(base_url=base_url, trust_env=False, timeout=600) as client:
-
-        async def hog() -> None:
-            async with client.stream(
-                "POST", "/v1/chat/completions", json=hog_body,
-                headers={"authorization": "Bearer sk-h"},
-            ) as response:  # fmt: skip
-                async for _ in response.aiter_raw():
-                    pass
-
-        hogs = [asyncio.ensure_future(hog()) for _ in range(2)]
+        hogs = long_streams(client)
 
         async def queued() -> int:
             text = (await client.get("/fair-sched/metrics")).text
@@ -252,21 +299,8 @@ async def parked_cost(base_url: str, pid: int, parked: int) -> None:
             await heavy
         await asyncio.sleep(1)
 
-        small = json.dumps(
-            {"model": MODEL, "messages": [{"role": "user", "content": "hello"}], "max_tokens": 8}
-        ).encode()
-        request = (
-            f"POST /v1/chat/completions HTTP/1.1\r\nHost: {HOST}\r\nAuthorization: Bearer sk-a\r\n"
-            f"Content-Type: application/json\r\nContent-Length: {len(small)}\r\n\r\n"
-        ).encode() + small
-        connections = []
         before = status_kib(pid, "VmRSS")
-        for index in range(parked):
-            _reader, writer = await asyncio.open_connection(HOST, port)
-            writer.write(request)
-            connections.append(writer)
-            if index % 500 == 499:
-                await asyncio.sleep(0.05)
+        connections = await open_parked(port, parked)
         count = await until_queued(parked)
         held = (status_kib(pid, "VmRSS") - before) * 1024 / count
         print(f"{count} small parked requests: RSS +{held / 1024:.1f} KiB each (server side)")
@@ -275,6 +309,112 @@ async def parked_cost(base_url: str, pid: int, parked: int) -> None:
         for task in hogs:
             task.cancel()
         await asyncio.gather(*hogs, return_exceptions=True)
+
+
+async def heap_clients(port: int, parked: int) -> None:
+    """`--heap`'s child: the long streams, then (told on stdin) the parked requests, then (told
+    again) closes them all."""
+    loop = asyncio.get_running_loop()
+    async with httpx.AsyncClient(base_url=f"http://{HOST}:{port}", trust_env=False) as client:
+        hogs = long_streams(client)
+        print("streams", flush=True)
+        await loop.run_in_executor(None, sys.stdin.readline)
+        writers = await open_parked(port, parked)
+        print("sent", flush=True)
+        await loop.run_in_executor(None, sys.stdin.readline)
+        for writer in writers:
+            writer.close()
+        for task in hogs:
+            task.cancel()
+        await asyncio.gather(*hogs, return_exceptions=True)
+
+
+def shown(filename: str) -> str:
+    return filename.split("site-packages/")[-1].replace(os.getcwd() + "/", "")
+
+
+async def heap(parked: int, lines: int) -> None:
+    import uvicorn
+
+    from fair_sched_plugin.proxy import build_proxy_app, proxy_server_config
+
+    engine_port, proxy_port = free_port(), free_port()
+    engine = await asyncio.create_subprocess_exec(
+        *engine_argv(engine_port), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
+    )
+    try:
+        async with httpx.AsyncClient(trust_env=False) as probe:
+            for _ in range(300):
+                with contextlib.suppress(httpx.HTTPError):
+                    if (await probe.get(f"http://{HOST}:{engine_port}/health")).is_success:
+                        break
+                await asyncio.sleep(0.1)
+        app = build_proxy_app(proxy_config(engine_port, parked))
+        service = app.state.fair_sched
+        server = uvicorn.Server(
+            proxy_server_config(app, host=HOST, port=proxy_port, log_level="warning")
+        )
+        serving = asyncio.ensure_future(server.serve())
+        for _ in range(600):
+            if server.started:
+                break
+            await asyncio.sleep(0.05)
+        child = await asyncio.create_subprocess_exec(
+            sys.executable, __file__, "--clients", str(proxy_port), "--parked", str(parked),
+            stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+        )  # fmt: skip
+        assert child.stdin is not None and child.stdout is not None
+        await child.stdout.readline()
+        await asyncio.sleep(3)  # the gate sees the engine's slot taken and its queue
+        tracemalloc.start()
+        gc.collect()
+        before, rss_before = tracemalloc.take_snapshot(), status_kib(os.getpid(), "VmRSS")
+        child.stdin.write(b"go\n")
+        await child.stdin.drain()
+        await child.stdout.readline()
+        last, steady, deadline = -1, 0, time.monotonic() + 150
+        while time.monotonic() < deadline:
+            queued = service.scheduler.statistics().queued
+            if queued >= parked or (queued == last and queued > 0 and (steady := steady + 1) > 40):
+                break
+            if queued != last:
+                last, steady = queued, 0
+            await asyncio.sleep(0.05)
+        await asyncio.sleep(0.5)
+        count = service.scheduler.statistics().queued
+        gc.collect()
+        after, rss_after = tracemalloc.take_snapshot(), status_kib(os.getpid(), "VmRSS")
+        tracemalloc.stop()
+        ignored = [tracemalloc.Filter(False, tracemalloc.__file__)]
+        before, after = before.filter_traces(ignored), after.filter_traces(ignored)
+        by_file = after.compare_to(before, "filename")
+        total = sum(stat.size_diff for stat in by_file)
+        print(
+            f"{count} parked: RSS +{(rss_after - rss_before) / count:.1f} KiB each (under "
+            f"tracemalloc), traced +{total / count:.0f} B each"
+        )
+        print("by file (bytes and objects per parked request):")
+        for stat in by_file[:lines]:
+            print(
+                f"{stat.size_diff / count:8.0f} B {stat.count_diff / count:6.2f}  "
+                f"{shown(stat.traceback[0].filename)}"
+            )
+        print("by line:")
+        for stat in after.compare_to(before, "lineno")[:lines]:
+            frame = stat.traceback[0]
+            print(
+                f"{stat.size_diff / count:8.0f} B {stat.count_diff / count:6.2f}  "
+                f"{shown(frame.filename)}:{frame.lineno}"
+            )
+        child.stdin.write(b"done\n")
+        await child.stdin.drain()
+        await child.wait()
+        server.should_exit = True
+        with contextlib.suppress(asyncio.TimeoutError):
+            await asyncio.wait_for(serving, 10)
+    finally:
+        engine.terminate()
+        await asyncio.wait_for(engine.wait(), 10)
 
 
 async def main(args: argparse.Namespace) -> None:
@@ -301,5 +441,15 @@ async def main(args: argparse.Namespace) -> None:
 if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--stalled", type=int, default=30)
-    parser.add_argument("--parked", type=int, default=10_000)
-    asyncio.run(main(parser.parse_args()))
+    parser.add_argument("--parked", type=int, default=None, help="10,000; with --heap 2,000")
+    parser.add_argument("--heap", action="store_true", help="the parked requests' heap by file")
+    parser.add_argument("--lines", type=int, default=40, help="with --heap: rows per table")
+    parser.add_argument("--clients", type=int, metavar="PORT", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.clients is not None:
+        asyncio.run(heap_clients(args.clients, args.parked))
+    elif args.heap:
+        asyncio.run(heap(args.parked or 2000, args.lines))
+    else:
+        args.parked = args.parked or 10_000
+        asyncio.run(main(args))

@@ -26,13 +26,14 @@ import contextlib
 import logging
 import sys
 import uuid
-from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Mapping
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable, Mapping
 from typing import TYPE_CHECKING, Any
 from urllib.parse import urlsplit, urlunsplit
 
 import httpx
 from starlette.applications import Starlette
 from starlette.middleware import Middleware
+from starlette.middleware.errors import ServerErrorMiddleware
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
@@ -408,18 +409,42 @@ def proxy_server_config(
     service: SchedulingService = app.state.fair_sched
     settings = service.settings
     return uvicorn.Config(
-        app,
+        _entered_without_a_frame(app),
+        interface="asgi3",
         host=host,
         port=port,
         log_level=log_level,
         lifespan="on",
         timeout_keep_alive=CLIENT_KEEP_ALIVE_S,
+        # Nothing here reads the client's address or scheme (callers are known by their keys):
+        # uvicorn's X-Forwarded-* layer would only hold a frame per open request. Its access
+        # log names the connection's peer.
+        proxy_headers=False,
         http=read_deadline_protocol(
             headers_timeout_s=settings.read_headers_timeout_s,
             body_timeout_s=settings.read_body_timeout_s,
             on_timeout=service.read_timed_out,
         ),
     )
+
+
+def _entered_without_a_frame(app: Starlette) -> Callable[[Scope, Receive, Send], Awaitable[None]]:
+    """`app` as Starlette enters it, without a coroutine frame of its own and without its
+    outermost layer, `ServerErrorMiddleware`: a parked request holds a frame for each layer it
+    went through until it is answered, thousands at once. That layer answers an exception with
+    a 500 where no response started and re-raises it; uvicorn does the same (and closes the
+    connection) and logs it."""
+
+    def enter(scope: Scope, receive: Receive, send: Send) -> Awaitable[None]:
+        scope["app"] = app
+        if app.middleware_stack is None:
+            stack = app.build_middleware_stack()
+            if isinstance(stack, ServerErrorMiddleware):
+                stack = stack.app
+            app.middleware_stack = stack
+        return app.middleware_stack(scope, receive, send)
+
+    return enter
 
 
 # ----------------------------------------------------------------------------- command line

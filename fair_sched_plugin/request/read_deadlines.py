@@ -9,20 +9,43 @@ connection opening) and its body within `read_body_timeout_s` of its headers, as
 `client_header_timeout` and `client_body_timeout`; then the connection is closed and counted.
 The time a body waits for the app (reading paused by flow control) is not the client's and
 never counts against it.
+
+The same protocol gives each request (and each connection's flow control) an `asyncio.Event`
+whose waiters are a list instead of a deque: uvicorn makes one per request and one per
+connection, and an empty deque holds a ~600-byte block, which thousands of parked requests would
+each keep for nothing (a waiting event has one waiter at most). And it calls back when a
+request's connection is lost before its response completed (the scope's
+`CONNECTION_LOST_EXTENSION`), so that a parked request needs no task reading `receive()` to
+notice its client leaving.
 """
 
 from __future__ import annotations
 
 import asyncio
+import logging
 from collections.abc import Callable
 from typing import Any, Literal
 
 import h11
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
+from .watch import CONNECTION_LOST_EXTENSION
+
 ReadPhase = Literal["headers", "body"]
 
 __all__ = ["ReadPhase", "read_deadline_protocol"]
+
+logger = logging.getLogger("fair_sched")
+
+
+class _ListEvent(asyncio.Event):
+    """An `asyncio.Event`, all its methods unchanged, that keeps its waiters in a list."""
+
+    def __init__(self, *, is_set: bool = False) -> None:
+        super().__init__()
+        self._waiters: list[asyncio.Future[bool]] = []  # type: ignore[assignment]
+        if is_set:
+            self.set()
 
 
 def read_deadline_protocol(
@@ -35,24 +58,63 @@ def read_deadline_protocol(
     headers or body arrive too slowly, telling `on_timeout` which."""
 
     class ReadDeadlineProtocol(H11Protocol):
-        _read_timer: asyncio.TimerHandle | None = None
-        _read_phase: ReadPhase | None = None
+        def __init__(self, *args: Any, **kwargs: Any) -> None:
+            super().__init__(*args, **kwargs)
+            # All set here, in this order: attributes an instance gains later make Python
+            # rebuild its `__dict__` larger (~800 bytes more per connection).
+            self._read_timer: asyncio.TimerHandle | None = None
+            self._read_phase: ReadPhase | None = None
+            # What the request now running asked to be told when the connection is lost, and
+            # the scope extension by which it asks (made with the connection's first request).
+            self._lost_callback: Callable[[], None] | None = None
+            self._extensions: dict[str, object] | None = None
 
         def connection_made(self, transport: Any) -> None:
             super().connection_made(transport)
+            # uvicorn's flow control's own event (private there: left as it is where it differs).
+            writable = getattr(self.flow, "_is_writable_event", None)
+            if type(writable) is asyncio.Event:
+                self.flow._is_writable_event = _ListEvent(is_set=writable.is_set())
             self._start_reading("headers")
 
         def connection_lost(self, exc: Exception | None) -> None:
             self._stop_reading()
             super().connection_lost(exc)
+            callback, self._lost_callback = self._lost_callback, None
+            if callback is not None:
+                try:
+                    callback()
+                except Exception:
+                    logger.exception("fair_sched: a request's connection-lost callback failed")
 
         def data_received(self, data: bytes) -> None:
             super().data_received(data)
+            self._lighten_cycle()
             self._follow_request()
 
         def on_response_complete(self) -> None:
+            self._lost_callback = None  # the request's response is out: nothing to tell it
             super().on_response_complete()
+            self._lighten_cycle()
             self._follow_request()
+
+        def _lighten_cycle(self) -> None:
+            """A request cycle just made (its task has not run, nothing waits on its event)
+            gets a `_ListEvent` in the same state, and the connection-lost extension."""
+            cycle = self.cycle
+            if cycle is not None and type(cycle.message_event) is asyncio.Event:
+                cycle.message_event = _ListEvent(is_set=cycle.message_event.is_set())
+                if self._extensions is None:
+                    self._extensions = {CONNECTION_LOST_EXTENSION: self._call_when_lost}
+                scope: dict[str, Any] = cycle.scope  # type: ignore[assignment]
+                extensions = scope.setdefault("extensions", self._extensions)
+                if extensions is not self._extensions:
+                    extensions[CONNECTION_LOST_EXTENSION] = self._call_when_lost
+
+        def _call_when_lost(self, callback: Callable[[], None] | None) -> None:
+            """The scope's `CONNECTION_LOST_EXTENSION`: `callback()` once if the connection is
+            lost before the response completes (None: never)."""
+            self._lost_callback = callback
 
         def _follow_request(self) -> None:
             """Which deadline runs now, from the state of the request being read."""

@@ -6,7 +6,9 @@ behind that middleware. It gives every adapter the same rules:
 
 - A client that leaves is noticed (`disconnected`) once the body has been read: one side task
   then owns the server's `receive()` and every later reader gets its result, so no body message
-  is ever taken from the app.
+  is ever taken from the app. A server that calls back when the connection is lost (the scope's
+  `CONNECTION_LOST_EXTENSION`, as `fair-sched proxy`'s protocol does) is told instead, and the
+  app keeps the server's `receive()` to itself: no task per request.
 - A lease the request holds (`hold()`) lives in a `RequestLife` (`request/lifecycle.py`): the watch
 and
   the adapters send it events (`forwarded()`, `report()` the engine's usage, `engine_answered()`,
@@ -67,6 +69,10 @@ DEPLOYMENT_HEADER = b"x-fair-sched-deployment"
 # raised exception."). A turn every this many body chunks lets the server see it first.
 YIELD_EVERY_CHUNKS = 4
 
+# The scope's extension by which a server offers to call back when the request's connection is
+# lost before its response completed: `register(callback)`, `register(None)` to forget it.
+CONNECTION_LOST_EXTENSION = "fair_sched.connection_lost"
+
 # An error body longer than this is cut before it becomes an SSE error event.
 MAX_ERROR_BODY_BYTES = 64 * 1024
 SSE_HEADERS = [
@@ -111,6 +117,7 @@ class RequestWatch:
         "__weakref__",  # adapters key per-request state by the watch, weakly (LiteLLM's spills)
         "_app_task",
         "_chunks_since_yield",
+        "_connection_lost",
         "_error_body",
         "_error_status",
         "_keepalive_sending",
@@ -129,6 +136,7 @@ class RequestWatch:
         "_send_timeout_s",
         "_sending_since",
         "_stall_timer",
+        "_watched_by_server",
         "_watcher",
         "body_complete",
         "disconnected",
@@ -164,6 +172,10 @@ class RequestWatch:
         # `id`: they stay in `leases`), made with the first: LiteLLM retries each refused attempt.
         self._refusals_logged: set[int] | None = None
         self._watcher: asyncio.Task[Message] | None = None
+        # The server's `CONNECTION_LOST_EXTENSION` (from `run()`'s scope), and whether it holds
+        # our callback.
+        self._connection_lost: Callable[[Callable[[], None] | None], None] | None = None
+        self._watched_by_server = False
         self._app_task: asyncio.Task[None] | None = None
         self._lease_timer: asyncio.TimerHandle | None = None
         # The send timeout: when the send now running began (None: none is), and its timer.
@@ -200,6 +212,9 @@ class RequestWatch:
 
     async def run(self, app: ASGIApp, scope: Scope) -> None:
         """Run `app` for this request under the rules above; re-raise what the app raises."""
+        extensions = scope.get("extensions")
+        if extensions:
+            self._connection_lost = extensions.get(CONNECTION_LOST_EXTENSION)
         token = _current.set(self)
         try:
             # In a task of its own (which copies the context, so the app sees this watch) that
@@ -408,8 +423,12 @@ class RequestWatch:
             return self.disconnected
         if not self.body_complete or self._send is None:
             return None
-        if self._watcher is None:
-            self._watcher = asyncio.get_running_loop().create_task(self._watch())
+        if self._watcher is None and not self._watched_by_server:
+            if self._connection_lost is not None:
+                self._connection_lost(self._client_left)
+                self._watched_by_server = True
+            else:
+                self._watcher = asyncio.get_running_loop().create_task(self._watch())
         return self.disconnected
 
     async def _watch(self) -> Message:
@@ -685,6 +704,10 @@ class RequestWatch:
             self._stall_timer = None
         if self._watcher is not None and not self._watcher.done():
             self._watcher.cancel()
+        if self._watched_by_server:
+            self._watched_by_server = False
+            assert self._connection_lost is not None
+            self._connection_lost(None)
         self._tell(Event.CLOSED)
 
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import logging
 import sys
 import tracemalloc
 from collections.abc import AsyncIterator
@@ -24,6 +25,7 @@ from fair_sched_plugin.runtime.service import SchedulingService
 
 from ..integrations.conftest import (
     MODEL,
+    assert_idle,
     chat_body,
     emulator,
     fair_config,
@@ -39,12 +41,15 @@ ANSWER_WAIT_S = 20.0
 
 @contextlib.asynccontextmanager
 async def proxy(
-    engine: dict[str, Any] | None = None, **overrides: Any
+    engine: dict[str, Any] | None = None,
+    *,
+    transport: httpx.AsyncBaseTransport | None = None,
+    **overrides: Any,
 ) -> AsyncIterator[tuple[str, SchedulingService, Any]]:
-    """`fair-sched proxy` in this loop in front of an emulator (`engine` its settings):
-    (base URL, service, emulator)."""
+    """`fair-sched proxy` in this loop in front of an emulator (`engine` its settings; the
+    requests forwarded go through `transport` where given): (base URL, service, emulator)."""
     async with emulator(**(engine or {})) as emu:
-        app = build_proxy_app(fair_config(emu, **overrides))
+        app = build_proxy_app(fair_config(emu, **overrides), transport=transport)
         server = uvicorn.Server(
             proxy_server_config(app, host=LOOPBACK, port=0, log_level="warning")
         )
@@ -61,6 +66,23 @@ async def proxy(
                 await asyncio.wait_for(serving, 10)
             except asyncio.TimeoutError:
                 server.force_exit = True
+
+
+@contextlib.asynccontextmanager
+async def behind_full_engine(**overrides: Any) -> AsyncIterator[tuple[str, SchedulingService, Any]]:
+    """`proxy()` in front of a one-slot engine that two long streams hold: the next request
+    parks. (base URL, service, emulator)."""
+    async with (
+        proxy({"max_num_seqs": 1}, waiting_below=1, **overrides) as (base_url, service, emu),
+        httpx.AsyncClient(base_url=base_url, trust_env=False, timeout=60) as client,
+    ):
+        client.headers["authorization"] = "Bearer sk-b"
+        hogs = await park_behind_full_engine(emu, service, client)
+        try:
+            yield base_url, service, emu
+        finally:
+            for hog in hogs:
+                hog.cancel()
 
 
 async def connect(base_url: str) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
@@ -260,3 +282,101 @@ async def test_parked_body_bytes_past_the_users_cap_are_refused_with_retry_after
         assert (await first).status_code == 200
     assert second.status_code == 429
     assert "retry-after" in second.headers
+
+
+async def test_a_parked_request_whose_client_leaves_is_withdrawn() -> None:
+    """The server's per-request event (a list-backed one here) still tells the request's watch
+    that the client closed the connection while it was parked."""
+    body = json.dumps(chat_body(user="leaves")).encode()
+    async with behind_full_engine() as (base_url, service, emu):
+        _reader, writer = await connect(base_url)
+        writer.write(post_head("sk-a", len(body)) + body)
+        await writer.drain()
+        await wait_until(lambda: service.scheduler.statistics().queued == 1)
+        writer.close()
+        await wait_until(lambda: service.scheduler.statistics().queued == 0)
+    assert all(request.user != "leaves" for request in emu.engine.received)
+
+
+async def test_requests_one_after_another_on_one_connection_are_answered() -> None:
+    """Each request cycle on a keep-alive connection gets its own event, the second one made
+    when the first response completes."""
+    body = json.dumps(chat_body(user="kept")).encode()
+    async with proxy() as (base_url, _service, _emu):
+        reader, writer = await connect(base_url)
+        # Both at once: the second is read as the first's response completes.
+        writer.write((post_head("sk-a", len(body)) + body) * 2)
+        await writer.drain()
+        statuses = []
+        for _ in range(2):
+            head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), ANSWER_WAIT_S)
+            statuses.append(int(head.split(b" ", 2)[1]))
+            assert b"transfer-encoding: chunked" in head.lower(), head  # relayed as it comes
+            await asyncio.wait_for(reader.readuntil(b"\r\n0\r\n\r\n"), ANSWER_WAIT_S)
+        writer.close()
+    assert statuses == [200, 200]
+
+
+class _FailingTransport(httpx.AsyncBaseTransport):
+    async def handle_async_request(self, request: httpx.Request) -> httpx.Response:
+        raise RuntimeError("a bug on the way to the engine")
+
+
+async def test_an_exception_in_the_app_is_a_500_and_the_connection_closes(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """The proxy is served without Starlette's error layer: the server answers what escapes the
+    app (a 500, the connection closed) and logs it, as that layer did."""
+    body = json.dumps(chat_body(user="bug")).encode()
+    # uvicorn's loggers do not propagate (and its config, made with the server, resets them).
+    server_log = logging.getLogger("uvicorn.error")
+    async with proxy(transport=_FailingTransport()) as (base_url, service, _emu):
+        server_log.addHandler(caplog.handler)
+        try:
+            reader, writer = await connect(base_url)
+            writer.write(post_head("sk-a", len(body)) + body)
+            await writer.drain()
+            status, answer = await read_answer(reader)  # to the connection's close
+            writer.close()
+        finally:
+            server_log.removeHandler(caplog.handler)
+        assert service.scheduler.statistics().queued == 0
+    assert status == 500, answer
+    assert "a bug on the way to the engine" in caplog.text
+
+
+async def test_a_client_leaving_mid_stream_ends_the_engines_work() -> None:
+    """Released and streaming, the request is stopped when its connection is lost (with the
+    watch told by the proxy's protocol, the app alone reads `receive()`): the upstream request
+    is closed and the engine aborts the sequence."""
+    body = json.dumps(chat_body(max_tokens=100_000, stream=True, user="mid-stream")).encode()
+    async with proxy() as (base_url, service, emu):
+        reader, writer = await connect(base_url)
+        writer.write(post_head("sk-a", len(body)) + body)
+        await writer.drain()
+        head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), ANSWER_WAIT_S)
+        assert head.startswith(b"HTTP/1.1 200"), head
+        await asyncio.wait_for(reader.readuntil(b"data: "), ANSWER_WAIT_S)  # tokens flow
+        writer.close()
+        await assert_idle(service)
+        await wait_until(lambda: emu.engine.statistics().requests_aborted == 1)
+    assert emu.engine.statistics().running == 0
+
+
+async def test_a_kept_alive_parked_stream_is_withdrawn_when_its_client_leaves() -> None:
+    """Its keep-alive comments go out under the proxy's protocol, and only the protocol's
+    callback tells the watch that the connection is gone (nothing reads `receive()`)."""
+    body = json.dumps(chat_body(stream=True, user="kept-alive")).encode()
+    queue = {"keepalive_after_s": 0.2, "keepalive_interval_s": 0.5}
+    async with behind_full_engine(queue=queue) as (base_url, service, emu):
+        reader, writer = await connect(base_url)
+        writer.write(post_head("sk-a", len(body)) + body)
+        await writer.drain()
+        head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), ANSWER_WAIT_S)
+        assert head.startswith(b"HTTP/1.1 200") and b"text/event-stream" in head, head
+        await asyncio.wait_for(reader.readuntil(b": queued"), ANSWER_WAIT_S)
+        await asyncio.wait_for(reader.readuntil(b": queued"), ANSWER_WAIT_S)  # and again
+        assert service.scheduler.statistics().queued == 1
+        writer.close()
+        await wait_until(lambda: service.scheduler.statistics().queued == 0)
+    assert all(request.user != "kept-alive" for request in emu.engine.received)

@@ -10,7 +10,7 @@ from typing import Any
 
 from fair_sched_plugin.core import Lease
 from fair_sched_plugin.errors import LeaseExpired
-from fair_sched_plugin.request.watch import RequestWatch
+from fair_sched_plugin.request.watch import CONNECTION_LOST_EXTENSION, RequestWatch
 from fair_sched_plugin.testing import GateLeaseOwner, make_ticket
 
 SEND_TIMEOUT_S = 0.5
@@ -146,3 +146,53 @@ async def test_a_timeout_is_charged_what_the_engine_can_have_generated() -> None
         watch.engine_timed_out(lease)
 
     assert await _run_hook_app(timed_out) == [("ended", 7)]
+
+
+async def test_a_server_that_calls_back_on_a_lost_connection_replaces_the_watching_task() -> None:
+    """With the scope's `CONNECTION_LOST_EXTENSION` the watch registers a callback instead of
+    starting a task that reads `receive()`; the callback stops the app holding a lease (the
+    client left), the app keeps `receive()` to itself, and the watch forgets the callback once
+    it closes."""
+    registered: list[Any] = []
+    body = {"type": "http.request", "body": b"{}", "more_body": False}
+    received: list[dict[str, Any]] = [body]
+
+    async def receive() -> dict[str, Any]:
+        return received.pop(0) if received else {"type": "http.disconnect"}
+
+    async def send(message: dict[str, Any]) -> None:
+        pass
+
+    lease = _lease()
+    watch = RequestWatch(receive, send)
+    stopped = asyncio.Event()
+
+    async def app(scope: Any, app_receive: Any, app_send: Any) -> None:
+        assert await app_receive() == body
+        watch.hold(lease)
+        tasks_before = len(asyncio.all_tasks())
+        assert watch.watch() is watch.disconnected
+        assert len(asyncio.all_tasks()) == tasks_before, "a task watches the client"
+        assert len(registered) == 1 and callable(registered[0])
+        try:
+            await asyncio.Event().wait()  # parked until the client leaves
+        except asyncio.CancelledError:
+            stopped.set()
+            raise
+
+    scope = {"type": "http", "extensions": {CONNECTION_LOST_EXTENSION: registered.append}}
+    running = asyncio.ensure_future(watch.run(app, scope))
+    await _until(lambda: bool(registered))
+    registered[0]()  # the connection is lost
+    await running
+    assert stopped.is_set()
+    assert watch.disconnected.is_set()
+    assert registered[-1] is None, "the callback is still registered after the request"
+
+
+async def _until(condition: Any) -> None:
+    for _ in range(200):
+        if condition():
+            return
+        await asyncio.sleep(0.01)
+    raise AssertionError("never")
