@@ -148,7 +148,7 @@ async def test_the_page_shows_a_flood_live_and_nothing_without_the_key(
                 if response.url.endswith(STATUS_PATH) and response.status == 200:
                     try:
                         document = await response.json()
-                    except Exception:  # noqa: BLE001 - a body the page did not get either
+                    except Exception:  # a body the page did not get either
                         return
                     fairness = document["models"].get(MODEL, {}).get("fairness", {})
                     tier = fairness.get("interactive") or {}
