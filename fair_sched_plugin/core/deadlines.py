@@ -59,6 +59,17 @@ class Deadlines:
             return None
         return self.arm()
 
+    def add_latest(self, parked: Parked, queued: int) -> float | None:
+        """`add`, for a ticket due no earlier than every one tracked (the queue's own limit,
+        the longest there is, from now): behind the others, without comparing."""
+        in_order = self._in_order
+        while in_order and in_order[0].state != QUEUED:
+            in_order.popleft()
+        in_order.append(parked)
+        if len(in_order) > 2 * queued + 64:
+            self.compact(queued)
+        return self.arm() if self.armed_due is None else None
+
     def _front(self) -> Parked | None:
         """The live ticket with the earliest deadline (dropping those that left before it)."""
         in_order = self._in_order

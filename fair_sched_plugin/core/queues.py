@@ -360,10 +360,12 @@ class TierQueue:
 
 class ModelQueues:
     __slots__ = (
+        "closed_gate_passable",
         "dispatching",
         "drain",
         "in_flight",
         "model",
+        "newcomers_pass",
         "orders_engine_queue",
         "queued",
         "redispatch",
@@ -382,7 +384,10 @@ class ModelQueues:
         # Re-entrancy guard: a gate may notify us from inside a release decision.
         self.dispatching = False
         self.redispatch = False
-        # `AdmissionGate.orders_engine_queue(model)`, asked once (`SchedulerCore._model_queues`).
+        # `AdmissionGate.orders_engine_queue(model)`, asked once (`SchedulerCore._model_queues`),
+        # and what follows from it there: whether a request may go past a closed gate.
         self.orders_engine_queue = False
+        self.newcomers_pass = False
+        self.closed_gate_passable = False
         # How fast its backlog drains (what a deadline's prediction divides by).
         self.drain = DrainRate()

@@ -22,10 +22,10 @@ class DrainRate:
     """Releases per second from a model's backlog, timed from the moment the queue became
     backlogged (idle time is not drain time, so a quiet hour does not read as a slow engine).
 
-    The core counts a release inline (`in_run += 1`, `last = now`) and calls `run_ended` every
-    `RUN` releases: what every release costs is two stores."""
+    The core counts a release inline (`in_run += 1`) and calls `run_ended` every `RUN`
+    releases: what every release costs is one store."""
 
-    __slots__ = ("_filling", "_mean_gap", "_runs", "in_run", "last", "per_s", "run_since")
+    __slots__ = ("_filling", "_mean_gap", "_runs", "in_run", "per_s", "run_since")
 
     def __init__(self) -> None:
         self._mean_gap = 0.0
@@ -34,7 +34,6 @@ class DrainRate:
         # Releases counted since `run_since` (the run's start, or when the backlog began).
         self.in_run = 0
         self.run_since = _NEVER
-        self.last = _NEVER
         # The rate as of the last run (0: not known yet), read on the admission path without a
         # call; `rate(now)` adds the staleness check.
         self.per_s = 0.0
@@ -49,7 +48,6 @@ class DrainRate:
 
     def released(self, now: float) -> None:
         """One request left the backlogged queue at `now` (what the core does inline)."""
-        self.last = now
         self.in_run += 1
         if self.in_run >= RUN:
             self.run_ended(now)
@@ -75,18 +73,21 @@ class DrainRate:
         The average, or the run in progress where that is already under half of it: a drain
         that slowed down is seen within half a run, not only at its end."""
         per_s = self.per_s
-        idle = now - self.last
-        if not per_s or idle > DRAIN_STALE_S:
+        if not per_s:
             return None
-        # Half a run is evidence; fewer releases are not (a drain comes in bunches: the slots
-        # of alike requests free together, then none for a while) unless none came for as
-        # long as a whole run should take.
         released = self.in_run
         elapsed = now - self.run_since
+        if not released:
+            if elapsed > DRAIN_STALE_S:
+                return None
+            # None for as long as a whole run should take: slower than that, at least.
+            if elapsed * per_s > RUN:
+                return 1.0 / elapsed
+            return per_s
+        # Half a run is evidence; fewer releases are not (a drain comes in bunches: the slots
+        # of alike requests free together, then none for a while).
         if released >= RUN // 2 and elapsed * per_s > 2 * released:
             return released / elapsed
-        if idle * per_s > RUN:
-            return 1.0 / idle
         return per_s
 
 

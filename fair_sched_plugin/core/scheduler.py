@@ -290,17 +290,10 @@ class SchedulerCore(SchedulerReads):
                 insert_at = len(waiters)
                 while insert_at and waiters[insert_at - 1].deadline > deadline:
                     insert_at -= 1
-        drain = queues.drain
-        rate: float | None = drain.per_s
-        # Someone is ahead: refuse now what cannot start in time (never without a rate), with
-        # room to spare (`ADMIT_WITHIN`). Without a limit of its own (minutes), only where every
-        # queued request ahead of it, at the average rate, is the bound checked first.
-        if (
-            rate
-            and queues.queued
-            and (limited or queues.queued / rate > ADMIT_WITHIN * wait)
-            and (rate := drain.rate(now))
-        ):
+        # A limit of its own, someone ahead: refuse now what cannot start in time (never
+        # without a rate), with room to spare (`ADMIT_WITHIN`). The queue's own limit
+        # (minutes) is a bound for everyone, not a deadline worth predicting.
+        if limited and queues.queued and (rate := queues.drain.rate(now)):
             if self._shortest_first:
                 own_index = 1  # its place among its own depends on sizes: assume the best
             elif insert_at is None:
@@ -340,7 +333,10 @@ class SchedulerCore(SchedulerReads):
             queues.drain.backlog_began(now)
         queues.queued += 1
         self._queued_total += 1
-        due = self._deadlines.add(waiter, self._queued_total)
+        if limited:
+            due = self._deadlines.add(waiter, self._queued_total)
+        else:
+            due = self._deadlines.add_latest(waiter, self._queued_total)
         if due is not None:
             self._wake_at(due, _DEADLINES)
         self._dispatch_queues(queues)
@@ -486,10 +482,7 @@ class SchedulerCore(SchedulerReads):
         queues.dispatching = True
         gate = self._gate
         model = queues.model
-        # Newcomers may go past a closed gate only where the engine orders its own queue by user
-        # (`AdmissionGate.may_release_newcomer`): elsewhere the head is not even looked at.
-        newcomers = not self._shared_tiers and queues.orders_engine_queue
-        reserving = self._reserving
+        passable = queues.closed_gate_passable
         try:
             while True:
                 queues.redispatch = False
@@ -507,11 +500,15 @@ class SchedulerCore(SchedulerReads):
                         if gate.may_release(model, tier.limits):
                             released = self._release_next(queues, tier)
                             break
-                        if reserving and self._may_go_into_reserve(model, tier.limits, tier.peek()):
+                        if not passable:
+                            continue
+                        if self._reserving and self._may_go_into_reserve(
+                            model, tier.limits, tier.peek()
+                        ):
                             # No look-ahead: it is the head, the fair next one.
                             released = self._release_next(queues, tier, look_ahead=False)
                             break
-                        if not newcomers:
+                        if not queues.newcomers_pass:
                             continue
                         head = tier.peek()
                         weight = head.head().ticket.weight
@@ -595,7 +592,6 @@ class SchedulerCore(SchedulerReads):
         now = self._clock.now()
         tier.turns.releases += 1
         drain = queues.drain  # `DrainRate.released`, inline
-        drain.last = now
         drain.in_run += 1
         if drain.in_run >= RUN:
             self._drain_run_ended(queues, now)
@@ -618,15 +614,11 @@ class SchedulerCore(SchedulerReads):
         else:
             tier.pop_top(user_queue)
         self._decided(waiter, lease)
-        if depth and not self._shortest_first:
-            # The user's turn came: a look at its most-at-risk request (once per turn, so each
-            # backlogged user's tail is looked at once per round, never a scan of every queue).
-            # A tail without a limit of its own (minutes) is looked at only where every queued
-            # request ahead of it, at the average rate, would take it past its deadline.
-            tail = user_queue.waiters[-1]
-            rate = drain.per_s
-            if tail.limited or (rate and tail.deadline < now + queues.queued / rate):
-                self._refuse_unreachable_tail(tier, user_queue, now)
+        # The user's turn came: a look at its most-at-risk request (once per turn, so each
+        # backlogged user's tail is looked at once per round, never a scan of every queue).
+        # Only a tail with a limit of its own: the queue's limit (minutes) bounds everyone.
+        if depth and not self._shortest_first and user_queue.waiters[-1].limited:
+            self._refuse_unreachable_tail(tier, user_queue, now)
         return True
 
     def _look_ahead(self, tier: TierQueue) -> tuple[UserQueue, HeapEntry] | None:
@@ -921,6 +913,11 @@ class SchedulerCore(SchedulerReads):
             queues = self._models[model] = ModelQueues(model, self._tiers)
             # Whether its engine orders its own queue by user: fixed per model for a gate.
             queues.orders_engine_queue = self._gate.orders_engine_queue(model)
+            # Newcomers may go past a closed gate only where the engine orders its own queue by
+            # user (`AdmissionGate.may_release_newcomer`), and a tier's reserved slots may be
+            # taken past it: elsewhere the head is not even looked at.
+            queues.newcomers_pass = not self._shared_tiers and queues.orders_engine_queue
+            queues.closed_gate_passable = queues.newcomers_pass or self._reserving
         return queues
 
     def _retry_hint(self, queues: ModelQueues) -> float:
