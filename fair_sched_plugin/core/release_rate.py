@@ -99,7 +99,15 @@ class TurnRate:
     drain runs, from the tier's release count and virtual time; only runs where the virtual time
     moved count."""
 
-    __slots__ = ("_runs", "arrival_mark", "per_unit", "releases", "releases_mark", "time_mark")
+    __slots__ = (
+        "_runs",
+        "arrival_mark",
+        "per_unit",
+        "releases",
+        "releases_mark",
+        "share",
+        "time_mark",
+    )
 
     def __init__(self) -> None:
         self._runs = 0
@@ -110,8 +118,12 @@ class TurnRate:
         # `per_unit` yet.
         self.arrival_mark = 0
         self.per_unit = 0.0  # 0: not known yet
+        # Its part of the model's releases in the runs where it had any (tier shares: what
+        # turns its releases into the model's).
+        self.share = 0.0
 
-    def sample(self, virtual_time: float, arrival: int) -> None:
+    def sample(self, virtual_time: float, arrival: int, model_released: int) -> None:
+        """The end of a run of `model_released` releases of the model."""
         released = self.releases - self.releases_mark
         moved = virtual_time - self.time_mark
         self.releases_mark = self.releases
@@ -123,6 +135,7 @@ class TurnRate:
         if runs < RUNS_AVERAGED:
             self._runs = runs = runs + 1
         self.per_unit += (released / moved - self.per_unit) / runs
+        self.share += (min(1.0, released / max(model_released, 1)) - self.share) / runs
 
 
 def start_after_s(position: int, rate: float) -> float:

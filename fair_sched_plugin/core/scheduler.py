@@ -831,7 +831,7 @@ class SchedulerCore(SchedulerReads):
         queues.drain.run_ended(now)
         arrival = next(self._arrivals)
         for tier in queues.tiers:
-            tier.turns.sample(tier.virtual_time, arrival)
+            tier.turns.sample(tier.virtual_time, arrival, RUN)
 
     def _position(
         self, tier: TierQueue, user_queue: UserQueue | None, own_index: int, ticket: Ticket
@@ -844,9 +844,9 @@ class SchedulerCore(SchedulerReads):
         way into the last), each as many releases as the tier's rounds measured lately
         (`TurnRate`: the users who come back between rounds included), plus the user's own
         share of a round where its backlog is newer than that measure; under round robin, at
-        least one per user backlogged now. Until a round was measured: each other backlogged
-        user about once per own release, counted as one fewer (the tier's next turn may be
-        ours)."""
+        least one per user backlogged now; with tier shares, divided by the tier's measured part
+        of the model's releases. Until a round was measured: each other backlogged user about
+        once per own release, counted as one fewer (the tier's next turn may be ours)."""
         ahead = 0
         if not self._shared_tiers:
             for upper in tier.model_queues.tiers[: tier.position]:
@@ -870,7 +870,10 @@ class SchedulerCore(SchedulerReads):
             rounds = start_tag - tier.virtual_time
             if rounds > 0.5 * charge:
                 rounds -= 0.5 * charge
-            return ahead + 1 + round(rounds * per_unit)
+            in_tier = rounds * per_unit
+            if self._shared_tiers and turns.share > 0:
+                in_tier /= turns.share  # the other share tiers' releases come between
+            return ahead + 1 + round(in_tier)
         if self._takes_turns and own_index > 1:
             own_depth = user_queue.depth if user_queue is not None else 0
             turns_ahead = own_index - 1

@@ -271,3 +271,28 @@ def test_a_drain_that_slows_down_shows_before_its_run_ends() -> None:
         assert rate.rate(16.0 + 3 * step) == pytest.approx(1.0)
     rate.released(28.0)  # four releases in twelve seconds: under half the rate
     assert rate.rate(28.0) == pytest.approx(4 / 12)
+
+
+def test_with_tier_shares_the_other_tiers_releases_count_too() -> None:
+    clock = FakeClock()
+    tiers = (TierLimits("a", share=1.0), TierLimits("b", share=1.0))
+    core = _core(clock, tiers)
+    first = core.try_acquire(make_ticket("flood-a", tier="a"))
+    assert first is not None
+    for _ in range(40):
+        core.submit(make_ticket("flood-a", tier="a"))
+        core.submit(make_ticket("flood-b", tier="b"))
+    running = [first]
+    _drain_steadily(core, running, clock, 30)  # one release a second, the tiers alternating
+    admitted = []
+    for _ in range(6):
+        with contextlib.suppress(DeadlineUnreachable):
+            admitted.append(core.submit(_limited("x", 6, tier="a")))
+    # Its turns alternate with flood-a's in tier a, whose releases alternate with tier b's:
+    # its k-th starts about 4(k - 1) s from now. Counting only tier a's releases would have
+    # admitted a third, due at 8 s; with room to spare (3.6 s of 6), two are admitted.
+    assert len(admitted) == 2
+    decisions = _drain_steadily(core, running, clock, 10)
+    x_started = [lease for lease in _leases(decisions) if lease.ticket.user == "x"]
+    assert len(x_started) == 2
+    assert not [d for d in decisions if isinstance(d.outcome, QueueTimeout)]
