@@ -12,7 +12,6 @@ import asyncio
 import contextlib
 import json
 import os
-import signal
 import subprocess
 import sys
 import time
@@ -28,7 +27,12 @@ from fair_sched_plugin.lab.emulator.server import RunningEmulator
 from fair_sched_plugin.runtime.engine_http import sse_lines
 
 from .loopback import LOOPBACK, free_port, open_client
-from .processes import own_process_group, process_cpu_seconds, process_cpu_wait_seconds
+from .processes import (
+    kill_group,
+    own_process_group,
+    process_cpu_seconds,
+    process_cpu_wait_seconds,
+)
 
 __all__ = ["LOOPBACK", "free_port", "open_client"]
 
@@ -173,16 +177,7 @@ def _spawn(
 
 
 def _kill_group(process: subprocess.Popen[bytes]) -> None:
-    if process.poll() is None:
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(process.pid, signal.SIGTERM)
-        with contextlib.suppress(subprocess.TimeoutExpired):
-            process.wait(PROXY_SHUTDOWN_TIMEOUT_S)
-    # Whatever the proxy started lives in the same group.
-    with contextlib.suppress(ProcessLookupError, PermissionError):
-        os.killpg(process.pid, signal.SIGKILL)
-    with contextlib.suppress(subprocess.TimeoutExpired):
-        process.wait(PROXY_SHUTDOWN_TIMEOUT_S)
+    kill_group(process, PROXY_SHUTDOWN_TIMEOUT_S)
 
 
 @dataclass

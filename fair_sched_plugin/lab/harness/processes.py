@@ -15,6 +15,8 @@ from __future__ import annotations
 
 import contextlib
 import os
+import signal
+import subprocess
 import sys
 from collections.abc import Callable
 from pathlib import Path
@@ -43,6 +45,20 @@ def own_process_group(
             preexec()
 
     return {"preexec_fn": setpgid_then_preexec}
+
+
+def kill_group(process: subprocess.Popen[bytes], timeout_s: float) -> None:
+    """End `process` and its process group (what it started lives there): SIGTERM and up to
+    `timeout_s` to exit, then SIGKILL to the whole group."""
+    if process.poll() is None:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(process.pid, signal.SIGTERM)
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            process.wait(timeout_s)
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.killpg(process.pid, signal.SIGKILL)
+    with contextlib.suppress(subprocess.TimeoutExpired):
+        process.wait(timeout_s)
 
 
 def _stat(path: Path) -> tuple[int, float]:

@@ -22,7 +22,7 @@ from pathlib import Path
 import httpx
 
 from .loopback import LOOPBACK, free_port
-from .processes import group_cpu_seconds, own_process_group
+from .processes import group_cpu_seconds, kill_group, own_process_group
 
 
 class EngineStartError(RuntimeError):
@@ -96,16 +96,7 @@ def _die_with_parent() -> None:
 
 
 def _kill_group(process: subprocess.Popen[bytes]) -> None:
-    if process.poll() is None:
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(process.pid, signal.SIGTERM)
-        with contextlib.suppress(subprocess.TimeoutExpired):
-            process.wait(ENGINE_STOP_TIMEOUT_S)
-    # The API server's engine-core and worker processes are in the same group.
-    with contextlib.suppress(ProcessLookupError, PermissionError):
-        os.killpg(process.pid, signal.SIGKILL)
-    with contextlib.suppress(subprocess.TimeoutExpired):
-        process.wait(ENGINE_STOP_TIMEOUT_S)
+    kill_group(process, ENGINE_STOP_TIMEOUT_S)
 
 
 @dataclass
