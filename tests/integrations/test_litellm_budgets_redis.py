@@ -1,6 +1,8 @@
 """Budgets through two real `litellm` proxy processes sharing state in a real redis-server:
-a principal that overspends through one proxy is refused by the other, and by a
-proxy started after both stopped (the spend survives in Redis)."""
+a principal that overspends through one proxy is refused by the other. That the spend survives
+every replica restarting (stored in Redis, read by the next leader) is the service's, the same
+inside LiteLLM: `tests/state/test_redis_budgets.py::test_spend_survives_every_replica_restarting`
+proves it without a third LiteLLM start."""
 
 from __future__ import annotations
 
@@ -89,7 +91,7 @@ async def refused_within(base_url: str, attempts: int = 10) -> httpx.Response:
     raise AssertionError(f"never refused in {attempts} requests")
 
 
-async def test_a_budget_spent_through_one_proxy_holds_at_the_other_and_after_a_restart(
+async def test_a_budget_spent_through_one_proxy_holds_at_the_other(
     tmp_path: Path, redis_for_proxies: RedisServer
 ) -> None:
     config = EmulatorConfig(models=("tiny",), base_step_ms=2.0)
@@ -110,8 +112,3 @@ async def test_a_budget_spent_through_one_proxy_holds_at_the_other_and_after_a_r
             refused = await refused_within(second.base_url)
             assert 3000 < int(refused.headers["retry-after"]) <= 3600
             assert (await chat(second.base_url, "sk-light", 1)).status_code == 200
-        # Both stopped; a replica started afterwards takes the book over from Redis.
-        async with litellm_proxy(litellm_config, tmp_path, "replica-c") as third:
-            assert (await chat(third.base_url, "sk-light", 1)).status_code == 200
-            refused = await refused_within(third.base_url)
-            assert 3000 < int(refused.headers["retry-after"]) <= 3600

@@ -1,16 +1,19 @@
 """The LiteLLM adapter's tests (marker `litellm_range`) again, under the oldest supported LiteLLM.
 
 The suite itself runs on the newest supported release (the project venv). `scripts/test` builds
-or reuses a cached venv with the oldest (`scripts/litellm_env.sh`, outside git) and names its
-python in FAIR_SCHED_LITELLM_OLDEST_PYTHON; this test runs those tests there in a subprocess, so
-their outcome is part of this session's exit status and closing line. Without the variable it
-skips on a developer's machine and fails under CI (`CI=true`), where the stage must run.
+or reuses a cached venv with the oldest (`scripts/litellm_env.sh`, outside git) in the background
+and names the file it writes that venv's python into when done,
+FAIR_SCHED_LITELLM_OLDEST_PYTHON_FILE (FAIR_SCHED_LITELLM_OLDEST_PYTHON names a python directly);
+this test runs those tests there in a subprocess, so their outcome is part of this session's
+exit status and closing line. Without either variable it skips on a developer's machine and
+fails under CI (`CI=true`), where the stage must run.
 """
 
 from __future__ import annotations
 
 import os
 import subprocess
+import time
 from pathlib import Path
 
 import pytest
@@ -31,13 +34,34 @@ KNOWN_GAPS_ON_OLDEST = [
 SELECTION = ["-m", "litellm_range", *KNOWN_GAPS_ON_OLDEST, "tests/integrations"]
 # Two LiteLLM proxies and the flood take ~1-2 min on two idle cores; slower under load.
 STAGE_TIMEOUT_S = 900
+# scripts/test builds the venv in the background while the first phase runs (a minute or two on
+# a fresh machine) and names the file it writes the python's path into when done.
+BUILD_WAIT_S = 600
+
+
+def oldest_python() -> str | None:
+    """FAIR_SCHED_LITELLM_OLDEST_PYTHON, or the path scripts/test's background build writes
+    into FAIR_SCHED_LITELLM_OLDEST_PYTHON_FILE (waited for); None where neither is set."""
+    python = os.environ.get("FAIR_SCHED_LITELLM_OLDEST_PYTHON")
+    pending = os.environ.get("FAIR_SCHED_LITELLM_OLDEST_PYTHON_FILE")
+    if python or not pending:
+        return python
+    give_up_at = time.monotonic() + BUILD_WAIT_S
+    while not os.path.exists(pending):
+        if time.monotonic() > give_up_at:
+            pytest.fail(f"the oldest-LiteLLM venv was not built within {BUILD_WAIT_S} s")
+        time.sleep(1.0)
+    built = Path(pending).read_text().strip()
+    if not built:
+        pytest.fail("building the oldest-LiteLLM venv failed (scripts/test prints its log)")
+    return built
 
 
 @pytest.mark.litellm
 @pytest.mark.slow
-@pytest.mark.timeout(STAGE_TIMEOUT_S + 60)
+@pytest.mark.timeout(BUILD_WAIT_S + STAGE_TIMEOUT_S + 60)
 def test_the_adapter_tests_pass_under_the_oldest_supported_litellm() -> None:
-    python = os.environ.get("FAIR_SCHED_LITELLM_OLDEST_PYTHON")
+    python = oldest_python()
     if not python:
         reason = "FAIR_SCHED_LITELLM_OLDEST_PYTHON is not set (scripts/test sets it)"
         if in_ci():

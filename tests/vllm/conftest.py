@@ -64,11 +64,15 @@ def unavailable(reason: str) -> None:
     pytest.skip(reason)
 
 
+@pytest.hookimpl(tryfirst=True)  # before `-m` selects
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     here = Path(__file__).parent
     for item in items:
         if here in Path(str(item.fspath)).parents:
             item.add_marker(pytest.mark.vllm)
+            # All of them in scripts/test's second phase, alone: the engine starts once (a
+            # minute or two of both cores), and its venv is built during the first phase.
+            item.add_marker(pytest.mark.timing)
     if os.environ.get("FAIR_SCHED_SKIP_VLLM") and not in_ci():
         skip = pytest.mark.skip(reason="FAIR_SCHED_SKIP_VLLM is set: real-vLLM stage skipped")
         for item in items:
