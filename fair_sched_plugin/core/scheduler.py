@@ -863,14 +863,21 @@ class SchedulerCore(SchedulerReads):
                 if user_queue is None or not user_queue.depth:
                     backlogged += 1
                 per_unit = max(per_unit, backlogged)
-            own_time = user_queue.virtual_time if user_queue is not None else tier.virtual_time
-            start_tag = max(own_time, tier.virtual_time) + (own_index - 1) * charge
-            # A tag `d` rounds up is reached part way into the last of them (the users whose
-            # turn in it has passed go after it): half of it, on average.
-            rounds = start_tag - tier.virtual_time
-            if rounds > 0.5 * charge:
-                rounds -= 0.5 * charge
-            in_tier = rounds * per_unit
+            own_depth = user_queue.depth if user_queue is not None else 0
+            if tier.queued > own_depth:
+                own_time = user_queue.virtual_time if user_queue is not None else tier.virtual_time
+                start_tag = max(own_time, tier.virtual_time) + (own_index - 1) * charge
+                # A tag `d` rounds up is reached part way into the last of them (the users
+                # whose turn in it has passed go after it): half of it, on average.
+                rounds = start_tag - tier.virtual_time
+                if rounds > 0.5 * charge:
+                    rounds -= 0.5 * charge
+                in_tier = rounds * per_unit
+            else:
+                # Nobody else is queued in the tier: only its own requests come before it (its
+                # start tag may lie rounds ahead of the tier's, from its last releases, with
+                # nobody left to take those rounds).
+                in_tier = own_index - 1
             if self._shared_tiers and turns.share > 0:
                 in_tier /= turns.share  # the other share tiers' releases come between
             return ahead + 1 + round(in_tier)
