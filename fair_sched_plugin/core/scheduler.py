@@ -146,6 +146,8 @@ class SchedulerCore(SchedulerReads):
         # whose due no longer matches its tier's (or the deadlines') is stale and skipped.
         self._wakeups: list[tuple[float, int, TierQueue | None]] = []
         self._wakeup_order = itertools.count()
+        # Past this many, the stale wake-ups are dropped (`_wake_at`).
+        self._wakeups_bound = 64
         self._outbox: list[Decision] = []
         self._closed = False
         self._released_total = 0
@@ -375,7 +377,21 @@ class SchedulerCore(SchedulerReads):
         return self._wakeups[0][0] if self._wakeups else None
 
     def _wake_at(self, due: float, tier: TierQueue | None) -> None:
-        heapq.heappush(self._wakeups, (due, next(self._wakeup_order), tier))
+        wakeups = self._wakeups
+        heapq.heappush(wakeups, (due, next(self._wakeup_order), tier))
+        if len(wakeups) > self._wakeups_bound:
+            # A deadline earlier than the one armed arms a wake-up of its own and leaves the
+            # other stale until its due time (a day at most): clients asking for ever shorter
+            # limits, each cancelled, would grow the heap by one per request. At most one is
+            # live for the deadlines and one per tier; rebuild once the stale outnumber them.
+            armed = self._deadlines.armed_due
+            wakeups[:] = [
+                entry
+                for entry in wakeups
+                if entry[0] == (armed if entry[2] is _DEADLINES else entry[2].promote_due)
+            ]
+            heapq.heapify(wakeups)
+            self._wakeups_bound = 2 * len(wakeups) + 64
 
     def take_decisions(self) -> list[Decision]:
         """The decisions made since the last call, in order (what `_decided` collects when no
