@@ -146,6 +146,8 @@ class SchedulerCore(SchedulerReads):
         # whose due no longer matches its tier's (or the deadlines') is stale and skipped.
         self._wakeups: list[tuple[float, int, TierQueue | None]] = []
         self._wakeup_order = itertools.count()
+        # Past this many, the stale wake-ups are dropped (`_wake_at`).
+        self._wakeups_bound = 64
         self._outbox: list[Decision] = []
         self._closed = False
         self._released_total = 0
@@ -375,7 +377,21 @@ class SchedulerCore(SchedulerReads):
         return self._wakeups[0][0] if self._wakeups else None
 
     def _wake_at(self, due: float, tier: TierQueue | None) -> None:
-        heapq.heappush(self._wakeups, (due, next(self._wakeup_order), tier))
+        wakeups = self._wakeups
+        heapq.heappush(wakeups, (due, next(self._wakeup_order), tier))
+        if len(wakeups) > self._wakeups_bound:
+            # A deadline earlier than the one armed arms a wake-up of its own and leaves the
+            # other stale until its due time (a day at most): clients asking for ever shorter
+            # limits, each cancelled, would grow the heap by one per request. At most one is
+            # live for the deadlines and one per tier; rebuild once the stale outnumber them.
+            armed = self._deadlines.armed_due
+            wakeups[:] = [
+                entry
+                for entry in wakeups
+                if entry[0] == (armed if entry[2] is _DEADLINES else entry[2].promote_due)
+            ]
+            heapq.heapify(wakeups)
+            self._wakeups_bound = 2 * len(wakeups) + 64
 
     def take_decisions(self) -> list[Decision]:
         """The decisions made since the last call, in order (what `_decided` collects when no
@@ -863,14 +879,21 @@ class SchedulerCore(SchedulerReads):
                 if user_queue is None or not user_queue.depth:
                     backlogged += 1
                 per_unit = max(per_unit, backlogged)
-            own_time = user_queue.virtual_time if user_queue is not None else tier.virtual_time
-            start_tag = max(own_time, tier.virtual_time) + (own_index - 1) * charge
-            # A tag `d` rounds up is reached part way into the last of them (the users whose
-            # turn in it has passed go after it): half of it, on average.
-            rounds = start_tag - tier.virtual_time
-            if rounds > 0.5 * charge:
-                rounds -= 0.5 * charge
-            in_tier = rounds * per_unit
+            own_depth = user_queue.depth if user_queue is not None else 0
+            if tier.queued > own_depth:
+                own_time = user_queue.virtual_time if user_queue is not None else tier.virtual_time
+                start_tag = max(own_time, tier.virtual_time) + (own_index - 1) * charge
+                # A tag `d` rounds up is reached part way into the last of them (the users
+                # whose turn in it has passed go after it): half of it, on average.
+                rounds = start_tag - tier.virtual_time
+                if rounds > 0.5 * charge:
+                    rounds -= 0.5 * charge
+                in_tier = rounds * per_unit
+            else:
+                # Nobody else is queued in the tier: only its own requests come before it (its
+                # start tag may lie rounds ahead of the tier's, from its last releases, with
+                # nobody left to take those rounds).
+                in_tier = own_index - 1
             if self._shared_tiers and turns.share > 0:
                 in_tier /= turns.share  # the other share tiers' releases come between
             return ahead + 1 + round(in_tier)

@@ -111,10 +111,14 @@ def read_deadline_protocol(
                 if extensions is not self._extensions:
                     extensions[CONNECTION_LOST_EXTENSION] = self._call_when_lost
 
-        def _call_when_lost(self, callback: Callable[[], None] | None) -> None:
+        def _call_when_lost(self, callback: Callable[[], None], call: bool) -> None:
             """The scope's `CONNECTION_LOST_EXTENSION`: `callback()` once if the connection is
-            lost before the response completes (None: never)."""
-            self._lost_callback = callback
+            lost before the response completes; `call=False`: not, if it is still the one
+            registered (a pipelined or kept-alive next request's own stays)."""
+            if call:
+                self._lost_callback = callback
+            elif self._lost_callback == callback:  # bound methods: equal, not identical
+                self._lost_callback = None
 
         def _follow_request(self) -> None:
             """Which deadline runs now, from the state of the request being read."""

@@ -70,7 +70,9 @@ DEPLOYMENT_HEADER = b"x-fair-sched-deployment"
 YIELD_EVERY_CHUNKS = 4
 
 # The scope's extension by which a server offers to call back when the request's connection is
-# lost before its response completed: `register(callback)`, `register(None)` to forget it.
+# lost before its response completed: `when_lost(callback, True)`, and `when_lost(callback,
+# False)` to forget it (only if it is still the one registered: on a kept-alive connection the
+# next request may have registered its own before this one's end forgets it).
 CONNECTION_LOST_EXTENSION = "fair_sched.connection_lost"
 
 # An error body longer than this is cut before it becomes an SSE error event.
@@ -174,7 +176,7 @@ class RequestWatch:
         self._watcher: asyncio.Task[Message] | None = None
         # The server's `CONNECTION_LOST_EXTENSION` (from `run()`'s scope), and whether it holds
         # our callback.
-        self._connection_lost: Callable[[Callable[[], None] | None], None] | None = None
+        self._connection_lost: Callable[[Callable[[], None], bool], None] | None = None
         self._watched_by_server = False
         self._app_task: asyncio.Task[None] | None = None
         self._lease_timer: asyncio.TimerHandle | None = None
@@ -425,7 +427,7 @@ class RequestWatch:
             return None
         if self._watcher is None and not self._watched_by_server:
             if self._connection_lost is not None:
-                self._connection_lost(self._client_left)
+                self._connection_lost(self._client_left, True)
                 self._watched_by_server = True
             else:
                 self._watcher = asyncio.get_running_loop().create_task(self._watch())
@@ -707,7 +709,7 @@ class RequestWatch:
         if self._watched_by_server:
             self._watched_by_server = False
             assert self._connection_lost is not None
-            self._connection_lost(None)
+            self._connection_lost(self._client_left, False)
         self._tell(Event.CLOSED)
 
 

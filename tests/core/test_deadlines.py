@@ -5,6 +5,7 @@ rate). Driven by events and a `FakeClock` only."""
 from __future__ import annotations
 
 import contextlib
+import tracemalloc
 
 import pytest
 
@@ -296,3 +297,53 @@ def test_with_tier_shares_the_other_tiers_releases_count_too() -> None:
     x_started = [lease for lease in _leases(decisions) if lease.ticket.user == "x"]
     assert len(x_started) == 2
     assert not [d for d in decisions if isinstance(d.outcome, QueueTimeout)]
+
+
+@pytest.mark.parametrize(
+    ("fairness", "weight"), [("round_robin", 1.0), ("weighted", 1e-6), ("tokens", 1.0)]
+)
+def test_a_request_alone_in_its_tier_is_not_refused_for_its_own_past_turns(
+    fairness: str, weight: float
+) -> None:
+    """Its virtual time lies rounds ahead of its tier's (it was released last, and with a tiny
+    weight a million rounds ahead), but nobody else is queued in the tier to take those rounds:
+    it is the next released, whatever waits in a lower tier."""
+    clock = FakeClock()
+    core = SchedulerCore(TIERS, InflightLimitGate(1), clock=clock, fairness=fairness)  # type: ignore[arg-type]
+    first = core.try_acquire(make_ticket("a", weight=weight))
+    assert first is not None
+    for _ in range(20):
+        core.submit(make_ticket("a", weight=weight))
+        core.submit(make_ticket("b"))
+    for _ in range(5):
+        core.submit(make_ticket("z", tier="batch"))
+    running = [first]
+    _drain_steadily(core, running, clock, 40)
+    assert core.statistics().queued == 5 and running[0].ticket.user == "a"
+    alone = core.submit(make_ticket("a", weight=weight)._replace(max_wait_s=0.5))
+    assert alone.state == 0  # parked, not refused
+
+
+def test_ever_shorter_limits_submitted_and_cancelled_leave_no_wakeups_behind() -> None:
+    """Each request's deadline is earlier than the one armed, so each arms a wake-up of its own;
+    cancelled at once, each leaves the one before stale until its due time (up to a day). The
+    memory held must stay bounded by what is queued, not grow with the requests."""
+    clock = FakeClock()
+    core = SchedulerCore(TIERS, InflightLimitGate(1), clock=clock, max_wait_s=86_400)
+    assert core.try_acquire(make_ticket("x")) is not None
+
+    def abuse(count: int, start: int) -> None:
+        for step in range(start, start + count):
+            core.cancel(core.submit(_limited("a", 86_000 - step * 0.5)))
+            clock.advance(0.1)
+            core.tick(clock.now())
+
+    abuse(2_000, 0)  # whatever is allocated once is allocated by now
+    tracemalloc.start()
+    try:
+        before = tracemalloc.get_traced_memory()[0]
+        abuse(20_000, 2_000)
+        grown = tracemalloc.get_traced_memory()[0] - before
+    finally:
+        tracemalloc.stop()
+    assert grown < 100_000  # about 120 bytes a request before the wake-ups were compacted

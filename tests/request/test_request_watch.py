@@ -180,7 +180,10 @@ async def test_a_server_that_calls_back_on_a_lost_connection_replaces_the_watchi
             stopped.set()
             raise
 
-    scope = {"type": "http", "extensions": {CONNECTION_LOST_EXTENSION: registered.append}}
+    def when_lost(callback: Any, call: bool) -> None:
+        registered.append(callback if call else None)
+
+    scope = {"type": "http", "extensions": {CONNECTION_LOST_EXTENSION: when_lost}}
     running = asyncio.ensure_future(watch.run(app, scope))
     await _until(lambda: bool(registered))
     registered[0]()  # the connection is lost
