@@ -1,14 +1,12 @@
 """Deadlines through `fair-sched proxy`: who is refused at once, who starts in time, who misses.
 
     .venv/bin/python benchmarks/deadlines.py [--flood 100] [--batch 40] [--light-users 3]
-        [--light-at 0.6] [--cold]
 
 One 8-slot emulator engine behind the standalone fair proxy (one tier, round robin). At 0 s a
 flood user sends `--flood` streaming requests with no limit of its own. At `--batch-at` seconds
 (after the drain rate has been measured: nothing is refused early before) a batch user sends
-`--batch` at once with `x-fair-sched-max-wait-s: 2`, on connections its client opened half a
-second before (`--cold`: opened by the burst itself), and from `--light-at` seconds light users
-send one request each every `--light-every` seconds with a 1 s limit, `--light-requests` each.
+`--batch` at once with `x-fair-sched-max-wait-s: 2`, and light users send one request each every
+`--light-every` seconds with a 1 s limit, `--light-requests` each.
 
 A request "starts" when the scheduler releases it: the proxy's `x-fair-sched-queued-s` response
 header says how long it waited for that (its response headers, which also wait for the engine's
@@ -65,8 +63,6 @@ class Scenario:
     # When the light users' first round goes: before the batch (they are about; the default),
     # or with it (`--light-at` = `--batch-at`: nobody can foresee them when the batch arrives).
     light_at_s: float = 0.6
-    # The batch's connections opened half a second before it (`--cold`: opened by its burst).
-    warm: bool = True
 
 
 @dataclass
@@ -175,17 +171,7 @@ async def play(base_url: str, scenario: Scenario) -> list[Outcome]:
         for n in range(scenario.flood):
             send(FLOOD_KEY, "flood", None, n)
         light = asyncio.create_task(light_users())
-        if scenario.warm:
-            # The batch's connections opened beforehand (as a client's pool keeps them), so its
-            # answers time the proxy's decision, not TCP's and the server's connection set-up.
-            await asyncio.sleep(max(0.0, scenario.batch_at_s - 0.5))
-            headers = {"authorization": f"Bearer {BATCH_KEY}"}
-            await asyncio.gather(
-                *(client.get("/models", headers=headers) for _ in range(scenario.batch + 10))
-            )
-            await asyncio.sleep(max(0.0, min(0.5, scenario.batch_at_s)))
-        else:
-            await asyncio.sleep(scenario.batch_at_s)
+        await asyncio.sleep(scenario.batch_at_s)
         for n in range(scenario.batch):
             send(BATCH_KEY, "batch", BATCH_LIMIT_S, n)
         await light
@@ -291,9 +277,6 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--light-requests", type=int, default=Scenario.light_requests)
     parser.add_argument("--light-every", type=float, default=Scenario.light_every_s)
     parser.add_argument("--light-at", type=float, default=Scenario.light_at_s)
-    parser.add_argument(
-        "--cold", action="store_true", help="the batch opens its connections with its burst"
-    )
     args = parser.parse_args(argv)
     scenario = Scenario(
         args.flood,
@@ -303,7 +286,6 @@ def main(argv: list[str] | None = None) -> None:
         args.light_requests,
         args.light_every,
         args.light_at,
-        not args.cold,
     )
     outcomes, counts = asyncio.run(run(scenario))
     report(outcomes, counts)
