@@ -122,8 +122,8 @@ class TurnRate:
         # turns its releases into the model's).
         self.share = 0.0
 
-    def sample(self, virtual_time: float, arrival: int, model_released: int) -> None:
-        """The end of a run of `model_released` releases of the model."""
+    def sample(self, virtual_time: float, arrival: int) -> None:
+        """The end of a run of the model's releases (`RUN` of them)."""
         released = self.releases - self.releases_mark
         moved = virtual_time - self.time_mark
         self.releases_mark = self.releases
@@ -135,7 +135,7 @@ class TurnRate:
         if runs < RUNS_AVERAGED:
             self._runs = runs = runs + 1
         self.per_unit += (released / moved - self.per_unit) / runs
-        self.share += (min(1.0, released / max(model_released, 1)) - self.share) / runs
+        self.share += (min(1.0, released / RUN) - self.share) / runs
 
 
 def start_after_s(position: int, rate: float) -> float:

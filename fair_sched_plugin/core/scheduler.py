@@ -127,10 +127,10 @@ class SchedulerCore(SchedulerReads):
         self._max_per_user = max_per_user
         self._max_total = max_total
         self._max_wait_s = max_wait_s
-        # Per tier: how long its requests wait at most (the queue's limit or the tier's
-        # shorter one), and whether that is a limit of their own (counted met or missed).
         # Some tier keeps running slots free (`TierLimits.reserve_slots`).
         self._reserving = any(tier.reserve_slots for tier in self._tiers)
+        # Per tier: how long its requests wait at most (the queue's limit or the tier's
+        # shorter one), and whether that is a limit of their own (counted met or missed).
         self._tier_waits = tuple(
             (min(max_wait_s, tier.max_wait_s or max_wait_s), tier.max_wait_s is not None)
             for tier in self._tiers
@@ -305,8 +305,7 @@ class SchedulerCore(SchedulerReads):
                 own_index = max(1, depth + 1 - (len(waiters) - insert_at))
             position = self._position(tier, user_queue, own_index, ticket)
             if start_after_s(position, rate) > ADMIT_WITHIN * wait:
-                if limited:
-                    self._count_deadline(tier.limits.name, REFUSED)
+                self._count_deadline(tier.limits.name, REFUSED)
                 raise self._unreachable(ticket, position, rate, deadline - now, 0.0)
         if user_queue is None:
             user_queue = tier.user_queue(ticket.user)
@@ -847,7 +846,7 @@ class SchedulerCore(SchedulerReads):
         queues.drain.run_ended(now)
         arrival = next(self._arrivals)
         for tier in queues.tiers:
-            tier.turns.sample(tier.virtual_time, arrival, RUN)
+            tier.turns.sample(tier.virtual_time, arrival)
 
     def _position(
         self, tier: TierQueue, user_queue: UserQueue | None, own_index: int, ticket: Ticket
