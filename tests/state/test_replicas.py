@@ -514,7 +514,7 @@ async def test_back_from_an_outage_a_replica_keeps_its_share_until_the_others_ar
     try:
         for replica in replicas:
             replica.start()
-        # Safety nets, not measures: a CPU-starved parallel phase once took more than 10 s.
+        # Safety nets, not measures: a CPU-starved parallel phase can take more than 10 s.
         await eventually(lambda: any(r.leading for r in replicas), 30)
         await eventually(lambda: all(r.alive_replicas == ("r0", "r1") for r in replicas), 30)
         own_redis_server.stop()

@@ -730,8 +730,8 @@ async def test_litellm_proxy_with_auto_and_the_engine_queue_in_user_order(
 
 
 # Five waves of --max-num-seqs 8: the light user, who comes during the first, ends with the
-# second, the power user's median request with the third. With 24 (three waves) both ended with
-# the second wave, and which came first was the relay's jitter.
+# second, the power user's median request with the third. With three waves both would end with
+# the second, and which came first would be the relay's jitter.
 QUEUE_ORDER_POWER_REQUESTS = 40
 
 

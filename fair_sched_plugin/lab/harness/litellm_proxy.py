@@ -41,7 +41,7 @@ MASTER_KEY = "sk-fairsched-test-master-7c41d9e2b8a6"
 CALLBACK = "fair_sched_plugin.litellm.scheduler"
 CUSTOM_AUTH = "fair_sched_plugin.litellm.authenticate"
 # A safety net: importing LiteLLM's proxy takes ~10 s of CPU, and a CPU-starved parallel test
-# phase (several proxies and a package install at once) once took more than 60 s.
+# phase (several proxies and a package install at once) can take more than 60 s.
 PROXY_STARTUP_TIMEOUT_S = 180.0
 PROXY_SHUTDOWN_TIMEOUT_S = 5.0
 CHAT = "/v1/chat/completions"
