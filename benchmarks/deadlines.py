@@ -23,13 +23,16 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import json
 import statistics
+import sys
 import tempfile
 import time
 from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+from urllib.parse import urlsplit
 
 import httpx
 
@@ -148,10 +151,158 @@ async def one_request(
     return outcome
 
 
+def raw_request(
+    host: str, path: str, key: str, limit_s: float, prompt: str, max_tokens: int
+) -> bytes:
+    body = json.dumps(
+        {
+            "model": "tiny",
+            "messages": [{"role": "user", "content": prompt}],
+            "max_tokens": max_tokens,
+            "stream": True,
+        }
+    ).encode()
+    head = (
+        f"POST {path} HTTP/1.1\r\nhost: {host}\r\nauthorization: Bearer {key}\r\n"
+        f"x-fair-sched-max-wait-s: {limit_s:g}\r\ncontent-type: application/json\r\n"
+        f"content-length: {len(body)}\r\nconnection: close\r\n\r\n"
+    )
+    return head.encode() + body
+
+
+def error_code(headers: dict[str, str], rest: bytes) -> str | None:
+    """The `error.code` of a JSON error body, read whole up to the connection's close."""
+    if headers.get("transfer-encoding") == "chunked":
+        body, chunks = b"", rest
+        while chunks:
+            size_line, _, chunks = chunks.partition(b"\r\n")
+            size = int(size_line, 16)
+            body, chunks = body + chunks[:size], chunks[size + 2 :]
+        rest = body
+    try:
+        code = json.loads(rest).get("error", {}).get("code")
+    except ValueError:
+        return None
+    return code if isinstance(code, str) else None
+
+
+async def raw_one(host: str, port: int, request: bytes) -> dict[str, Any]:
+    """One request on a new connection: the time to its response's head, its status, its wait
+    (`x-fair-sched-queued-s`) and error code; the rest is read to the connection's close."""
+    sent = time.perf_counter()
+    writer = None
+    try:
+        reader, writer = await asyncio.open_connection(host, port)
+        writer.write(request)
+        head = await reader.readuntil(b"\r\n\r\n")
+        answered_s = time.perf_counter() - sent
+        status_line, *lines = head.decode("latin-1").split("\r\n")
+        headers = {
+            name.strip().lower(): value.strip()
+            for name, _, value in (line.partition(":") for line in lines if line)
+        }
+        rest = await reader.read()
+        status = int(status_line.split()[1])
+        return {
+            "status": status,
+            "answered_s": answered_s,
+            "queued_s": headers.get("x-fair-sched-queued-s"),
+            "code": error_code(headers, rest) if status != 200 else None,
+        }
+    except (OSError, asyncio.IncompleteReadError, ValueError) as exc:
+        return {"status": 0, "answered_s": time.perf_counter() - sent, "error": type(exc).__name__}
+    finally:
+        if writer is not None:
+            writer.close()
+
+
+async def burst_client(spec: dict[str, Any]) -> None:
+    """The batch user's burst, from a process of its own with pre-built requests on raw sockets:
+    sending 40 at once through the benchmark's httpx client, whose loop also reads the flood's
+    streams, timed the client (tens of ms) as much as the proxy's decision. Fires on a line on
+    stdin; prints one JSON list."""
+    requests = [raw_request(**fields) for fields in spec["requests"]]
+    loop = asyncio.get_running_loop()
+    print("ready", flush=True)
+    await loop.run_in_executor(None, sys.stdin.readline)
+    one = [raw_one(spec["host"], spec["port"], request) for request in requests]
+    results = await asyncio.wait_for(asyncio.gather(*one), REQUEST_TIMEOUT_S)
+    print(json.dumps(results), flush=True)
+
+
+class Burst:
+    """The burst client's process: started ahead, fired at the batch's time."""
+
+    def __init__(self, base_url: str, key: str, limit_s: float, count: int) -> None:
+        url = urlsplit(base_url)
+        assert url.hostname is not None and url.port is not None
+        self.spec = {
+            "host": url.hostname,
+            "port": url.port,
+            "requests": [
+                {
+                    "host": f"{url.hostname}:{url.port}",
+                    "path": f"{url.path}/chat/completions",
+                    "key": key,
+                    "limit_s": limit_s,
+                    "prompt": f"batch {n}",
+                    "max_tokens": MIN_TOKENS + (n * 37) % (MAX_TOKENS - MIN_TOKENS + 1),
+                }
+                for n in range(count)
+            ],
+        }
+        self.limit_s = limit_s
+        self.process: asyncio.subprocess.Process | None = None
+
+    async def __aenter__(self) -> Burst:
+        self.process = await asyncio.create_subprocess_exec(
+            sys.executable,
+            __file__,
+            "--burst-client",
+            json.dumps(self.spec),
+            stdin=asyncio.subprocess.PIPE,
+            stdout=asyncio.subprocess.PIPE,
+        )
+        assert self.process.stdout is not None
+        ready = await asyncio.wait_for(self.process.stdout.readline(), 30.0)
+        assert ready == b"ready\n", ready
+        return self
+
+    def fire(self) -> None:
+        assert self.process is not None and self.process.stdin is not None
+        self.process.stdin.write(b"go\n")
+
+    async def outcomes(self) -> list[Outcome]:
+        assert self.process is not None and self.process.stdout is not None
+        line = await asyncio.wait_for(self.process.stdout.readline(), REQUEST_TIMEOUT_S + 10)
+        results = json.loads(line)
+        return [
+            Outcome(
+                "batch",
+                self.limit_s,
+                status=result["status"],
+                code=result.get("code"),
+                answered_s=result["answered_s"],
+                error=result.get("error"),
+                queued_s=float(result["queued_s"]) if result.get("queued_s") else None,
+            )
+            for result in results
+        ]
+
+    async def __aexit__(self, *exc: object) -> None:
+        assert self.process is not None
+        if self.process.returncode is None:
+            self.process.kill()
+        await self.process.wait()
+
+
 async def play(base_url: str, scenario: Scenario) -> list[Outcome]:
     limits = httpx.Limits(max_connections=1000, max_keepalive_connections=1000)
     timeout = httpx.Timeout(REQUEST_TIMEOUT_S)
-    async with httpx.AsyncClient(base_url=base_url, limits=limits, timeout=timeout) as client:
+    async with (
+        httpx.AsyncClient(base_url=base_url, limits=limits, timeout=timeout) as client,
+        Burst(base_url, BATCH_KEY, BATCH_LIMIT_S, scenario.batch) as burst,
+    ):
         tasks: list[asyncio.Task[Outcome]] = []
 
         def send(key: str, group: str, limit_s: float | None, n: int) -> None:
@@ -172,10 +323,9 @@ async def play(base_url: str, scenario: Scenario) -> list[Outcome]:
             send(FLOOD_KEY, "flood", None, n)
         light = asyncio.create_task(light_users())
         await asyncio.sleep(scenario.batch_at_s)
-        for n in range(scenario.batch):
-            send(BATCH_KEY, "batch", BATCH_LIMIT_S, n)
+        burst.fire()
         await light
-        return await asyncio.gather(*tasks)
+        return [*await asyncio.gather(*tasks), *await burst.outcomes()]
 
 
 async def proxy_deadline_counts(base_url: str) -> dict[str, Any]:
@@ -269,6 +419,10 @@ def report(outcomes: list[Outcome], counts: dict[str, Any]) -> None:
 
 
 def main(argv: list[str] | None = None) -> None:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["--burst-client"]:
+        asyncio.run(burst_client(json.loads(argv[1])))
+        return
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--flood", type=int, default=Scenario.flood)
     parser.add_argument("--batch", type=int, default=Scenario.batch)
