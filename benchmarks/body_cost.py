@@ -2,6 +2,7 @@
 
     .venv/bin/python benchmarks/body_cost.py [--stalled 30] [--parked 10000]
     .venv/bin/python benchmarks/body_cost.py --heap [--parked 2000] [--lines 40]
+    .venv/bin/python benchmarks/body_cost.py --floor [--parked 10000]
 
 Starts the engine emulator (one slot) and `fair-sched proxy` as child processes on 127.0.0.1
 and measures, from the proxy's /proc status (`VmHWM` for peaks, `VmRSS` otherwise):
@@ -24,6 +25,12 @@ script again) so that theirs are not counted. Prints the RSS growth per parked r
 by tracemalloc's own bookkeeping: the RSS figure is the one above) and the traced growth per
 parked request by file and by line (the line that allocated: a coroutine's frame is counted at
 the line that called it).
+
+`--floor`: what the HTTP server alone costs a parked request. uvicorn, configured as `fair-sched
+proxy` configures it (its protocol class with the read deadlines and the lighter events, no
+proxy-headers layer), serving an app that reads the body and then awaits a future that never
+completes: the same small requests on their own connections, the RSS growth per request. What a
+parked request costs the proxy beyond this is the scheduler's and the request path's.
 """
 
 from __future__ import annotations
@@ -311,6 +318,78 @@ async def parked_cost(base_url: str, pid: int, parked: int) -> None:
         await asyncio.gather(*hogs, return_exceptions=True)
 
 
+def floor_server(port: int) -> None:
+    """`--floor`'s child: uvicorn as `fair-sched proxy` runs it, with an app that parks every
+    POST for good after reading its body; `GET /parked` says how many are parked."""
+    import uvicorn
+
+    from fair_sched_plugin.request.read_deadlines import read_deadline_protocol
+
+    parked = 0
+
+    async def app(scope: dict[str, Any], receive: Any, send: Any) -> None:
+        nonlocal parked
+        if scope["type"] != "http":
+            return
+        if scope["method"] == "GET":
+            body = str(parked).encode()
+            await send({"type": "http.response.start", "status": 200, "headers": []})
+            await send({"type": "http.response.body", "body": body})
+            return
+        more = True
+        while more:
+            message = await receive()
+            more = message.get("more_body", False)
+        parked += 1
+        try:
+            await asyncio.get_running_loop().create_future()
+        finally:
+            parked -= 1
+
+    config = uvicorn.Config(
+        app, host=HOST, port=port, log_level="critical", lifespan="off", proxy_headers=False,
+        http=read_deadline_protocol(
+            headers_timeout_s=10.0, body_timeout_s=10.0, on_timeout=lambda phase: None
+        ),
+    )  # fmt: skip
+    uvicorn.Server(config).run()
+
+
+async def floor(parked: int) -> None:
+    port = free_port()
+    server = await asyncio.create_subprocess_exec(
+        sys.executable, __file__, "--floor-server", str(port),
+        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+    )  # fmt: skip
+    try:
+        async with httpx.AsyncClient(base_url=f"http://{HOST}:{port}", trust_env=False) as client:
+
+            async def count() -> int:
+                return int((await client.get("/parked")).text)
+
+            for _ in range(300):
+                with contextlib.suppress(httpx.HTTPError):
+                    await count()
+                    break
+                await asyncio.sleep(0.1)
+            before = status_kib(server.pid, "VmRSS")
+            connections = await open_parked(port, parked)
+            for _ in range(600):
+                if await count() >= parked:
+                    break
+                await asyncio.sleep(0.05)
+            held = (status_kib(server.pid, "VmRSS") - before) * 1024 / await count()
+            print(
+                f"{parked} small requests parked by uvicorn alone (an app that only awaits): "
+                f"RSS +{held / 1024:.1f} KiB each"
+            )
+            for writer in connections:
+                writer.close()
+    finally:
+        server.kill()  # its parked requests never end: nothing to wait for
+        await server.wait()
+
+
 async def heap_clients(port: int, parked: int) -> None:
     """`--heap`'s child: the long streams, then (told on stdin) the parked requests, then (told
     again) closes them all."""
@@ -444,9 +523,15 @@ if __name__ == "__main__":
     parser.add_argument("--parked", type=int, default=None, help="10,000; with --heap 2,000")
     parser.add_argument("--heap", action="store_true", help="the parked requests' heap by file")
     parser.add_argument("--lines", type=int, default=40, help="with --heap: rows per table")
+    parser.add_argument("--floor", action="store_true", help="uvicorn's own cost of a parked one")
     parser.add_argument("--clients", type=int, metavar="PORT", help=argparse.SUPPRESS)
+    parser.add_argument("--floor-server", type=int, metavar="PORT", help=argparse.SUPPRESS)
     args = parser.parse_args()
-    if args.clients is not None:
+    if args.floor_server is not None:
+        floor_server(args.floor_server)
+    elif args.floor:
+        asyncio.run(floor(args.parked or 10_000))
+    elif args.clients is not None:
         asyncio.run(heap_clients(args.clients, args.parked))
     elif args.heap:
         asyncio.run(heap(args.parked or 2000, args.lines))

@@ -35,6 +35,7 @@ import contextlib
 import contextvars
 import json
 import logging
+import re
 from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING, Any
 
@@ -55,6 +56,7 @@ logger = logging.getLogger("fair_sched")
 
 # The client's own limit on its wait (lowers `queue.max_wait_s`, never raises it).
 MAX_WAIT_HEADER = "x-fair-sched-max-wait-s"
+_SECONDS = re.compile(rb"[0-9]{1,9}(\.[0-9]{0,9})?|\.[0-9]{1,9}")
 # Response headers on every scheduled request.
 QUEUED_HEADER = b"x-fair-sched-queued-s"
 TIER_HEADER = b"x-fair-sched-tier"
@@ -288,10 +290,10 @@ class RequestWatch:
         """
         if self._max_wait_header is None:
             return None
-        try:
-            seconds = float(self._max_wait_header.decode("latin-1").strip())
-        except ValueError:
-            seconds = float("nan")
+        value = self._max_wait_header.strip()
+        # Digits with one optional point, as the docs show it: `float()` alone would also take
+        # `1_0`, `1e3`, `infinity` and a thousand digits.
+        seconds = float(value) if _SECONDS.fullmatch(value) else 0.0
         if not seconds > 0 or seconds == float("inf"):
             # The value is not echoed (like config errors): it may be anything pasted there.
             raise InvalidRequest(

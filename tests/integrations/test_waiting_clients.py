@@ -444,7 +444,9 @@ async def test_non_streaming_requests_get_no_keepalive_and_headers_say_where_the
     await assert_idle(service)
 
 
-@pytest.mark.parametrize("value", ["abc", "0", "-3", "inf", "nan", ""])
+@pytest.mark.parametrize(
+    "value", ["abc", "0", "-3", "inf", "nan", "", "1_0", "1e3", "+5", "0x10", "1" * 40, "0.0"]
+)
 async def test_a_bad_max_wait_header_is_400_naming_it(value: str) -> None:
     async with emulator() as emu:
         app = middleware_app(emu, fair_config(emu))

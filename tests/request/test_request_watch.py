@@ -8,8 +8,10 @@ from __future__ import annotations
 import asyncio
 from typing import Any
 
+import pytest
+
 from fair_sched_plugin.core import Lease
-from fair_sched_plugin.errors import LeaseExpired
+from fair_sched_plugin.errors import InvalidRequest, LeaseExpired
 from fair_sched_plugin.request.watch import CONNECTION_LOST_EXTENSION, RequestWatch
 from fair_sched_plugin.testing import GateLeaseOwner, make_ticket
 
@@ -199,3 +201,17 @@ async def _until(condition: Any) -> None:
             return
         await asyncio.sleep(0.01)
     raise AssertionError("never")
+
+
+def test_the_max_wait_header_takes_plain_decimal_seconds() -> None:
+    def read(value: bytes, configured_s: float = 60.0) -> float | None:
+        return RequestWatch(None, None, max_wait_header=value).max_wait_s(configured_s)
+
+    assert read(b"2") == 2.0
+    assert read(b" 1.5 ") == 1.5
+    assert read(b".25") == 0.25
+    assert read(b"3.") == 3.0
+    assert read(b"90") is None  # not below the configured wait: the configured one holds
+    for bad in (b"1_0", b"1e3", b"+5", b"0", b"0.000", b"1" * 10, b"1.5.2", b""):
+        with pytest.raises(InvalidRequest):
+            read(bad)
