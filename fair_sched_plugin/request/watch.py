@@ -294,10 +294,11 @@ class RequestWatch:
         # Digits with one optional point, as the docs show it: `float()` alone would also take
         # `1_0`, `1e3`, `infinity` and a thousand digits.
         seconds = float(value) if _SECONDS.fullmatch(value) else 0.0
-        if not seconds > 0 or seconds == float("inf"):
+        if not seconds > 0:
             # The value is not echoed (like config errors): it may be anything pasted there.
             raise InvalidRequest(
-                f"the header {MAX_WAIT_HEADER} must be a positive, finite number of seconds",
+                f"the header {MAX_WAIT_HEADER} must be a positive number of seconds in digits, "
+                "e.g. 10 or 1.5",
                 param=MAX_WAIT_HEADER,
             )
         return seconds if seconds < configured_s else None
