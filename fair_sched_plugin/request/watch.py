@@ -35,7 +35,6 @@ import contextlib
 import contextvars
 import json
 import logging
-import re
 from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING, Any
 
@@ -56,7 +55,6 @@ logger = logging.getLogger("fair_sched")
 
 # The client's own limit on its wait (lowers `queue.max_wait_s`, never raises it).
 MAX_WAIT_HEADER = "x-fair-sched-max-wait-s"
-_SECONDS = re.compile(rb"[0-9]{1,9}(\.[0-9]{0,9})?|\.[0-9]{1,9}")
 # Response headers on every scheduled request.
 QUEUED_HEADER = b"x-fair-sched-queued-s"
 TIER_HEADER = b"x-fair-sched-tier"
@@ -290,10 +288,18 @@ class RequestWatch:
         """
         if self._max_wait_header is None:
             return None
-        value = self._max_wait_header.strip()
-        # Digits with one optional point, as the docs show it: `float()` alone would also take
-        # `1_0`, `1e3`, `infinity` and a thousand digits.
-        seconds = float(value) if _SECONDS.fullmatch(value) else 0.0
+        # Digits with at most one point and 9 on each side, as the docs show it: `float()`
+        # alone would also take `1_0`, `1e3`, `infinity` and a thousand digits.
+        whole, _, fraction = self._max_wait_header.strip().partition(b".")
+        seconds = 0.0
+        if (
+            (whole or fraction)
+            and len(whole) <= 9
+            and len(fraction) <= 9
+            and (not whole or whole.isdigit())
+            and (not fraction or fraction.isdigit())
+        ):
+            seconds = float(f"{whole.decode()}.{fraction.decode()}")
         if not seconds > 0:
             # The value is not echoed (like config errors): it may be anything pasted there.
             raise InvalidRequest(
