@@ -121,18 +121,27 @@ def settings(engine_base: str, scenario: Scenario) -> dict[str, Any]:
     }
 
 
+def chat_body(prompt: str, max_tokens: int) -> dict[str, Any]:
+    return {
+        "model": "tiny",
+        "messages": [{"role": "user", "content": prompt}],
+        "max_tokens": max_tokens,
+        "stream": True,
+    }
+
+
+def max_tokens_for(n: int) -> int:
+    """The `n`-th request's length in a group: spread over [MIN_TOKENS, MAX_TOKENS]."""
+    return MIN_TOKENS + (n * 37) % (MAX_TOKENS - MIN_TOKENS + 1)
+
+
 async def one_request(
     client: httpx.AsyncClient, key: str, outcome: Outcome, *, prompt: str, max_tokens: int
 ) -> Outcome:
     headers = {"authorization": f"Bearer {key}"}
     if outcome.limit_s is not None:
         headers["x-fair-sched-max-wait-s"] = f"{outcome.limit_s:g}"
-    body = {
-        "model": "tiny",
-        "messages": [{"role": "user", "content": prompt}],
-        "max_tokens": max_tokens,
-        "stream": True,
-    }
+    body = chat_body(prompt, max_tokens)
     sent = time.perf_counter()
     try:
         async with client.stream("POST", "/chat/completions", json=body, headers=headers) as resp:
@@ -154,14 +163,7 @@ async def one_request(
 def raw_request(
     host: str, path: str, key: str, limit_s: float, prompt: str, max_tokens: int
 ) -> bytes:
-    body = json.dumps(
-        {
-            "model": "tiny",
-            "messages": [{"role": "user", "content": prompt}],
-            "max_tokens": max_tokens,
-            "stream": True,
-        }
-    ).encode()
+    body = json.dumps(chat_body(prompt, max_tokens)).encode()
     head = (
         f"POST {path} HTTP/1.1\r\nhost: {host}\r\nauthorization: Bearer {key}\r\n"
         f"x-fair-sched-max-wait-s: {limit_s:g}\r\ncontent-type: application/json\r\n"
@@ -246,7 +248,7 @@ class Burst:
                     "key": key,
                     "limit_s": limit_s,
                     "prompt": f"batch {n}",
-                    "max_tokens": MIN_TOKENS + (n * 37) % (MAX_TOKENS - MIN_TOKENS + 1),
+                    "max_tokens": max_tokens_for(n),
                 }
                 for n in range(count)
             ],
@@ -307,8 +309,9 @@ async def play(base_url: str, scenario: Scenario) -> list[Outcome]:
 
         def send(key: str, group: str, limit_s: float | None, n: int) -> None:
             outcome = Outcome(group, limit_s)
-            tokens = MIN_TOKENS + (n * 37) % (MAX_TOKENS - MIN_TOKENS + 1)
-            request = one_request(client, key, outcome, prompt=f"{group} {n}", max_tokens=tokens)
+            request = one_request(
+                client, key, outcome, prompt=f"{group} {n}", max_tokens=max_tokens_for(n)
+            )
             tasks.append(asyncio.create_task(request))
 
         async def light_users() -> None:

@@ -58,7 +58,7 @@ LONGEST_MODULES = (
     "integrations/test_litellm_oldest.py",  # ~150: the adapter's tests again, one after another
     "lab/test_demo.py",  # ~110: `fair-sched bench --quick` (its demo tests are `timing`)
     "integrations/test_litellm_budgets_shares.py",  # ~110: a LiteLLM proxy per test
-    "integrations/test_litellm_budgets_redis.py",  # ~60: three proxies, one after a restart
+    "integrations/test_litellm_budgets_redis.py",  # two LiteLLM proxies sharing one Redis
     "integrations/test_proxy_replicas_cost.py",  # ~45
     "integrations/test_bench_targets_litellm.py",  # ~40
     "integrations/test_ui_browser.py",  # ~40: a proxy and Chromium

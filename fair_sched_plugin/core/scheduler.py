@@ -74,6 +74,9 @@ _DEADLINES = None
 # slowing down, so one admitted near its limit would likely be refused later (or time out).
 # Parked, it is refused only once its prediction passes the deadline itself.
 ADMIT_WITHIN = 0.6
+# Lists rebuilt lazily (the promotions, the wake-ups) are rebuilt once their stale entries pass
+# twice the live ones and this many: rare rebuilds, memory that follows the queue.
+STALE_SLACK = 64
 # A limited request's outcome for its deadline (`SchedulerCore._deadline_outcomes`).
 MET, MISSED, REFUSED = range(3)
 
@@ -147,7 +150,7 @@ class SchedulerCore(SchedulerReads):
         self._wakeups: list[tuple[float, int, TierQueue | None]] = []
         self._wakeup_order = itertools.count()
         # Past this many, the stale wake-ups are dropped (`_wake_at`).
-        self._wakeups_bound = 64
+        self._wakeups_bound = STALE_SLACK
         self._outbox: list[Decision] = []
         self._closed = False
         self._released_total = 0
@@ -390,7 +393,7 @@ class SchedulerCore(SchedulerReads):
                 if entry[0] == (armed if entry[2] is _DEADLINES else entry[2].promote_due)
             ]
             heapq.heapify(wakeups)
-            self._wakeups_bound = 2 * len(wakeups) + 64
+            self._wakeups_bound = 2 * len(wakeups) + STALE_SLACK
 
     def take_decisions(self) -> list[Decision]:
         """The decisions made since the last call, in order (what `_decided` collects when no
@@ -747,7 +750,7 @@ class SchedulerCore(SchedulerReads):
         tier.promoting.append(waiter)
         if tier.promote_due is None:
             self._arm_promotion(tier)
-        elif len(tier.promoting) > 2 * tier.queued + 64:
+        elif len(tier.promoting) > 2 * tier.queued + STALE_SLACK:
             # Granted and cancelled waiters are dropped lazily; rebuild before they pile up.
             tier.promoting = deque(w for w in tier.promoting if w.still_in(tier))
 

@@ -290,7 +290,8 @@ class RequestWatch:
             return None
         # Digits with at most one point and 9 on each side, as the docs show it: `float()`
         # alone would also take `1_0`, `1e3`, `infinity` and a thousand digits.
-        whole, _, fraction = self._max_wait_header.strip().partition(b".")
+        value = self._max_wait_header.strip()
+        whole, _, fraction = value.partition(b".")
         seconds = 0.0
         if (
             (whole or fraction)
@@ -299,7 +300,7 @@ class RequestWatch:
             and (not whole or whole.isdigit())
             and (not fraction or fraction.isdigit())
         ):
-            seconds = float(f"{whole.decode()}.{fraction.decode()}")
+            seconds = float(value)
         if not seconds > 0:
             # The value is not echoed (like config errors): it may be anything pasted there.
             raise InvalidRequest(
