@@ -13,8 +13,9 @@ and measures, from the proxy's /proc status (`VmHWM` for peaks, `VmRSS` otherwis
 - `--stalled` connections from unknown keys, each sending the headers of an 8 MiB upload and
   as much of its body as the server takes without the last byte: RSS growth and how many are
   closed, and when;
-- with the engine's slot held by two long streams (one runs, one waits), one parked request of
-  ~8 MiB (a single message), then `--parked` small parked requests: RSS growth per request.
+- in a fresh proxy, with the engine's slot held by two long streams (one runs, one waits), one
+  parked request of ~8 MiB (a single message), then `--parked` small parked requests: RSS growth
+  per request.
 
 Prints one line per measure. Timings are wall-clock on whatever else the machine runs.
 
@@ -26,11 +27,11 @@ by tracemalloc's own bookkeeping: the RSS figure is the one above) and the trace
 parked request by file and by line (the line that allocated: a coroutine's frame is counted at
 the line that called it).
 
-`--floor`: what the HTTP server alone costs a parked request. uvicorn, configured as `fair-sched
-proxy` configures it (its protocol class with the read deadlines and the lighter events, no
-proxy-headers layer), serving an app that reads the body and then awaits a future that never
-completes: the same small requests on their own connections, the RSS growth per request. What a
-parked request costs the proxy beyond this is the scheduler's and the request path's.
+`--floor`: what the HTTP server alone costs a parked request. uvicorn with `fair-sched proxy`'s
+protocol, configured as the proxy configures it (read deadlines, no proxy-headers layer), whose
+parking takes every POST in at the server (its body read, no app task) and keeps it: the same
+small requests on their own connections, the RSS growth per request. What a parked request
+costs the proxy beyond this is the scheduler's and the request path's.
 """
 
 from __future__ import annotations
@@ -319,37 +320,50 @@ async def parked_cost(base_url: str, pid: int, parked: int) -> None:
 
 
 def floor_server(port: int) -> None:
-    """`--floor`'s child: uvicorn as `fair-sched proxy` runs it, with an app that parks every
-    POST for good after reading its body; `GET /parked` says how many are parked."""
+    """`--floor`'s child: uvicorn with `fair-sched proxy`'s protocol, configured as the proxy
+    configures it, whose parking takes in every POST (its body read by the protocol) and never
+    lets it go; `GET /parked` (an app that answers at once) says how many are parked."""
     import uvicorn
 
-    from fair_sched_plugin.request.read_deadlines import read_deadline_protocol
+    from fair_sched_plugin.request.proxy_protocol import proxy_protocol
 
-    parked = 0
+    class ParkedForGood:
+        __slots__ = ("body", "waiting")
+        start_in_s = None
+
+        def __init__(self, body: bytes) -> None:
+            self.body = body
+            self.waiting = asyncio.get_running_loop().create_future()
+
+        def client_left(self) -> None:
+            parked.remove(self)
+
+    parked: list[ParkedForGood] = []
+
+    class ParkEveryPost:
+        def take(self, scope: dict[str, Any]) -> Any:
+            if scope["method"] != "POST":
+                return None
+
+            def take_body(body: bytes) -> ParkedForGood:
+                taken = ParkedForGood(body)
+                parked.append(taken)
+                return taken
+
+            return take_body
 
     async def app(scope: dict[str, Any], receive: Any, send: Any) -> None:
-        nonlocal parked
         if scope["type"] != "http":
             return
-        if scope["method"] == "GET":
-            body = str(parked).encode()
-            await send({"type": "http.response.start", "status": 200, "headers": []})
-            await send({"type": "http.response.body", "body": body})
-            return
-        more = True
-        while more:
-            message = await receive()
-            more = message.get("more_body", False)
-        parked += 1
-        try:
-            await asyncio.get_running_loop().create_future()
-        finally:
-            parked -= 1
+        body = str(len(parked)).encode()
+        await send({"type": "http.response.start", "status": 200, "headers": []})
+        await send({"type": "http.response.body", "body": body})
 
     config = uvicorn.Config(
         app, host=HOST, port=port, log_level="critical", lifespan="off", proxy_headers=False,
-        http=read_deadline_protocol(
-            headers_timeout_s=10.0, body_timeout_s=10.0, on_timeout=lambda phase: None
+        http=proxy_protocol(
+            headers_timeout_s=10.0, body_timeout_s=10.0, on_timeout=lambda phase: None,
+            parking=ParkEveryPost(),
         ),
     )  # fmt: skip
     uvicorn.Server(config).run()
@@ -380,8 +394,8 @@ async def floor(parked: int) -> None:
                 await asyncio.sleep(0.05)
             held = (status_kib(server.pid, "VmRSS") - before) * 1024 / await count()
             print(
-                f"{parked} small requests parked by uvicorn alone (an app that only awaits): "
-                f"RSS +{held / 1024:.1f} KiB each"
+                f"{parked} small requests parked by the proxy's protocol alone (no queue, no "
+                f"scheduler): RSS +{held / 1024:.1f} KiB each"
             )
             for writer in connections:
                 writer.close()
@@ -514,6 +528,8 @@ async def main(args: argparse.Namespace) -> None:
             f"{slowest:.3f} s; peak RSS +{grown:.1f} MiB"
         )
         await stalled_uploads(base_url, args.stalled, pid)
+    # A fresh proxy: memory the bodies above left free would otherwise hide what parking costs.
+    with servers(args.parked) as (base_url, pid):
         await parked_cost(base_url, pid, args.parked)
 
 

@@ -38,6 +38,7 @@ logs it and exits), since Starlette builds its middleware only on the first scop
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import json
 import logging
@@ -54,10 +55,11 @@ from .core import Lease
 from .errors import BodyTooLarge, ClientDisconnected, ConfigError, Rejected
 from .request import responses as _responses
 from .request.body import MAX_BODY_BYTES, parse_request_body, rewrite_priority
-from .request.identity import Credentials
+from .request.identity import Credentials, Principal
 from .request.usage import JsonUsageFinder, Usage, read_usage
-from .request.watch import DEPLOYMENT_HEADER, MAX_WAIT_HEADER, RequestWatch
-from .runtime.service import SchedulingService, UnknownModels
+from .request.watch import DEPLOYMENT_HEADER, MAX_WAIT_HEADER, RequestWatch, client_max_wait_s
+from .runtime.driver import LIMIT_BACKSTOP_S
+from .runtime.service import Entry, SchedulingService, UnknownModels
 from .runtime.shutdown import install_sigterm_drain
 
 UserResolver = Callable[[Scope, Mapping[str, Any]], str | None]
@@ -94,6 +96,10 @@ SSE_LINE_LIMIT_BYTES = 64 * 1024
 DEPLOYMENT_STATE = "fair_sched_deployment"
 # Key in the ASGI scope's "state": the scheduled request's `model`, read from its body once.
 MODEL_STATE = "fair_sched_model"
+# Keys in the ASGI scope, set by `take()` at a request's head for the middleware's own call: the
+# request taken in at the server (`_Taken`), or the route mode found there (one search).
+_TAKEN = "fair_sched.taken"
+_ROUTE = "fair_sched.route"
 
 __all__ = [
     "DEFAULT_PATHS",
@@ -199,17 +205,24 @@ class FairSchedulerMiddleware:
             else:
                 await self.app(scope, receive, send)
             return
-        mode = self._routes.mode(scope.get("method", ""), scope.get("path", ""))
-        if mode == _ADMIN and self._admin is not None:
-            await self._admin(scope, receive, send)
-            return
-        if mode == _QUEUE:
-            await self._standing(scope, send)
-            return
-        scope, max_wait_header, content_length = _read_headers(scope)
-        if mode == "pass":
-            await self.app(scope, receive, send)
-            return
+        taken: _Taken | None = scope.pop(_TAKEN, None)
+        if taken is not None:
+            # Taken in at the server (`take`): its headers were read there, its body is in.
+            mode, max_wait_header, content_length = "schedule", None, None
+        else:
+            mode = scope.pop(_ROUTE, None) or self._routes.mode(
+                scope.get("method", ""), scope.get("path", "")
+            )
+            if mode == _ADMIN and self._admin is not None:
+                await self._admin(scope, receive, send)
+                return
+            if mode == _QUEUE:
+                await self._standing(scope, send)
+                return
+            scope, max_wait_header, content_length = _read_headers(scope)
+            if mode == "pass":
+                await self.app(scope, receive, send)
+                return
         settings = self.service.settings
         watch = RequestWatch(
             receive,
@@ -222,9 +235,108 @@ class FairSchedulerMiddleware:
             await watch.run(self.app, scope)
         else:
             request = _ScheduledRequest(
-                self, scope, watch, mode == "schedule_if_model", content_length
+                self,
+                scope,
+                watch,
+                mode == "schedule_if_model",
+                content_length,
+                max_wait_header,
+                taken,
             )
             await watch.run(request.schedule_and_call, scope)
+
+    # ------------------------------------------------------------------ taking requests in
+
+    def take(self, scope: Scope) -> Callable[[bytes], _Taken] | None:
+        """`ServerParking` (`request/proxy_protocol.py`): a server asks at a request's head
+        whether it should read the body and hand it here before the app starts, so that a
+        parked request holds no task. Taken: a scheduled POST with its `Content-Length`
+        within the limit, from a known caller where strangers are refused. Everything else
+        runs as any request does (and is refused there, before its body is read)."""
+        if self._config_error is not None or scope["method"] != "POST":
+            return None
+        mode = self._routes.mode("POST", scope["path"])
+        if mode != "schedule":
+            scope[_ROUTE] = mode  # this request's one search
+            return None
+        checked, max_wait_header, content_length = _read_headers(scope)
+        declared = (content_length or b"").decode("latin-1")
+        if (
+            checked is not scope  # the client sent its own deployment header
+            or not declared.isdigit()
+            or len(declared) > 19
+            or int(declared) > self._max_body_bytes
+        ):
+            scope[_ROUTE] = mode
+            return None
+        principal = None
+        if self._reject_unknown_keys and not self.identity_reads_body:
+            principal = self.service.identify(self.credentials(scope, {}))
+            if not principal.known:
+                scope[_ROUTE] = mode
+                return None
+
+        def take_body(body: bytes) -> _Taken:
+            taken = self.take_in(scope, body, principal=principal, max_wait_header=max_wait_header)
+            assert taken is not None  # only "schedule_if_model" leaves a body to the app
+            scope[_TAKEN] = taken
+            return taken
+
+        return take_body
+
+    def take_in(
+        self,
+        scope: Scope,
+        body_bytes: bytes,
+        *,
+        principal: Principal | None,
+        max_wait_header: bytes | None,
+        only_with_model: bool = False,
+    ) -> _Taken | None:
+        """The scheduled request with its whole body: parsed once, its caller known, its ticket
+        released at once or queued (`SchedulingService.enter`), or the answer that refuses it.
+        None where `only_with_model` and the body names no model: the app gets it as it is."""
+        service = self.service
+        try:
+            body = parse_request_body(body_bytes, max_bytes=self._max_body_bytes)
+        except Rejected as exc:
+            return None if only_with_model else _Taken.refused(_responses.error_response(exc))
+        model = body.get("model")
+        if only_with_model and not isinstance(model, str):
+            return None
+        try:
+            if principal is None:
+                principal = service.identify(self.credentials(scope, body))
+                if self._reject_unknown_keys and not principal.known:
+                    return _Taken.refused(_unknown_key())
+            max_wait_s = client_max_wait_s(max_wait_header, service.settings.queue.max_wait_s)
+            # While it waits, the request holds its bytes, not the parsed body: the body is
+            # read into its ticket (`enter`) and let go, and the bytes forwarded are the
+            # client's, without any priority it sent.
+            forwarded = _without_client_priority(body, body_bytes)
+            del body_bytes
+            streaming = body.get("stream") is True
+            entry = service.enter(
+                principal,
+                model,
+                body,
+                unknown_models=self._unknown_models,
+                max_wait_s=max_wait_s,
+                body_bytes=len(forwarded),
+            )
+        except Rejected as exc:
+            return _Taken.refused(_responses.error_response(exc))
+        assert isinstance(model, str)  # `enter` refuses any other
+        start_in_s = None
+        if not entry.decided:
+            keepalive_after_s = service.settings.queue.keepalive_after_s
+            if streaming and keepalive_after_s > 0:
+                start_in_s = keepalive_after_s
+            if max_wait_s is not None:
+                # A follower replica's leader does not hear of the client's own limit.
+                backstop_s = max_wait_s + LIMIT_BACKSTOP_S
+                start_in_s = backstop_s if start_in_s is None else min(start_in_s, backstop_s)
+        return _Taken(model, forwarded, streaming, entry, start_in_s)
 
     async def _refuse(self, error: ConfigError, scope: Scope, receive: Receive, send: Send) -> None:
         """Invalid settings: the server's start-up fails with their message (uvicorn logs it and
@@ -306,12 +418,53 @@ class FairSchedulerMiddleware:
         return Credentials(api_key=api_key, claimed_user=claimed)
 
 
+class _Taken:
+    """A scheduled request taken in with its whole body (`FairSchedulerMiddleware.take_in`): its
+    model, the bytes it forwards, whether it streams and its `Entry` in the service; or the
+    answer that refuses it. Held while it waits, by its app's frames or, taken in at the server,
+    by the server's protocol (as its `ServerParked`)."""
+
+    __slots__ = ("answer", "entry", "forwarded", "model", "start_in_s", "streaming")
+
+    def __init__(
+        self,
+        model: str,
+        forwarded: bytes,
+        streaming: bool,
+        entry: Entry | None,
+        start_in_s: float | None = None,
+        answer: _responses.ErrorResponse | None = None,
+    ) -> None:
+        self.model = model
+        self.forwarded = forwarded
+        self.streaming = streaming
+        self.entry = entry
+        self.start_in_s = start_in_s
+        self.answer = answer
+
+    @classmethod
+    def refused(cls, answer: _responses.ErrorResponse) -> _Taken:
+        return cls("", b"", False, None, answer=answer)
+
+    @property
+    def waiting(self) -> asyncio.Future[Lease] | None:
+        entry = self.entry
+        if entry is None or entry.waiter is None or entry.decided:
+            return None
+        return entry.waiter.future
+
+    def client_left(self) -> None:
+        if self.entry is not None:
+            self.entry.client_left()
+
+
 class _ScheduledRequest:
     """Per-request state: body, lease, response progress (the connection is `watch`'s)."""
 
     __slots__ = (
         "body_usage",
         "content_length",
+        "max_wait_header",
         "middleware",
         "only_with_model",
         "response_is_stream",
@@ -319,6 +472,7 @@ class _ScheduledRequest:
         "service",
         "sse_tail",
         "stream_chunks",
+        "taken",
         "usage",
         "watch",
     )
@@ -330,12 +484,18 @@ class _ScheduledRequest:
         watch: RequestWatch,
         only_with_model: bool,
         content_length: bytes | None = None,
+        max_wait_header: bytes | None = None,
+        taken: _Taken | None = None,
     ) -> None:
         self.middleware = middleware
-        # The client's declared `Content-Length`, read in the dispatcher's one header walk.
+        # The client's declared `Content-Length` and `x-fair-sched-max-wait-s`, read in the
+        # dispatcher's one header walk.
         self.content_length = content_length
+        self.max_wait_header = max_wait_header
         # "schedule_if_model": a body naming no model goes on to the app unscheduled.
         self.only_with_model = only_with_model
+        # Taken in at the server, before the app started.
+        self.taken = taken
         self.service = middleware.service
         self.scope = scope
         self.watch = watch
@@ -350,55 +510,43 @@ class _ScheduledRequest:
 
     async def schedule_and_call(self, scope: Scope, receive: Receive, send: Send) -> None:
         middleware = self.middleware
-        # Where the caller is known from its headers and strangers are refused, a stranger is
-        # refused before its body is read: an unknown key never costs the bytes it sends. (Where
-        # strangers are served, who calls is read once the body says the request is scheduled.)
-        principal = None
-        if middleware._reject_unknown_keys and not middleware.identity_reads_body:
-            principal = self.service.identify(middleware.credentials(scope, {}))
-            if middleware._reject_unknown_keys and not principal.known:
-                await _unread_body_answer(_unknown_key()).send_asgi(send)
-                return
-        body_bytes = await self._read_body(receive, send)
-        if body_bytes is None:
-            return  # the client left before sending its body, or it was refused
-        try:
-            body = parse_request_body(body_bytes, max_bytes=middleware._max_body_bytes)
-        except Rejected as exc:
-            if self.only_with_model:
-                await middleware.app(scope, self._replay(body_bytes, receive), send)
-            else:
-                await _responses.error_response(exc).send_asgi(send)
-            return
-        model = body.get("model")
-        if self.only_with_model and not isinstance(model, str):
-            await middleware.app(scope, self._replay(body_bytes, receive), send)
-            return
-        try:
-            if principal is None:
-                principal = self.service.identify(middleware.credentials(scope, body))
-                if middleware._reject_unknown_keys and not principal.known:
-                    await _unknown_key().send_asgi(send)
+        taken, self.taken = self.taken, None
+        if taken is not None:
+            self.watch.body_complete = True  # read by the server, before the app started
+        else:
+            # Where the caller is known from its headers and strangers are refused, a stranger
+            # is refused before its body is read: an unknown key never costs the bytes it
+            # sends. (Where strangers are served, who calls is read once the body says the
+            # request is scheduled.)
+            principal = None
+            if middleware._reject_unknown_keys and not middleware.identity_reads_body:
+                principal = self.service.identify(middleware.credentials(scope, {}))
+                if not principal.known:
+                    await _unread_body_answer(_unknown_key()).send_asgi(send)
                     return
-            self.watch.streaming = body.get("stream") is True
-            # While it waits, the request holds its bytes, not the parsed body: the body is
-            # read into its ticket (inside `admit`) and let go, and the bytes forwarded are the
-            # client's, without any priority it sent.
-            forwarded = _without_client_priority(body, body_bytes)
-            del body_bytes
-            holding = len(forwarded)
-            admitting = self.service.admit(
-                principal,
-                model,
-                body,
-                disconnected=self.watch.watch(),
-                unknown_models=middleware._unknown_models,
-                waiting=self.watch,
-                max_wait_s=self.watch.max_wait_s(self.service.settings.queue.max_wait_s),
-                body_bytes=holding,
+            body_bytes = await self._read_body(receive, send)
+            if body_bytes is None:
+                return  # the client left before sending its body, or it was refused
+            taken = middleware.take_in(
+                scope,
+                body_bytes,
+                principal=principal,
+                max_wait_header=self.max_wait_header,
+                only_with_model=self.only_with_model,
             )
-            del body
-            admission = await admitting
+            if taken is None:
+                await middleware.app(scope, self._replay(body_bytes, receive), send)
+                return
+            del body_bytes
+        if taken.answer is not None:
+            await taken.answer.send_asgi(send)
+            return
+        assert taken.entry is not None
+        self.watch.streaming = taken.streaming
+        try:
+            admission = await self.service.admitted(
+                taken.entry, disconnected=self.watch.watch(), waiting=self.watch
+            )
         except Rejected as exc:
             await _responses.error_response(exc).send_asgi(send)
             return
@@ -408,8 +556,9 @@ class _ScheduledRequest:
         self.watch.hold(lease)
         self.watch.interrupted_tokens = self.service.charges.interrupted_tokens
         self.watch.admitted(admission, name_principal=self.service.names_principals)
-        new_body = _with_priority(forwarded, admission.engine_priority)
-        del forwarded
+        new_body = _with_priority(taken.forwarded, admission.engine_priority)
+        model = taken.model
+        del taken
         app_scope = dict(scope)
         app_scope["headers"] = _for_app(scope["headers"], len(new_body), admission.deployment_name)
         # Where the app sends it: the deployment the scheduler bound it to (request.state), by

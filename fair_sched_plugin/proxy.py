@@ -400,16 +400,18 @@ def build_proxy_app(
 def proxy_server_config(
     app: Starlette, *, host: str, port: int, log_level: str = "info"
 ) -> uvicorn.Config:
-    """How `fair-sched proxy` serves `app` (from `build_proxy_app`) with uvicorn: its keep-alive
-    and the read deadlines of its settings, counted in its metrics."""
+    """How `fair-sched proxy` serves `app` (from `build_proxy_app`) with uvicorn: its keep-alive,
+    the read deadlines of its settings (counted in its metrics), and its scheduled requests
+    taken in at the server (`request/proxy_protocol.py`)."""
     import uvicorn
 
-    from .request.read_deadlines import read_deadline_protocol
+    from .request.proxy_protocol import proxy_protocol
 
     service: SchedulingService = app.state.fair_sched
     settings = service.settings
+    served, middleware = _entered_without_a_frame(app)
     return uvicorn.Config(
-        _entered_without_a_frame(app),
+        served,
         interface="asgi3",
         host=host,
         port=port,
@@ -420,31 +422,35 @@ def proxy_server_config(
         # uvicorn's X-Forwarded-* layer would only hold a frame per open request. Its access
         # log names the connection's peer.
         proxy_headers=False,
-        http=read_deadline_protocol(
+        http=proxy_protocol(
             headers_timeout_s=settings.read_headers_timeout_s,
             body_timeout_s=settings.read_body_timeout_s,
             on_timeout=service.read_timed_out,
+            parking=middleware,
         ),
     )
 
 
-def _entered_without_a_frame(app: Starlette) -> Callable[[Scope, Receive, Send], Awaitable[None]]:
+def _entered_without_a_frame(
+    app: Starlette,
+) -> tuple[Callable[[Scope, Receive, Send], Awaitable[None]], FairSchedulerMiddleware]:
     """`app` as Starlette enters it, without a coroutine frame of its own and without its
     outermost layer, `ServerErrorMiddleware`: a parked request holds a frame for each layer it
     went through until it is answered, thousands at once. That layer answers an exception with
     a 500 where no response started and re-raises it; uvicorn does the same (and closes the
-    connection) and logs it."""
+    connection) and logs it. And the scheduling middleware, now its outermost layer."""
+    stack = app.build_middleware_stack()
+    if isinstance(stack, ServerErrorMiddleware):
+        stack = stack.app
+    if not isinstance(stack, FairSchedulerMiddleware):
+        raise TypeError(f"the proxy app's outermost middleware is {type(stack).__name__}")
+    app.middleware_stack = stack
 
     def enter(scope: Scope, receive: Receive, send: Send) -> Awaitable[None]:
         scope["app"] = app
-        if app.middleware_stack is None:
-            stack = app.build_middleware_stack()
-            if isinstance(stack, ServerErrorMiddleware):
-                stack = stack.app
-            app.middleware_stack = stack
-        return app.middleware_stack(scope, receive, send)
+        return stack(scope, receive, send)
 
-    return enter
+    return enter, stack
 
 
 # ----------------------------------------------------------------------------- command line

@@ -107,6 +107,35 @@ def ensure_current_request() -> RequestWatch:
     return watch
 
 
+def client_max_wait_s(header: bytes | None, configured_s: float) -> float | None:
+    """The client's `x-fair-sched-max-wait-s` (`header`) where it is below `configured_s`, else
+    None. A value that is not a positive number of seconds is refused (400 naming the header).
+    """
+    if header is None:
+        return None
+    # Digits with at most one point and 9 on each side, as the docs show it: `float()` alone
+    # would also take `1_0`, `1e3`, `infinity` and a thousand digits.
+    value = header.strip()
+    whole, _, fraction = value.partition(b".")
+    seconds = 0.0
+    if (
+        (whole or fraction)
+        and len(whole) <= 9
+        and len(fraction) <= 9
+        and (not whole or whole.isdigit())
+        and (not fraction or fraction.isdigit())
+    ):
+        seconds = float(value)
+    if not seconds > 0:
+        # The value is not echoed (like config errors): it may be anything pasted there.
+        raise InvalidRequest(
+            f"the header {MAX_WAIT_HEADER} must be a positive number of seconds in digits, "
+            "e.g. 10 or 1.5",
+            param=MAX_WAIT_HEADER,
+        )
+    return seconds if seconds < configured_s else None
+
+
 async def _no_receive() -> Message:
     raise RuntimeError("a detached RequestWatch has no connection")
 
@@ -282,33 +311,8 @@ class RequestWatch:
     # ------------------------------------------------------------------ where it stands
 
     def max_wait_s(self, configured_s: float) -> float | None:
-        """The client's `x-fair-sched-max-wait-s` where it is below `configured_s`, else None.
-
-        A value that is not a positive number of seconds is refused (400 naming the header).
-        """
-        if self._max_wait_header is None:
-            return None
-        # Digits with at most one point and 9 on each side, as the docs show it: `float()`
-        # alone would also take `1_0`, `1e3`, `infinity` and a thousand digits.
-        value = self._max_wait_header.strip()
-        whole, _, fraction = value.partition(b".")
-        seconds = 0.0
-        if (
-            (whole or fraction)
-            and len(whole) <= 9
-            and len(fraction) <= 9
-            and (not whole or whole.isdigit())
-            and (not fraction or fraction.isdigit())
-        ):
-            seconds = float(value)
-        if not seconds > 0:
-            # The value is not echoed (like config errors): it may be anything pasted there.
-            raise InvalidRequest(
-                f"the header {MAX_WAIT_HEADER} must be a positive number of seconds in digits, "
-                "e.g. 10 or 1.5",
-                param=MAX_WAIT_HEADER,
-            )
-        return seconds if seconds < configured_s else None
+        """`client_max_wait_s` of this request's header."""
+        return client_max_wait_s(self._max_wait_header, configured_s)
 
     def refuse(self, refusal: Rejected | ClientDisconnected) -> None:
         """The request was refused deeper in the app, which will answer it: the answer the
@@ -599,9 +603,12 @@ class RequestWatch:
         self._parked = parked
         if self._keepalive_task is None and self._keepalive_timer is None:
             # A timer, not a task, while the request may yet leave the queue before its first
-            # comment (most do): a task is made only for a stream that is kept alive.
+            # comment (most do): a task is made only for a stream that is kept alive. Counted
+            # from when it parked (the server may have held it before this app ran).
             self._keepalive_timer = asyncio.get_running_loop().call_later(
-                after_s, self._start_keep_alive, parked.queue.keepalive_interval_s
+                max(0.0, after_s - parked.wait_s()),
+                self._start_keep_alive,
+                parked.queue.keepalive_interval_s,
             )
 
     def _start_keep_alive(self, interval_s: float) -> None:

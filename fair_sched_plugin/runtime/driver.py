@@ -207,6 +207,7 @@ async def granted(
     *,
     max_wait_s: float | None = None,
     clock: TimerClock | None = None,
+    since: float | None = None,
 ) -> Lease:
     """The lease `waiter` waits for; a caller that stops waiting hands its turn back
     (`withdraw`). A ticket decided the moment it was queued resumes one loop turn later, after
@@ -214,8 +215,9 @@ async def granted(
     hears of its grant through the leader does.
 
     The client leaving (`disconnected`: `ClientDisconnected`) and its own limit (`max_wait_s`
-    on `clock`: `QueueTimeout`) end the wait from a callback that takes the ticket out of the
-    queue and fails its one future: no task and no timer per parked request beyond the limit's.
+    on `clock`, counted from `since` or else from now: `QueueTimeout`) end the wait from a
+    callback that takes the ticket out of the queue and fails its one future: no task and no
+    timer per parked request beyond the limit's.
     A grant and a disconnect at the same moment: the disconnect wins (the engine must never see
     a request nobody waits for) and the lease goes back unused.
     """
@@ -261,7 +263,8 @@ async def granted(
 
         # The local core ends the wait at the limit itself (and counts it); this backstop, a
         # moment later, is for a follower replica, whose leader does not hear of the limit.
-        limit = clock.call_at(clock.now() + max_wait_s + LIMIT_BACKSTOP_S, expired)
+        began = clock.now() if since is None else since
+        limit = clock.call_at(began + max_wait_s + LIMIT_BACKSTOP_S, expired)
     try:
         if future.done():
             await asyncio.sleep(0)  # after the waiters decided before it

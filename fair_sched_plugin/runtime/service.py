@@ -59,6 +59,7 @@ from .driver import (
     FairScheduler,
     LoopClock,
     TimerClock,
+    Waiter,
     granted,
 )
 from .engine_http import hide_url_secrets_in_httpx_logs
@@ -71,6 +72,7 @@ __all__ = [
     "Admission",
     "AdmissionObserver",
     "ClientDisconnected",
+    "Entry",
     "SchedulingService",
 ]
 
@@ -113,6 +115,53 @@ class Admission:
     engine_priority: int | None
     # The bound deployment's public name (`DeploymentNames.deployment_name`), for headers.
     deployment_name: str | None = None
+
+
+class Entry:
+    """A request the service took in (`SchedulingService.enter`): released at once (`lease`), or
+    parked (`waiter`, its `standing` and the body bytes it holds) until its turn, its refusal or
+    its caller leaving; `SchedulingService.admitted` turns it into an `Admission`."""
+
+    __slots__ = ("_service", "body_bytes", "lease", "principal", "standing", "ticket", "waiter")
+
+    def __init__(
+        self,
+        service: SchedulingService,
+        principal: Principal,
+        ticket: Ticket,
+        *,
+        lease: Lease | None = None,
+        waiter: Waiter | None = None,
+        standing: ParkedRequest | None = None,
+        body_bytes: int = 0,
+    ) -> None:
+        self._service = service
+        self.principal = principal
+        self.ticket = ticket
+        self.lease = lease
+        self.waiter = waiter
+        self.standing = standing
+        self.body_bytes = body_bytes
+
+    @property
+    def decided(self) -> bool:
+        """Its wait is over (granted or refused): `admitted()` returns or raises at once."""
+        return self.waiter is None or self.waiter.future.done()
+
+    def client_left(self) -> None:
+        """Its caller left before anyone waited on it (a request parked by the server): out
+        of the queue, and a lease granted meanwhile goes back unused."""
+        if self.waiter is not None:
+            self.waiter.withdraw()
+            self.waiter.future.cancel()  # nobody waits on it: no error to retrieve
+        self.left_queue()
+
+    def left_queue(self) -> None:
+        """It no longer waits: its standing and its parked bytes go (once)."""
+        standing, self.standing = self.standing, None
+        if standing is not None:
+            self._service.standings.unpark(standing)
+            self._service.parked_bytes.release(self.ticket.user, self.body_bytes)
 
 
 class SchedulingService:
@@ -403,15 +452,37 @@ class SchedulingService:
         body_bytes: int = 0,
     ) -> Admission:
         """Wait for this request's turn. Raises `Rejected` (400/404/429/503) or
-        `ClientDisconnected`.
+        `ClientDisconnected`: `enter()`, then `admitted()` (see both)."""
+        entry = self.enter(
+            principal,
+            model,
+            body,
+            unknown_models=unknown_models,
+            max_wait_s=max_wait_s,
+            body_bytes=body_bytes,
+        )
+        del body
+        return await self.admitted(entry, disconnected=disconnected, waiting=waiting)
+
+    def enter(
+        self,
+        principal: Principal,
+        model: object,
+        body: Mapping[str, Any],
+        *,
+        unknown_models: UnknownModels = "share",
+        max_wait_s: float | None = None,
+        body_bytes: int = 0,
+    ) -> Entry:
+        """The request's ticket, released at once or parked (no await: a server parks it
+        before any task is made for it, `request/proxy_protocol.py`). Raises `Rejected`.
 
         The model and the body's shape are checked first (see `scheduling_model`); the lease is
-        for the name returned there. A request whose client disconnects while parked leaves the
-        queue and never gets a lease. `waiting` is told when the request parks and when it stops
-        waiting; `max_wait_s` (the client's `x-fair-sched-max-wait-s`) gives up sooner than
-        `queue.max_wait_s`, never later. `body_bytes`, the size of the body the caller holds
-        while the request waits, counts against `queue.max_bytes_per_user` and
-        `queue.max_bytes_total` until it stops waiting (`QueueFull` past either).
+        for the name returned there. `max_wait_s` (the client's `x-fair-sched-max-wait-s`)
+        gives up sooner than `queue.max_wait_s`, never later. `body_bytes`, the size of the
+        body the caller holds while the request waits, counts against
+        `queue.max_bytes_per_user` and `queue.max_bytes_total` until it stops waiting
+        (`QueueFull` past either).
         """
         scheduled_as = self.scheduling_model(model, unknown_models=unknown_models)
         if not self._started:
@@ -426,22 +497,68 @@ class SchedulingService:
             if ticket.user in self._budgeted:
                 ticket = self._apply_budget(ticket)
             lease = self._admissions.try_acquire(ticket)
-            if lease is None:
-                self.parked_bytes.reserve(ticket.user, body_bytes)
-                try:
-                    lease = await self._park(principal, ticket, disconnected, waiting, max_wait_s)
-                finally:
-                    self.parked_bytes.release(ticket.user, body_bytes)
+            if lease is not None:
+                return Entry(self, principal, ticket, lease=lease)
+            self.parked_bytes.reserve(ticket.user, body_bytes)
+            try:
+                waiter = self._admissions.enqueue(ticket)
+            except BaseException:
+                self.parked_bytes.release(ticket.user, body_bytes)
+                raise
         except Rejected as exc:
-            self.standings.estimate_retry_after(exc, ticket)
-            self._rejected(principal, ticket, exc)
+            self._refused(principal, ticket, exc)
             raise
+        standing = self.standings.park(principal, ticket, waiter.enqueued_at)
+        return Entry(
+            self, principal, ticket, waiter=waiter, standing=standing, body_bytes=body_bytes
+        )
+
+    async def admitted(
+        self,
+        entry: Entry,
+        *,
+        disconnected: asyncio.Event | None = None,
+        waiting: WaitObserver | None = None,
+    ) -> Admission:
+        """`entry`'s admission, once its turn comes. Raises `Rejected` or `ClientDisconnected`.
+
+        A request whose client disconnects while parked leaves the queue and never gets a
+        lease. `waiting` is told when the request parks and when it stops waiting.
+        """
+        lease = entry.lease
+        waiter = entry.waiter
+        if lease is None:
+            assert waiter is not None and entry.standing is not None
+            try:
+                if disconnected is not None and disconnected.is_set():
+                    raise ClientDisconnected("client disconnected before its request was scheduled")
+                if waiting is not None:
+                    waiting.parked(entry.standing)
+                # On the service's clock, like every other time it reads, and from when the
+                # request entered (a server may have parked it before this wait began).
+                lease = await granted(
+                    waiter,
+                    disconnected,
+                    max_wait_s=entry.ticket.max_wait_s,
+                    clock=self.clock,
+                    since=entry.standing.since,
+                )
+            except BaseException as exc:
+                waiter.withdraw()  # no lease outlives a wait that ends without it
+                if isinstance(exc, Rejected):
+                    self._refused(entry.principal, entry.ticket, exc)
+                raise
+            finally:
+                entry.left_queue()
+                if waiting is not None:
+                    waiting.unparked()
         # Its release time is the service clock's (the core's, or the loop's for a replica).
-        self.drain.record(scheduled_as, lease.released_at)
+        self.drain.record(entry.ticket.model, lease.released_at)
+        ticket = entry.ticket
         admission = Admission(
             lease,
-            principal,
-            self.engine_priority(scheduled_as, ticket.tier, lease.engine_rank),
+            entry.principal,
+            self.engine_priority(ticket.model, ticket.tier, lease.engine_rank),
             self.names.deployment_name(lease.deployment) if lease.deployment is not None else None,
         )
         if lease.active:
@@ -454,28 +571,6 @@ class SchedulingService:
             except Exception:
                 logger.exception("fair_sched: an admission observer failed")
         return admission
-
-    async def _park(
-        self,
-        principal: Principal,
-        ticket: Ticket,
-        disconnected: asyncio.Event | None,
-        waiting: WaitObserver | None,
-        max_wait_s: float | None,
-    ) -> Lease:
-        if disconnected is not None and disconnected.is_set():
-            raise ClientDisconnected("client disconnected before its request was scheduled")
-        waiter = self._admissions.enqueue(ticket)
-        parked = self.standings.park(principal, ticket, waiter.enqueued_at)
-        try:
-            if waiting is not None:
-                waiting.parked(parked)
-            # On the service's clock, like every other time it reads.
-            return await granted(waiter, disconnected, max_wait_s=max_wait_s, clock=self.clock)
-        finally:
-            self.standings.unpark(parked)
-            if waiting is not None:
-                waiting.unparked()
 
     def engine_priority(self, model: str, tier_name: str, engine_rank: int = 0) -> int | None:
         """The `priority` to send for this tier, or None where the backend does not support it.
@@ -513,7 +608,8 @@ class SchedulingService:
         for watcher in self._watchers.get(model, ()):
             watcher.request_early_scrape()
 
-    def _rejected(self, principal: Principal, ticket: Ticket, exc: Rejected) -> None:
+    def _refused(self, principal: Principal, ticket: Ticket, exc: Rejected) -> None:
+        self.standings.estimate_retry_after(exc, ticket)
         self._rejection_log.write(principal, ticket, exc)
         for observer in self._admission_observers:
             try:

@@ -57,8 +57,13 @@ class _Parked:
     queue = QueueSettings(keepalive_after_s=0.001, keepalive_interval_s=INTERVAL_S)
     ticket = Ticket(model="m", user="alice", tier="interactive")
 
+    waited_s = 0.0
+
     def standing(self) -> tuple[int, float | None, float]:
-        return 1, None, 0.0
+        return 1, None, self.waited_s
+
+    def wait_s(self) -> float:
+        return self.waited_s
 
 
 async def test_a_client_that_stops_taking_comments_is_treated_as_gone() -> None:
@@ -83,9 +88,8 @@ async def test_a_client_that_stops_taking_comments_is_treated_as_gone() -> None:
     watch.close()
 
 
-async def test_a_parked_stream_holds_no_task_until_its_first_comment_is_due() -> None:
-    """Most streams leave the queue before `keepalive_after_s`: until then a stream waits on a
-    timer, and the task that sends its comments is made when the first is due."""
+def _comments_recorded() -> tuple[list[bytes], asyncio.Event, Any]:
+    """A server's `send` that keeps the comments sent, and an event set by the first."""
     comments: list[bytes] = []
     first = asyncio.Event()
 
@@ -93,6 +97,32 @@ async def test_a_parked_stream_holds_no_task_until_its_first_comment_is_due() ->
         if message["type"] == "http.response.body":
             comments.append(message["body"])
             first.set()
+
+    return comments, first, send
+
+
+async def test_the_first_comment_is_due_from_when_the_request_parked() -> None:
+    """A stream the server held while it waited (its app starts when the first comment is
+    due) gets that comment at once, not `keepalive_after_s` after its app started."""
+    comments, first, send = _comments_recorded()
+
+    class _ParkedLong(_Parked):
+        queue = QueueSettings(keepalive_after_s=3600, keepalive_interval_s=INTERVAL_S)
+        waited_s = 3600.0
+
+    watch = RequestWatch(None, send)
+    watch.streaming = True
+    watch.parked(_ParkedLong())  # type: ignore[arg-type]
+    await asyncio.wait_for(first.wait(), 10)
+    watch.unparked()
+    watch.close()
+    assert comments[0].startswith(b": queued position=1")
+
+
+async def test_a_parked_stream_holds_no_task_until_its_first_comment_is_due() -> None:
+    """Most streams leave the queue before `keepalive_after_s`: until then a stream waits on a
+    timer, and the task that sends its comments is made when the first is due."""
+    comments, first, send = _comments_recorded()
 
     class _ParkedLater(_Parked):
         queue = QueueSettings(keepalive_after_s=0.05, keepalive_interval_s=INTERVAL_S)
