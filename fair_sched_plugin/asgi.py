@@ -11,7 +11,9 @@ from us (an app that fills in a default model would otherwise run it unscheduled
 through unbuffered; the lease ends when the response body ends, when the client disconnects
 (while parked the app is never called; once running the app is cancelled, so its engine request
 is closed), after `max_lease_s`, or when the app raises (the exception is re-raised). Everything
-else passes straight through.
+else passes straight through. A server may read a scheduled request's body itself and hand it over
+before the request has a task (`take`, as `fair-sched proxy`'s protocol does): the request waits
+for its turn in the server, and its app runs once the wait is over.
 
 Which requests are scheduled is one table, built once: each path pattern with its mode
 (`paths=` are scheduled; `routes=` adds patterns with modes of their own, such as LiteLLM's

@@ -102,6 +102,15 @@ class _Taking:
             self.start_timer.cancel()
 
 
+def _raising(exc: Exception) -> Callable[..., Any]:
+    """An ASGI app that raises `exc`."""
+
+    async def app(scope: Any, receive: Any, send: Any) -> None:
+        raise exc
+
+    return app
+
+
 class _ListEvent(asyncio.Event):
     """An `asyncio.Event`, all its methods unchanged, that keeps its waiters in a list."""
 
@@ -277,7 +286,14 @@ def proxy_protocol(
             assert take_body is not None
             body = b"".join(taking.body)
             taking.body = []  # one copy at a time
-            parked = take_body(body)
+            try:
+                parked = take_body(body)
+            except Exception as exc:
+                # A bug, not the client's: answered as uvicorn answers an app that raised (500,
+                # logged, the connection closed).
+                self._taking = None
+                self._start_app(body_read=True, app=_raising(exc))
+                return
             del body
             waiting = parked.waiting
             if waiting is None or waiting.done():
@@ -304,10 +320,11 @@ def proxy_protocol(
             taking.stop_waiting(self._wait_over)
             self._start_app(body_read=True, closing=taking.closing)
 
-        def _start_app(self, *, body_read: bool, closing: bool = False) -> None:
+        def _start_app(self, *, body_read: bool, closing: bool = False, app: Any = None) -> None:
             """The request's cycle and app task, as uvicorn makes them; `body_read`: the
             middleware has its body already, and the app's `receive()` has nothing more;
-            `closing`: the server shut down meanwhile, the connection closes after it."""
+            `closing`: the server shut down meanwhile, the connection closes after it; `app`:
+            run instead of the server's."""
             cycle = RequestResponseCycle(
                 scope=self.scope,
                 conn=self.conn,
@@ -325,7 +342,7 @@ def proxy_protocol(
             if closing:
                 cycle.keep_alive = False
             self.cycle = cycle
-            app = self.app
+            app = app or self.app
             if self.limit_concurrency is not None and (
                 len(self.connections) >= self.limit_concurrency
                 or len(self.tasks) >= self.limit_concurrency
@@ -344,9 +361,13 @@ def proxy_protocol(
 
         def _call_when_lost(self, callback: Callable[[], None], call: bool) -> None:
             """The scope's `CONNECTION_LOST_EXTENSION`: `callback()` once if the connection is
-            lost before the response completes; `call=False`: not, if it is still the one
-            registered (a pipelined or kept-alive next request's own stays)."""
-            if call:
+            lost before the response completes (at once if it is already); `call=False`: not,
+            if it is still the one registered (a pipelined or kept-alive next request's own
+            stays)."""
+            if call and self.cycle is not None and self.cycle.disconnected:
+                # Lost before the request asked (its app started as the client left).
+                callback()
+            elif call:
                 self._lost_callback = callback
             elif self._lost_callback == callback:  # bound methods: equal, not identical
                 self._lost_callback = None

@@ -70,9 +70,10 @@ DEPLOYMENT_HEADER = b"x-fair-sched-deployment"
 YIELD_EVERY_CHUNKS = 4
 
 # The scope's extension by which a server offers to call back when the request's connection is
-# lost before its response completed: `when_lost(callback, True)`, and `when_lost(callback,
-# False)` to forget it (only if it is still the one registered: on a kept-alive connection the
-# next request may have registered its own before this one's end forgets it).
+# lost before its response completed (at once where it is lost already): `when_lost(callback,
+# True)`, and `when_lost(callback, False)` to forget it (only if it is still the one registered:
+# on a kept-alive connection the next request may have registered its own before this one's end
+# forgets it).
 CONNECTION_LOST_EXTENSION = "fair_sched.connection_lost"
 
 # An error body longer than this is cut before it becomes an SSE error event.

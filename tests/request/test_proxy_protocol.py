@@ -10,13 +10,20 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import json
+import logging
 from typing import Any
+
+import pytest
+
+from fair_sched_plugin.asgi import FairSchedulerMiddleware
 
 from ..hardening.test_request_body_cost import (
     ANSWER_WAIT_S,
     behind_full_engine,
     connect,
     post_head,
+    proxy,
+    read_answer,
 )
 from ..integrations.conftest import chat_body, wait_until
 
@@ -95,3 +102,38 @@ async def test_a_client_waiting_for_100_continue_gets_it_and_its_answer() -> Non
         status, answer = await read_answer_on(reader)
         writer.close()
     assert status == 200, answer
+
+
+async def test_a_failure_taking_a_request_in_is_a_500_and_the_next_request_is_served(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A bug while the middleware takes a request in (at the server, outside any app task) is
+    answered as uvicorn answers an app that raised: 500, logged, the connection closed."""
+    body = json.dumps(chat_body(user="bug")).encode()
+
+    def failing(*args: Any, **kwargs: Any) -> None:
+        raise RuntimeError("a bug while taking the request in")
+
+    # uvicorn's loggers do not propagate (and its config, made with the server, resets them).
+    server_log = logging.getLogger("uvicorn.error")
+    async with proxy() as (base_url, service, _emu):
+        with monkeypatch.context() as patched:
+            patched.setattr(FairSchedulerMiddleware, "take_in", failing)
+            server_log.addHandler(caplog.handler)
+            try:
+                reader, writer = await connect(base_url)
+                writer.write(post_head("sk-a", len(body)) + body)
+                await writer.drain()
+                status, _answer = await read_answer(reader)  # to the connection's close
+                writer.close()
+            finally:
+                server_log.removeHandler(caplog.handler)
+        reader, writer = await connect(base_url)
+        writer.write(post_head("sk-a", len(body)) + body)
+        await writer.drain()
+        served, _answer = await read_answer_on(reader)
+        writer.close()
+        assert service.scheduler.statistics().queued == 0
+    assert status == 500
+    assert "a bug while taking the request in" in caplog.text
+    assert served == 200
