@@ -137,3 +137,16 @@ async def test_a_failure_taking_a_request_in_is_a_500_and_the_next_request_is_se
     assert status == 500
     assert "a bug while taking the request in" in caplog.text
     assert served == 200
+
+
+async def test_a_request_parked_with_another_pipelined_hears_its_client_leave() -> None:
+    """The pipelined request pauses reading; the parked one still hears its client leave."""
+    body = json.dumps(chat_body(user="first")).encode()
+    async with behind_full_engine() as (base_url, service, emu):
+        _reader, writer = await connect(base_url)
+        writer.write(post_head("sk-a", len(body)) + body + post_head("sk-a", len(body)) + body)
+        await writer.drain()
+        await wait_until(lambda: service.scheduler.statistics().queued == 1)
+        writer.close()
+        await wait_until(lambda: service.scheduler.statistics().queued == 0)
+    assert all(request.user != "first" for request in emu.engine.received)
