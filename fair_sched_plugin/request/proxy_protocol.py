@@ -299,15 +299,19 @@ def proxy_protocol(
             if waiting is None or waiting.done():
                 self._taking = None
                 self._start_app(body_read=True, closing=taking.closing)
+                self._read_on()
                 return
             taking.parked = parked
             taking.waiting = waiting
             waiting.add_done_callback(self._wait_over)
             if parked.start_in_s is not None:
                 taking.start_timer = self.loop.call_later(parked.start_in_s, self._start_parked)
-            # A request pipelined behind it pauses reading (in this loop, after this) until its
-            # response is out; once, as an app's `receive()` would, reading resumes, so that
-            # the client leaving is seen while it waits.
+            self._read_on()
+
+        def _read_on(self) -> None:
+            """Bytes after a taken request's body (a pipelined request, a stray line end)
+            pause reading, in this loop and after this, until its response is out; once, as an
+            app's `receive()` would, reading resumes, so that its client leaving is seen."""
             self.loop.call_soon(self.flow.resume_reading)
 
         def _wait_over(self, waiting: asyncio.Future[Any]) -> None:

@@ -150,3 +150,17 @@ async def test_a_request_parked_with_another_pipelined_hears_its_client_leave() 
         writer.close()
         await wait_until(lambda: service.scheduler.statistics().queued == 0)
     assert all(request.user != "first" for request in emu.engine.received)
+
+
+async def test_a_request_released_with_bytes_after_its_body_hears_its_client_leave() -> None:
+    """A stray line end after the body pauses reading, as a pipelined request does; the running
+    request still hears its client leave, and the engine's work stops."""
+    body = json.dumps(chat_body(max_tokens=100_000, user="crlf")).encode()
+    async with proxy() as (base_url, service, emu):
+        _reader, writer = await connect(base_url)
+        writer.write(post_head("sk-a", len(body)) + body + b"\r\n")
+        await writer.drain()
+        await wait_until(lambda: service.scheduler.statistics().in_flight == 1)
+        writer.close()
+        await wait_until(lambda: service.scheduler.statistics().in_flight == 0)
+        await wait_until(lambda: emu.engine.statistics().requests_aborted == 1)
