@@ -269,7 +269,6 @@ async def stalled_uploads(base_url: str, count: int, pid: int) -> None:
 async def parked_cost(base_url: str, pid: int, parked: int) -> None:
     port = int(base_url.rsplit(":", 1)[1])
     async with httpx.AsyncClient(base_url=base_url, trust_env=False, timeout=600) as client:
-        hogs = long_streams(client)
 
         async def queued() -> int:
             text = (await client.get("/fair-sched/metrics")).text
@@ -289,7 +288,14 @@ async def parked_cost(base_url: str, pid: int, parked: int) -> None:
                 await asyncio.sleep(0.05)
             raise RuntimeError(f"only {await queued()} of {count} parked")
 
-        await asyncio.sleep(2)  # the gate sees the engine's slot taken and its queue
+        # The gate on the engine's metrics (its start-up cap would let the next request in)...
+        for _ in range(600):
+            text = (await client.get("/fair-sched/metrics")).text
+            if re.search(r'^fair_sched_gate_mode\{[^}]*mode="metrics"[^}]*\} 1', text, re.M):
+                break
+            await asyncio.sleep(0.05)
+        hogs = long_streams(client)
+        await asyncio.sleep(2)  # ...sees the engine's slot taken and its queue
         text = "x" * (EIGHT_MIB - 200)
         big = json.dumps({"model": MODEL, "messages": [{"role": "user", "content": text}]})
         before = status_kib(pid, "VmRSS")
