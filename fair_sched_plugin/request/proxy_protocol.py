@@ -205,8 +205,16 @@ def proxy_protocol(
                 if event is h11.NEED_DATA:
                     break
                 if event is h11.PAUSED:
-                    # A pipelined request waits until this one's response is out.
-                    self.flow.pause_reading()
+                    # A pipelined request waits until this one's response is out. Behind a
+                    # request parked here, reading goes on up to a bound, so that its client
+                    # leaving is seen while it waits.
+                    taking = self._taking
+                    if (
+                        taking is None
+                        or taking.parked is None
+                        or len(self.conn.trailing_data[0]) > HIGH_WATER_LIMIT
+                    ):
+                        self.flow.pause_reading()
                     break
                 if isinstance(event, h11.Request):
                     if not self._request_head(event):

@@ -164,3 +164,21 @@ async def test_a_request_released_with_bytes_after_its_body_hears_its_client_lea
         writer.close()
         await wait_until(lambda: service.scheduler.statistics().in_flight == 0)
         await wait_until(lambda: emu.engine.statistics().requests_aborted == 1)
+
+
+async def test_a_parked_request_hears_its_client_leave_after_it_pipelined_more() -> None:
+    """Requests pipelined after the first parked are read on (up to a bound), not left to pause
+    reading: the client leaving still withdraws the parked one."""
+    body = json.dumps(chat_body(user="again")).encode()
+    async with behind_full_engine() as (base_url, service, emu):
+        _reader, writer = await connect(base_url)
+        writer.write(post_head("sk-a", len(body)) + body)
+        await writer.drain()
+        await wait_until(lambda: service.scheduler.statistics().queued == 1)
+        for _ in range(2):
+            writer.write(post_head("sk-a", len(body)) + body)
+            await writer.drain()
+            await asyncio.sleep(0.1)
+        writer.close()
+        await wait_until(lambda: service.scheduler.statistics().queued == 0)
+    assert all(request.user != "again" for request in emu.engine.received)
