@@ -60,7 +60,6 @@ from .request.body import MAX_BODY_BYTES, parse_request_body, rewrite_priority
 from .request.identity import Credentials, Principal
 from .request.usage import JsonUsageFinder, Usage, read_usage
 from .request.watch import DEPLOYMENT_HEADER, MAX_WAIT_HEADER, RequestWatch, client_max_wait_s
-from .runtime.driver import LIMIT_BACKSTOP_S
 from .runtime.service import Entry, SchedulingService, UnknownModels
 from .runtime.shutdown import install_sigterm_drain
 
@@ -208,13 +207,12 @@ class FairSchedulerMiddleware:
                 await self.app(scope, receive, send)
             return
         taken: _Taken | None = scope.pop(_TAKEN, None)
+        mode = scope.pop(_ROUTE, None)
         if taken is not None:
             # Taken in at the server (`take`): its headers were read there, its body is in.
-            mode, max_wait_header, content_length = "schedule", None, None
+            max_wait_header = content_length = None
         else:
-            mode = scope.pop(_ROUTE, None) or self._routes.mode(
-                scope.get("method", ""), scope.get("path", "")
-            )
+            mode = mode or self._routes.mode(scope.get("method", ""), scope.get("path", ""))
             if mode == _ADMIN and self._admin is not None:
                 await self._admin(scope, receive, send)
                 return
@@ -257,25 +255,21 @@ class FairSchedulerMiddleware:
         runs as any request does (and is refused there, before its body is read)."""
         if self._config_error is not None or scope["method"] != "POST":
             return None
-        mode = self._routes.mode("POST", scope["path"])
+        mode = scope[_ROUTE] = self._routes.mode("POST", scope["path"])  # its one search
         if mode != "schedule":
-            scope[_ROUTE] = mode  # this request's one search
             return None
         checked, max_wait_header, content_length = _read_headers(scope)
-        declared = (content_length or b"").decode("latin-1")
+        declared = _declared_length(content_length)
         if (
             checked is not scope  # the client sent its own deployment header
-            or not declared.isdigit()
-            or len(declared) > 19
-            or int(declared) > self._max_body_bytes
+            or declared is None
+            or declared > self._max_body_bytes
         ):
-            scope[_ROUTE] = mode
             return None
         principal = None
         if self._reject_unknown_keys and not self.identity_reads_body:
             principal = self.service.identify(self.credentials(scope, {}))
             if not principal.known:
-                scope[_ROUTE] = mode
                 return None
 
         def take_body(body: bytes) -> _Taken:
@@ -329,16 +323,7 @@ class FairSchedulerMiddleware:
         except Rejected as exc:
             return _Taken.refused(_responses.error_response(exc))
         assert isinstance(model, str)  # `enter` refuses any other
-        start_in_s = None
-        if not entry.decided:
-            keepalive_after_s = service.settings.queue.keepalive_after_s
-            if streaming and keepalive_after_s > 0:
-                start_in_s = keepalive_after_s
-            if max_wait_s is not None:
-                # A follower replica's leader does not hear of the client's own limit.
-                backstop_s = max_wait_s + LIMIT_BACKSTOP_S
-                start_in_s = backstop_s if start_in_s is None else min(start_in_s, backstop_s)
-        return _Taken(model, forwarded, streaming, entry, start_in_s)
+        return _Taken(model, forwarded, streaming, entry, entry.start_in_s(streaming))
 
     async def _refuse(self, error: ConfigError, scope: Scope, receive: Receive, send: Send) -> None:
         """Invalid settings: the server's start-up fails with their message (uvicorn logs it and
@@ -582,8 +567,8 @@ class _ScheduledRequest:
 
     async def _read_body(self, receive: Receive, send: Send) -> bytes | None:
         limit = self.middleware._max_body_bytes
-        declared = (self.content_length or b"").decode("latin-1")
-        if declared.isdigit() and (len(declared) > 19 or int(declared) > limit):
+        declared = _declared_length(self.content_length)
+        if declared is not None and declared > limit:
             # Refused from its header, before a byte of it is read.
             await _unread_body_answer(_too_large(limit)).send_asgi(send)
             return None
@@ -677,6 +662,15 @@ class _ScheduledRequest:
             self.watch.report(lease, *self.service.charges.charge_of(lease.ticket.model, usage))
         elif self.stream_chunks:
             self.watch.report(lease, self.stream_chunks, None)
+
+
+def _declared_length(content_length: bytes | None) -> int | None:
+    """The body's length its `Content-Length` declares, more than any limit past 19 digits;
+    None where it declares none in ASCII digits."""
+    declared = (content_length or b"").decode("latin-1")
+    if not (declared.isascii() and declared.isdigit()):
+        return None
+    return int(declared) if len(declared) <= 19 else 10**19
 
 
 def _unknown_key() -> _responses.ErrorResponse:

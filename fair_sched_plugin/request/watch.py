@@ -44,6 +44,7 @@ from ..core import Lease
 from ..errors import ClientDisconnected, InvalidRequest, LeaseExpired, Rejected
 from ..runtime.driver import DisconnectSignal
 from ..runtime.keepalive import ticks_for
+from ..runtime.parked import first_comment_in_s
 from .lifecycle import End, Event, RequestLife
 from .responses import error, error_response
 
@@ -598,8 +599,8 @@ class RequestWatch:
 
     def parked(self, parked: ParkedRequest) -> None:
         """The request waits in the queue (`service.WaitObserver`): keep a stream alive."""
-        after_s = parked.queue.keepalive_after_s
-        if not self.streaming or self._send is None or after_s <= 0:
+        due_in_s = first_comment_in_s(parked.queue, parked.wait_s())
+        if not self.streaming or self._send is None or due_in_s is None:
             return
         self._parked = parked
         if self._keepalive_task is None and self._keepalive_timer is None:
@@ -607,9 +608,7 @@ class RequestWatch:
             # comment (most do): a task is made only for a stream that is kept alive. Counted
             # from when it parked (the server may have held it before this app ran).
             self._keepalive_timer = asyncio.get_running_loop().call_later(
-                max(0.0, after_s - parked.wait_s()),
-                self._start_keep_alive,
-                parked.queue.keepalive_interval_s,
+                due_in_s, self._start_keep_alive, parked.queue.keepalive_interval_s
             )
 
     def _start_keep_alive(self, interval_s: float) -> None:

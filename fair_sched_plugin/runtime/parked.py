@@ -17,6 +17,14 @@ from ..request.identity import Principal
 from ..state import ReplicaScheduler
 
 
+def first_comment_in_s(queue: QueueSettings, waited_s: float) -> float | None:
+    """When a parked stream that has waited `waited_s` owes its client its first keep-alive
+    comment (0: now); None where `queue.keepalive_after_s` turns keep-alive off."""
+    if queue.keepalive_after_s <= 0:
+        return None
+    return max(0.0, queue.keepalive_after_s - waited_s)
+
+
 class ParkedRequest:
     """One request waiting in this process: what it waits for and where it stands."""
 

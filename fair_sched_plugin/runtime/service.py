@@ -56,6 +56,7 @@ from .charging import Charges
 from .deployment_names import DeploymentNames
 from .drain import GracefulDrain, Running, RunningRequest
 from .driver import (
+    LIMIT_BACKSTOP_S,
     FairScheduler,
     LoopClock,
     TimerClock,
@@ -63,7 +64,7 @@ from .driver import (
     granted,
 )
 from .engine_http import hide_url_secrets_in_httpx_logs
-from .parked import ParkedRequest, Standings
+from .parked import ParkedRequest, Standings, first_comment_in_s
 
 logger = logging.getLogger("fair_sched")
 
@@ -147,6 +148,22 @@ class Entry:
     def decided(self) -> bool:
         """Its wait is over (granted or refused): `admitted()` returns or raises at once."""
         return self.waiter is None or self.waiter.future.done()
+
+    def start_in_s(self, streaming: bool) -> float | None:
+        """How long a server that holds the parked request without a task may wait before it
+        must start one though the wait goes on: when a stream owes its client its first
+        keep-alive comment, or at the backstop of the client's own limit (a follower replica's
+        leader does not hear of that limit). None: only once the wait is over."""
+        standing = self.standing
+        if self.decided or standing is None:
+            return None
+        waited_s = standing.wait_s()
+        due_in_s = first_comment_in_s(standing.queue, waited_s) if streaming else None
+        limit_s = self.ticket.max_wait_s
+        if limit_s is not None:
+            backstop_in_s = max(0.0, limit_s + LIMIT_BACKSTOP_S - waited_s)
+            due_in_s = backstop_in_s if due_in_s is None else min(due_in_s, backstop_in_s)
+        return due_in_s
 
     def client_left(self) -> None:
         """Its caller left before anyone waited on it (a request parked by the server): out

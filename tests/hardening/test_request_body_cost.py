@@ -104,6 +104,25 @@ async def read_answer(reader: asyncio.StreamReader) -> tuple[int, bytes]:
     return int(data.split(b" ", 2)[1]), data
 
 
+async def answer_logged(
+    base_url: str, body: bytes, caplog: pytest.LogCaptureFixture
+) -> tuple[int, bytes]:
+    """`read_answer` of one request from `sk-a` on a connection of its own, with the server's
+    error log in `caplog` (uvicorn's loggers do not propagate, and its config, made with the
+    server, resets them)."""
+    server_log = logging.getLogger("uvicorn.error")
+    server_log.addHandler(caplog.handler)
+    try:
+        reader, writer = await connect(base_url)
+        writer.write(post_head("sk-a", len(body)) + body)
+        await writer.drain()
+        answer = await read_answer(reader)
+        writer.close()
+    finally:
+        server_log.removeHandler(caplog.handler)
+    return answer
+
+
 async def closed_by_server(reader: asyncio.StreamReader) -> bool:
     """Whether the server closes the connection (reads to its end, a bounded wait)."""
     try:
@@ -284,15 +303,23 @@ async def test_parked_body_bytes_past_the_users_cap_are_refused_with_retry_after
     assert "retry-after" in second.headers
 
 
-async def test_a_parked_request_whose_client_leaves_is_withdrawn() -> None:
-    """The server's per-request event (a list-backed one here) still tells the request's watch
-    that the client closed the connection while it was parked."""
+@pytest.mark.parametrize("pipelined", ["none", "with_it", "once_parked"])
+async def test_a_parked_request_whose_client_leaves_is_withdrawn(pipelined: str) -> None:
+    """The server tells the parked request that the client closed the connection, also where
+    the client pipelined more requests behind it, with it or once it had parked (bytes after a
+    body pause reading: behind a parked request it goes on, up to a bound)."""
     body = json.dumps(chat_body(user="leaves")).encode()
+    request = post_head("sk-a", len(body)) + body
     async with behind_full_engine() as (base_url, service, emu):
         _reader, writer = await connect(base_url)
-        writer.write(post_head("sk-a", len(body)) + body)
+        writer.write(request * 2 if pipelined == "with_it" else request)
         await writer.drain()
         await wait_until(lambda: service.scheduler.statistics().queued == 1)
+        if pipelined == "once_parked":
+            for _ in range(2):
+                writer.write(request)
+                await writer.drain()
+                await asyncio.sleep(0.1)
         writer.close()
         await wait_until(lambda: service.scheduler.statistics().queued == 0)
     assert all(request.user != "leaves" for request in emu.engine.received)
@@ -328,18 +355,8 @@ async def test_an_exception_in_the_app_is_a_500_and_the_connection_closes(
     """The proxy is served without Starlette's error layer: the server answers what escapes the
     app (a 500, the connection closed) and logs it, as that layer did."""
     body = json.dumps(chat_body(user="bug")).encode()
-    # uvicorn's loggers do not propagate (and its config, made with the server, resets them).
-    server_log = logging.getLogger("uvicorn.error")
     async with proxy(transport=_FailingTransport()) as (base_url, service, _emu):
-        server_log.addHandler(caplog.handler)
-        try:
-            reader, writer = await connect(base_url)
-            writer.write(post_head("sk-a", len(body)) + body)
-            await writer.drain()
-            status, answer = await read_answer(reader)  # to the connection's close
-            writer.close()
-        finally:
-            server_log.removeHandler(caplog.handler)
+        status, answer = await answer_logged(base_url, body, caplog)
         assert service.scheduler.statistics().queued == 0
     assert status == 500, answer
     assert "a bug on the way to the engine" in caplog.text

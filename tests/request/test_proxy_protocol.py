@@ -10,7 +10,6 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import json
-import logging
 from typing import Any
 
 import pytest
@@ -19,11 +18,11 @@ from fair_sched_plugin.asgi import FairSchedulerMiddleware
 
 from ..hardening.test_request_body_cost import (
     ANSWER_WAIT_S,
+    answer_logged,
     behind_full_engine,
     connect,
     post_head,
     proxy,
-    read_answer,
 )
 from ..integrations.conftest import chat_body, wait_until
 
@@ -114,20 +113,10 @@ async def test_a_failure_taking_a_request_in_is_a_500_and_the_next_request_is_se
     def failing(*args: Any, **kwargs: Any) -> None:
         raise RuntimeError("a bug while taking the request in")
 
-    # uvicorn's loggers do not propagate (and its config, made with the server, resets them).
-    server_log = logging.getLogger("uvicorn.error")
     async with proxy() as (base_url, service, _emu):
         with monkeypatch.context() as patched:
             patched.setattr(FairSchedulerMiddleware, "take_in", failing)
-            server_log.addHandler(caplog.handler)
-            try:
-                reader, writer = await connect(base_url)
-                writer.write(post_head("sk-a", len(body)) + body)
-                await writer.drain()
-                status, _answer = await read_answer(reader)  # to the connection's close
-                writer.close()
-            finally:
-                server_log.removeHandler(caplog.handler)
+            status, _answer = await answer_logged(base_url, body, caplog)
         reader, writer = await connect(base_url)
         writer.write(post_head("sk-a", len(body)) + body)
         await writer.drain()
@@ -137,19 +126,6 @@ async def test_a_failure_taking_a_request_in_is_a_500_and_the_next_request_is_se
     assert status == 500
     assert "a bug while taking the request in" in caplog.text
     assert served == 200
-
-
-async def test_a_request_parked_with_another_pipelined_hears_its_client_leave() -> None:
-    """The pipelined request pauses reading; the parked one still hears its client leave."""
-    body = json.dumps(chat_body(user="first")).encode()
-    async with behind_full_engine() as (base_url, service, emu):
-        _reader, writer = await connect(base_url)
-        writer.write(post_head("sk-a", len(body)) + body + post_head("sk-a", len(body)) + body)
-        await writer.drain()
-        await wait_until(lambda: service.scheduler.statistics().queued == 1)
-        writer.close()
-        await wait_until(lambda: service.scheduler.statistics().queued == 0)
-    assert all(request.user != "first" for request in emu.engine.received)
 
 
 async def test_a_request_released_with_bytes_after_its_body_hears_its_client_leave() -> None:
@@ -164,21 +140,3 @@ async def test_a_request_released_with_bytes_after_its_body_hears_its_client_lea
         writer.close()
         await wait_until(lambda: service.scheduler.statistics().in_flight == 0)
         await wait_until(lambda: emu.engine.statistics().requests_aborted == 1)
-
-
-async def test_a_parked_request_hears_its_client_leave_after_it_pipelined_more() -> None:
-    """Requests pipelined after the first parked are read on (up to a bound), not left to pause
-    reading: the client leaving still withdraws the parked one."""
-    body = json.dumps(chat_body(user="again")).encode()
-    async with behind_full_engine() as (base_url, service, emu):
-        _reader, writer = await connect(base_url)
-        writer.write(post_head("sk-a", len(body)) + body)
-        await writer.drain()
-        await wait_until(lambda: service.scheduler.statistics().queued == 1)
-        for _ in range(2):
-            writer.write(post_head("sk-a", len(body)) + body)
-            await writer.drain()
-            await asyncio.sleep(0.1)
-        writer.close()
-        await wait_until(lambda: service.scheduler.statistics().queued == 0)
-    assert all(request.user != "again" for request in emu.engine.received)
