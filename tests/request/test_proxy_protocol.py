@@ -45,8 +45,8 @@ async def test_parked_requests_hold_no_task_and_are_answered_once_released() -> 
             await writer.drain()
             connections.append((reader, writer))
         await wait_until(lambda: service.scheduler.statistics().queued == PARKED)
-        # Each used to hold two (uvicorn's request task and the app's); the client's own
-        # connections here make none.
+        # None holds a task (a request run by its app holds two: uvicorn's and the app's);
+        # the client's own connections here make none.
         assert len(asyncio.all_tasks()) - before < PARKED // 4
         statuses = []
         make_room(emu)  # the gate releases them
